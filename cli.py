@@ -1,0 +1,7 @@
+import typer
+app = typer.Typer()
+@app.command()
+def doctor():
+    print("ok")
+def main():
+    app()

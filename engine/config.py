@@ -1,0 +1,303 @@
+"""Typed configuration: one Struct per component, loaded from TOML plus dotted overrides.
+
+Every field carries its documentation in `Meta(description=...)` and its allowed range in
+`Meta(ge=..., le=...)`, so a bad value fails when the config is built with an error that names
+the field's path, the value and what is allowed (`ConfigError`). Unknown keys are errors too:
+a typo never silently falls back to a default.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import re
+import tomllib
+import typing
+from typing import Annotated, Any, Literal
+
+import msgspec
+from msgspec import Meta
+
+
+class ConfigError(ValueError):
+    """A config value or key that is not allowed; the message names the field path."""
+
+
+def _doc(text: str, **bounds: Any) -> Meta:
+    return Meta(description=text, **bounds)
+
+
+PosInt = Annotated[int, Meta(ge=1)]
+
+
+class _Section(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    pass
+
+
+class RunConfig(_Section):
+    name: Annotated[str, _doc("Run id; Redis keys and the run folder are named after it.", min_length=1,
+                              pattern=r"^[A-Za-z0-9_.-]+$")] = "demo"
+    dir: Annotated[str, _doc("Folder that holds every run's folder (logs, metrics, checkpoints).")] = "runs"
+    seed: Annotated[int, _doc("Seed for model init, sampling and data order.", ge=0)] = 0
+    device: Annotated[Literal["auto", "cpu", "cuda"],
+                      _doc("Where the learner and the rollout engines run; auto picks cuda when present.")] = "auto"
+    steps: Annotated[int, _doc("Optimizer steps to run before stopping.", ge=1)] = 20
+
+    @property
+    def path(self) -> pathlib.Path:
+        return pathlib.Path(self.dir) / self.name
+
+
+class ModelConfig(_Section):
+    path: Annotated[str, _doc("Local HF model folder (or hub id where a hub is reachable). "
+                              "Empty: the built-in tiny model, made on first use.")] = ""
+    dtype: Annotated[Literal["float32", "bfloat16", "float16"],
+                     _doc("Parameter dtype of the rollout engines and the learner's compute.")] = "float32"
+    trust_remote_code: Annotated[bool, _doc("Run code shipped with the model; off unless the model needs it.")] = False
+    max_model_len: Annotated[int, _doc("Longest prompt + completion in tokens.", ge=16, le=1 << 20)] = 512
+
+
+class DataConfig(_Section):
+    path: Annotated[str, _doc("Prompt file (.jsonl, .parquet) or a saved HF dataset folder. "
+                              "Empty: the built-in demo task.")] = ""
+    prompt_column: Annotated[str, _doc("Column holding the prompt text.")] = "prompt"
+    messages_column: Annotated[str, _doc("Column holding chat messages; used with the chat template when present.")] = "messages"
+    answer_column: Annotated[str, _doc("Column passed to rewards as the reference answer.")] = "answer"
+    max_prompt_tokens: Annotated[int, _doc("Longer prompts are skipped and counted.", ge=1)] = 256
+    loop: Annotated[bool, _doc("Start again when the source is exhausted instead of ending.")] = True
+    shuffle: Annotated[bool, _doc("Shuffle rows (seeded by run.seed).")] = True
+
+
+class RolloutConfig(_Section):
+    backend: Annotated[Literal["vllm", "hf"],
+                       _doc("Generation engine: vllm, or hf (transformers generate) where vLLM is absent.")] = "vllm"
+    group_size: Annotated[int, _doc("Completions sampled per prompt; one group for advantage estimation.",
+                                    ge=1, le=1024)] = 4
+    max_tokens: Annotated[int, _doc("Most completion tokens per sample.", ge=1)] = 32
+    temperature: Annotated[float, _doc("Sampling temperature; behavior logprobs are of this distribution.",
+                                       gt=0.0, le=10.0)] = 1.0
+    top_p: Annotated[float, _doc("Nucleus sampling mass; 1.0 keeps the full distribution.", gt=0.0, le=1.0)] = 1.0
+    top_k: Annotated[int, _doc("Sample among the k likeliest tokens; 0 disables.", ge=0)] = 0
+    max_concurrent_groups: Annotated[int, _doc("Groups one node generates at once (bounded by credits too).",
+                                               ge=1)] = 8
+    kv_cache_gib: Annotated[float, _doc("KV cache size per vLLM engine in GiB (explicit: the CPU default "
+                                        "reserves ~9 GiB).", gt=0.0)] = 0.25
+    gpu_memory_utilization: Annotated[float, _doc("vLLM's GPU memory share (CUDA only).", gt=0.0, le=1.0)] = 0.5
+    enforce_eager: Annotated[bool, _doc("Skip CUDA graphs / compilation in vLLM (fast start).")] = True
+
+
+class RewardConfig(_Section):
+    functions: Annotated[list[str], _doc("Reward functions by registry name, `module:function` or "
+                                         "`path.py:function`.", min_length=1)] = msgspec.field(
+        default_factory=lambda: ["demo"])
+    weights: Annotated[list[float], _doc("One weight per function; empty means all 1.0.")] = msgspec.field(
+        default_factory=list)
+    timeout_s: Annotated[float, _doc("Per-call deadline; a call past it is killed and gives None.", gt=0.0)] = 10.0
+    workers: Annotated[int, _doc("Reward worker processes per rollout node; 0 runs rewards inline.", ge=0)] = 0
+
+    def __post_init__(self) -> None:
+        if self.weights and len(self.weights) != len(self.functions):
+            raise ValueError(f"reward.weights has {len(self.weights)} entries but reward.functions has "
+                             f"{len(self.functions)}; give one weight per function or none")
+
+
+class LossConfig(_Section):
+    """The small config the pure loss functions see (learner/losses.py)."""
+
+    kind: Annotated[Literal["ppo", "grpo"], _doc("ppo: clipped surrogate; grpo: same with group advantages.")] = "grpo"
+    clip_low: Annotated[float, _doc("Ratio lower clip 1 - clip_low.", ge=0.0, lt=1.0)] = 0.2
+    clip_high: Annotated[float, _doc("Ratio upper clip 1 + clip_high (clip-higher when > clip_low).",
+                                     ge=0.0)] = 0.28
+    dual_clip: Annotated[float, _doc("Dual-clip bound c for negative advantages; 0 disables (else > 1).",
+                                     ge=0.0)] = 0.0
+    aggregation: Annotated[Literal["token", "sequence", "constant"],
+                           _doc("token: mean over all tokens; sequence: mean of per-sequence means; "
+                                "constant: sum / norm_constant (Dr.GRPO).")] = "token"
+    norm_constant: Annotated[float, _doc("Divisor for aggregation=constant (usually max_tokens).", gt=0.0)] = 1024.0
+    importance: Annotated[Literal["decoupled", "truncated", "masked", "none"],
+                          _doc("Off-policy correction between behavior (rollout) and learner policy.")] = "decoupled"
+    is_cap: Annotated[float, _doc("Truncated IS: importance weights capped at this value.", gt=0.0)] = 2.0
+    is_mask_low: Annotated[float, _doc("Masked IS: tokens with weight below this are masked.", ge=0.0)] = 0.5
+    is_mask_high: Annotated[float, _doc("Masked IS: tokens with weight above this are masked.", gt=0.0)] = 2.0
+    kl_coef: Annotated[float, _doc("k3 KL penalty to a reference policy; 0 disables.", ge=0.0)] = 0.0
+    advantage: Annotated[Literal["group_mean", "group_std", "leave_one_out"],
+                         _doc("Group-relative advantage estimator.")] = "group_std"
+
+
+class LearnerConfig(_Section):
+    lr: Annotated[float, _doc("AdamW learning rate.", gt=0.0, le=1.0)] = 1e-5
+    weight_decay: Annotated[float, _doc("AdamW weight decay.", ge=0.0)] = 0.0
+    betas: Annotated[tuple[float, float], _doc("AdamW betas.")] = (0.9, 0.999)
+    warmup_steps: Annotated[int, _doc("Linear LR warm-up steps.", ge=0)] = 0
+    max_grad_norm: Annotated[float, _doc("Gradient clipping norm (on by default; inf disables).", gt=0.0)] = 1.0
+    groups_per_step: Annotated[int, _doc("Prompt groups consumed per optimizer step.", ge=1)] = 4
+    micro_batch_tokens: Annotated[int, _doc("Token budget of one packed micro-batch.", ge=16)] = 8192
+    ranks: Annotated[int, _doc("Learner processes (FSDP2 ranks); >1 runs under torchrun.", ge=1)] = 1
+    activation_checkpointing: Annotated[bool, _doc("Recompute activations in backward to save memory.")] = False
+    compile: Annotated[bool, _doc("torch.compile the model (GPU).")] = False
+
+
+class LedgerConfig(_Section):
+    url: Annotated[str, _doc("Redis URL (redis://, rediss:// with TLS, password in the URL). "
+                             "Empty: an embedded server in the run folder.")] = ""
+    max_staleness: Annotated[int, _doc("Oldest policy lag (versions) a trained sample may have.", ge=0)] = 1
+    heartbeat_ttl_s: Annotated[float, _doc("A node silent this long is lost.", gt=0.0)] = 15.0
+    on_node_lost: Annotated[Literal["drop", "readmit"],
+                            _doc("What becomes of a lost node's in-flight samples.")] = "drop"
+    connect_retries: Annotated[int, _doc("Connection attempts (with backoff) before failing.", ge=1)] = 5
+
+
+class TransportConfig(_Section):
+    host: Annotated[str, _doc("Address the learner binds; loopback unless given.")] = "127.0.0.1"
+    trajectory_port: Annotated[int, _doc("Trajectory PULL port; 0 picks a free one.", ge=0, le=65535)] = 0
+    control_port: Annotated[int, _doc("Control (register, weights-ready, stop) port; 0 picks a free one.",
+                                      ge=0, le=65535)] = 0
+    hwm: Annotated[int, _doc("Messages queued per socket before a sender blocks (backpressure).", ge=1)] = 1000
+    send_timeout_s: Annotated[float, _doc("A send blocked this long fails, naming the peer.", gt=0.0)] = 60.0
+    recv_timeout_s: Annotated[float, _doc("A control reply slower than this fails, naming the peer.",
+                                          gt=0.0)] = 30.0
+
+
+class WeightsConfig(_Section):
+    backend: Annotated[Literal["auto", "gloo", "nccl"], _doc("Broadcast backend; auto: nccl on CUDA, else gloo.")] = "auto"
+    bucket_mb: Annotated[float, _doc("Flat bucket size in MiB.", gt=0.0)] = 256.0
+    timeout_s: Annotated[float, _doc("Deadline of each phase (rendezvous, layout, bucket, apply); a node "
+                                     "past it is evicted.", gt=0.0)] = 60.0
+
+
+class CheckpointConfig(_Section):
+    every: Annotated[int, _doc("Save a resumable checkpoint every N steps; 0 disables.", ge=0)] = 0
+    keep_last: Annotated[int, _doc("Keep the newest K checkpoints.", ge=1)] = 2
+    keep_every: Annotated[int, _doc("Also keep every checkpoint whose step is a multiple of M; 0 disables.",
+                                    ge=0)] = 0
+    export_every: Annotated[int, _doc("Write an HF safetensors export every N steps; 0 disables.", ge=0)] = 0
+
+
+class TelemetryConfig(_Section):
+    log_level: Annotated[Literal["DEBUG", "INFO", "WARNING", "ERROR"], _doc("Log level of rank 0.")] = "INFO"
+    tensorboard: Annotated[bool, _doc("Also write TensorBoard events when tensorboard is installed.")] = True
+    prometheus_port: Annotated[int, _doc("Serve Prometheus /metrics on this port; 0 disables.",
+                                         ge=0, le=65535)] = 0
+
+
+class Config(_Section):
+    run: RunConfig = msgspec.field(default_factory=RunConfig)
+    model: ModelConfig = msgspec.field(default_factory=ModelConfig)
+    data: DataConfig = msgspec.field(default_factory=DataConfig)
+    rollout: RolloutConfig = msgspec.field(default_factory=RolloutConfig)
+    reward: RewardConfig = msgspec.field(default_factory=RewardConfig)
+    loss: LossConfig = msgspec.field(default_factory=LossConfig)
+    learner: LearnerConfig = msgspec.field(default_factory=LearnerConfig)
+    ledger: LedgerConfig = msgspec.field(default_factory=LedgerConfig)
+    transport: TransportConfig = msgspec.field(default_factory=TransportConfig)
+    weights: WeightsConfig = msgspec.field(default_factory=WeightsConfig)
+    checkpoint: CheckpointConfig = msgspec.field(default_factory=CheckpointConfig)
+    telemetry: TelemetryConfig = msgspec.field(default_factory=TelemetryConfig)
+
+
+def _parse_value(text: str) -> Any:
+    """An override's value as TOML (numbers, bools, lists, quoted strings); else the bare string."""
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def apply_override(data: dict[str, Any], override: str) -> None:
+    """Apply one `section.field=value` override to a raw config dict, in place."""
+    key, sep, value = override.partition("=")
+    if not sep or not key.strip():
+        raise ConfigError(f"override {override!r} is not of the form section.field=value")
+    parts = [p.strip() for p in key.split(".")]
+    node = data
+    for part in parts[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"override {override!r}: {part!r} is a value, not a section")
+        node = child
+    node[parts[-1]] = _parse_value(value.strip())
+
+
+def _describe(error: msgspec.ValidationError, data: dict[str, Any]) -> str:
+    """Turn msgspec's `... - at `$.learner.lr`` into `learner.lr = VALUE: ...`."""
+    message = str(error)
+    text, sep, where = message.rpartition(" - at `")
+    if not sep:
+        text, where = message, "$"
+    path = where.rstrip("`").removeprefix("$").lstrip(".")
+    value: Any = data
+    for part in path.split("."):
+        value = value.get(part) if isinstance(value, dict) else None
+    unknown = re.match(r"Object contains unknown field `(.+)`", text)
+    if unknown:
+        section = _struct_at(path)
+        allowed = ", ".join(section.__struct_fields__) if section else "?"
+        return f"config field `{(path + '.') if path else ''}{unknown.group(1)}` does not exist; {path or 'top level'} allows: {allowed}"
+    shown = f" = {value!r}" if value is not None and not isinstance(value, dict) else ""
+    choices = _choices(path)
+    return f"config field `{path}`{shown}: {text}" + (f"; allowed: {choices}" if choices else "")
+
+
+def _struct_at(path: str) -> type | None:
+    node: Any = Config
+    for part in filter(None, path.split(".")):
+        node = typing.get_type_hints(node).get(part) if isinstance(node, type) else None
+    return node if isinstance(node, type) and issubclass(node, msgspec.Struct) else None
+
+
+def _choices(path: str) -> str:
+    section, _, field = path.rpartition(".")
+    struct = _struct_at(section)
+    if struct is None or not field:
+        return ""
+    hint = typing.get_type_hints(struct, include_extras=True).get(field)
+    if typing.get_origin(hint) is Annotated:
+        hint = typing.get_args(hint)[0]
+    return ", ".join(map(repr, typing.get_args(hint))) if typing.get_origin(hint) is Literal else ""
+
+
+def build(data: dict[str, Any], overrides: list[str] = ()) -> Config:
+    """Validate a raw dict (from TOML) plus overrides into a `Config`; raise `ConfigError` naming the field."""
+    data = msgspec.convert(data, dict)  # a copy the overrides may change
+    for override in overrides:
+        apply_override(data, override)
+    try:
+        return msgspec.convert(data, Config)
+    except msgspec.ValidationError as e:
+        raise ConfigError(_describe(e, data)) from None
+
+
+def load(path: str | pathlib.Path | None = None, overrides: list[str] = ()) -> Config:
+    """Load a TOML file (or the defaults when `path` is None) and apply `--set` overrides."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        path = pathlib.Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {path} does not exist")
+        try:
+            data = tomllib.loads(path.read_text())
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"config file {path} is not valid TOML: {e}") from None
+    return build(data, overrides)
+
+
+def dump(config: Config) -> str:
+    """The config as TOML-like text (for logs and the run folder)."""
+    lines = []
+    for section, values in msgspec.to_builtins(config).items():
+        lines.append(f"[{section}]")
+        for key, value in values.items():
+            lines.append(f"{key} = {_toml_value(value)}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return msgspec.json.encode(value).decode()
+    if isinstance(value, float) and value == float("inf"):
+        return "inf"
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    return repr(value)

@@ -1,0 +1,175 @@
+"""Every wire message of streamrl, and their typed msgpack codecs.
+
+Two streams cross the network:
+- the trajectory stream (rollout PUSH -> learner PULL): `Trajectory`, one per completion;
+- the control channel (rollout DEALER <-> learner ROUTER): the `Control` union below.
+
+Structs are `array_like` (compact: field order is the schema) and `gc=False` (they hold no
+cycles). Decoding is always typed; a frame that does not decode, or decodes into something that
+breaks an invariant, raises `DecodeError` and nothing else, so callers count it and move on.
+No pickle anywhere.
+"""
+
+from __future__ import annotations
+
+from typing import Union
+
+import msgspec
+
+
+class DecodeError(Exception):
+    """A frame that is not a valid message of the expected type. Count it, drop it, carry on."""
+
+
+class _Wire(msgspec.Struct, array_like=True, gc=False, kw_only=True, forbid_unknown_fields=True):
+    pass
+
+
+class Timings(_Wire):
+    """Wall-clock seconds (time.time()) of a sample's life on the rollout node."""
+
+    submitted: float = 0.0  # request handed to the engine
+    finished: float = 0.0  # last token generated
+    rewarded: float = 0.0  # reward computed, about to be sent
+
+
+class Trajectory(_Wire):
+    """One completion with everything the learner needs, as token ids (never re-tokenized text)."""
+
+    sample_id: str  # globally unique; the ledger's key
+    group_id: str  # samples of one prompt share it; advantages are relative within a group
+    node_id: str
+    seq: int  # per-node message number, contiguous from 0: the learner detects gaps and duplicates
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    behavior_logprobs: list[float]  # log mu(token) under the sampling policy, one per completion token
+    reward: float | None  # None: the reward failed; the learner drops the sample as reward_error
+    policy_version: int  # version of the weights that sampled the first completion token
+    token_versions: list[int] = []  # per completion token, only when the weights changed mid-sample
+    finish_reason: str = "length"  # "stop" (eos/stop token) or "length" (max_tokens)
+    group_size: int = 1  # how many samples the group has in all
+    timings: Timings = msgspec.field(default_factory=Timings)
+
+    def __post_init__(self) -> None:
+        n = len(self.completion_ids)
+        if len(self.behavior_logprobs) != n:
+            raise ValueError(f"{len(self.behavior_logprobs)} behavior_logprobs for {n} completion tokens")
+        if self.token_versions and len(self.token_versions) != n:
+            raise ValueError(f"{len(self.token_versions)} token_versions for {n} completion tokens")
+        if not self.prompt_ids:
+            raise ValueError("empty prompt_ids")
+        if self.seq < 0 or self.policy_version < 0 or self.group_size < 1:
+            raise ValueError("seq, policy_version must be >= 0 and group_size >= 1")
+
+    @property
+    def min_version(self) -> int:
+        """The oldest policy version any token of this sample came from (what staleness is measured on)."""
+        return min(self.token_versions) if self.token_versions else self.policy_version
+
+
+# ---- control channel -------------------------------------------------------------------------
+
+
+class Register(_Wire, tag="register"):
+    """Node -> learner: a node joins. Answered by `Welcome`."""
+
+    node_id: str
+    host: str  # where the node runs (for logs and eviction messages)
+    weight_ranks: int = 1  # receivers the node puts in its weight group (vLLM workers)
+    device: str = "cpu"
+    backend: str = "vllm"
+
+
+class Welcome(_Wire, tag="welcome"):
+    """Learner -> node: accepted; where the trajectory stream and the ledger are."""
+
+    node_id: str
+    trajectory_addr: str
+    redis_url: str
+    run_name: str
+    policy_version: int
+
+
+class Heartbeat(_Wire, tag="heartbeat"):
+    """Node -> learner: alive, and how far it got."""
+
+    node_id: str
+    policy_version: int
+    in_flight: int = 0
+    tokens_generated: int = 0
+
+
+class TensorSpec(_Wire):
+    name: str  # HF checkpoint name, as `reload_weights` expects
+    shape: list[int]
+    offset: int  # element offset inside its bucket
+    numel: int
+
+
+class BucketSpec(_Wire):
+    dtype: str  # torch dtype name without the prefix: "float32", "bfloat16"
+    numel: int
+    tensors: list[TensorSpec]
+
+
+class WeightsReady(_Wire, tag="weights_ready"):
+    """Learner -> node: a new policy is about to be broadcast; join the group and receive it."""
+
+    version: int
+    store_host: str  # TCPStore rendezvous of this node's weight group
+    store_port: int
+    group_prefix: str  # unique per transfer group, so a failed group is never reused
+    world_size: int  # learner rank 0 + the node's receivers
+    timeout_s: float
+    buckets: list[BucketSpec]
+
+
+class WeightsApplied(_Wire, tag="weights_applied"):
+    """Node -> learner: the weights of `version` are live in the engine."""
+
+    node_id: str
+    version: int
+    seconds: float  # receive + apply time on the node
+    error: str = ""  # non-empty: the transfer failed on the node, with why
+
+
+class Stop(_Wire, tag="stop"):
+    """Either way: stop. From the learner: the run is over or the node was evicted."""
+
+    reason: str
+
+
+class Goodbye(_Wire, tag="goodbye"):
+    """Node -> learner: leaving cleanly (its in-flight samples are already resolved in the ledger)."""
+
+    node_id: str
+    reason: str
+
+
+Control = Union[Register, Welcome, Heartbeat, WeightsReady, WeightsApplied, Stop, Goodbye]
+
+
+# ---- codecs ----------------------------------------------------------------------------------
+
+_encoder = msgspec.msgpack.Encoder()
+_trajectory_decoder = msgspec.msgpack.Decoder(Trajectory)
+_control_decoder = msgspec.msgpack.Decoder(Control)
+
+
+def encode(message: Trajectory | Control) -> bytes:
+    return _encoder.encode(message)
+
+
+def _decode(decoder: msgspec.msgpack.Decoder, frame: bytes | memoryview):
+    try:
+        return decoder.decode(frame)
+    except (msgspec.DecodeError, ValueError, TypeError, OverflowError, RecursionError, MemoryError) as e:
+        raise DecodeError(f"{type(e).__name__}: {e}") from None
+
+
+def decode_trajectory(frame: bytes | memoryview) -> Trajectory:
+    return _decode(_trajectory_decoder, frame)
+
+
+def decode_control(frame: bytes | memoryview) -> Control:
+    return _decode(_control_decoder, frame)
