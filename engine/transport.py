@@ -1,0 +1,292 @@
+"""ZMQ sockets of streamrl: the trajectory stream (PUSH -> PULL) and the control channel (DEALER <-> ROUTER).
+
+Trajectory stream: each rollout node numbers its messages (`Trajectory.seq`, contiguous from 0 per
+`node_id`); the receiver counts gaps (messages that never came) and duplicates (a seq seen again),
+and drops duplicates so the learner never trains a sample twice. The sender blocks at the
+high-water mark (backpressure) and raises `TransportError` naming the peer when blocked past its
+timeout; with `IMMEDIATE` set, nothing is queued for a peer that never connected, so an unreachable
+learner fails the first send within the timeout instead of silently filling a queue.
+
+Every wait has a timeout. Frames that do not decode are counted (`decode_errors`) and dropped.
+Sockets close with linger 0, except the trajectory sender, which gives queued messages
+`flush_timeout_s` to leave (dropping them at close would lose samples silently).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import time
+from typing import Any
+
+import zmq
+
+from streamrl.engine import messages
+from streamrl.engine.messages import Control, DecodeError, Trajectory
+
+log = logging.getLogger(__name__)
+
+LOOPBACK_ANY_PORT = "tcp://127.0.0.1:*"
+
+
+class TransportError(RuntimeError):
+    """A socket wait that ran out of time or a peer that cannot be reached; the message names the address."""
+
+
+def _ms(seconds: float) -> int:
+    return max(0, int(seconds * 1000))
+
+
+def _endpoint(sock: zmq.Socket) -> str:
+    return sock.getsockopt(zmq.LAST_ENDPOINT).decode()
+
+
+def _bind(sock: zmq.Socket, addr: str) -> str:
+    try:
+        sock.bind(addr)
+    except zmq.ZMQError as e:
+        sock.close(linger=0)
+        raise TransportError(f"cannot bind {addr}: {e} (is the port taken? use port 0 or "
+                             f"'tcp://127.0.0.1:*' to pick a free one)") from None
+    return _endpoint(sock)
+
+
+def _connect(sock: zmq.Socket, addr: str) -> None:
+    try:
+        sock.connect(addr)
+    except zmq.ZMQError as e:
+        sock.close(linger=0)
+        raise TransportError(f"cannot connect to {addr}: {e} (expected tcp://HOST:PORT)") from None
+
+
+def bind_address(host: str = "127.0.0.1", port: int = 0) -> str:
+    """`tcp://host:port`, with port 0 meaning 'any free port' (ZMQ's `*`)."""
+    return f"tcp://{host}:{port if port else '*'}"
+
+
+# ---- trajectory stream ---------------------------------------------------------------------------
+
+
+class TrajectorySender:
+    """PUSH side of the trajectory stream: numbers messages per node and blocks at the high-water mark."""
+
+    def __init__(self, addr: str, node_id: str, hwm: int = 1000, send_timeout_s: float = 60.0,
+                 flush_timeout_s: float = 5.0, context: zmq.Context | None = None):
+        if hwm < 1 or send_timeout_s <= 0:
+            raise ValueError(f"hwm={hwm} must be >= 1 and send_timeout_s={send_timeout_s} > 0")
+        self.addr, self.node_id = addr, node_id
+        self.send_timeout_s, self.flush_timeout_s = send_timeout_s, flush_timeout_s
+        self.seq = 0  # the number the next message gets
+        self._sock = (context or zmq.Context.instance()).socket(zmq.PUSH)
+        self._sock.setsockopt(zmq.SNDHWM, hwm)
+        self._sock.setsockopt(zmq.IMMEDIATE, 1)
+        self._sock.setsockopt(zmq.SNDTIMEO, _ms(send_timeout_s))
+        _connect(self._sock, addr)
+
+    def send(self, traj: Trajectory) -> int:
+        """Stamp `traj` with this node's id and next seq, send it, return the seq. Blocks at the HWM."""
+        traj.node_id, traj.seq = self.node_id, self.seq
+        try:
+            self._sock.send(messages.encode(traj), copy=False)
+        except zmq.Again:
+            raise TransportError(
+                f"node {self.node_id}: trajectory {traj.sample_id} (seq {self.seq}) not accepted by {self.addr} "
+                f"within {self.send_timeout_s:g}s: the learner is unreachable or stopped reading "
+                f"(check the address and that the learner runs; raise transport.send_timeout_s "
+                f"if it is only slow)") from None
+        self.seq += 1
+        return self.seq - 1
+
+    def close(self) -> None:
+        self._sock.close(linger=_ms(self.flush_timeout_s))
+
+    def __enter__(self) -> TrajectorySender:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+class TrajectoryReceiver:
+    """PULL side: decodes trajectories, drops and counts undecodable frames, gaps and duplicates per node.
+
+    A duplicate (a seq at or below one already received from that node) is counted, its sample id
+    kept in `duplicate_ids` (the newest 1000), and it is not returned. A gap (seq beyond the next
+    expected one) counts the missing messages in `gaps`, and the trajectory itself is returned.
+    """
+
+    def __init__(self, bind_addr: str | int = LOOPBACK_ANY_PORT, hwm: int = 1000,
+                 context: zmq.Context | None = None):
+        if isinstance(bind_addr, int):
+            bind_addr = bind_address(port=bind_addr)
+        self._sock = (context or zmq.Context.instance()).socket(zmq.PULL)
+        self._sock.setsockopt(zmq.RCVHWM, hwm)
+        self.addr = _bind(self._sock, bind_addr)
+        self.decode_errors = 0
+        self.gaps = 0
+        self.duplicates = 0
+        self.received = 0
+        self.duplicate_ids: collections.deque[str] = collections.deque(maxlen=1000)
+        self.next_seq: dict[str, int] = {}
+
+    def recv(self, timeout_s: float) -> Trajectory | None:
+        """The next new trajectory, or None when none came within `timeout_s`."""
+        deadline = time.monotonic() + timeout_s
+        while self._sock.poll(_ms(deadline - time.monotonic())):
+            traj = self._decode(self._sock.recv(copy=False))
+            if traj is not None and self._admit(traj):
+                self.received += 1
+                return traj
+        return None
+
+    def _decode(self, frame: zmq.Frame) -> Trajectory | None:
+        try:
+            return messages.decode_trajectory(frame.buffer)
+        except DecodeError as e:
+            self.decode_errors += 1
+            log.warning("dropped an undecodable trajectory frame on %s (%d bytes): %s",
+                        self.addr, len(frame.buffer), e)
+            return None
+
+    def _admit(self, traj: Trajectory) -> bool:
+        expected = self.next_seq.get(traj.node_id, 0)
+        if traj.seq < expected:
+            self.duplicates += 1
+            self.duplicate_ids.append(traj.sample_id)
+            log.warning("duplicate from node %s: seq %d (expected %d), sample %s dropped",
+                        traj.node_id, traj.seq, expected, traj.sample_id)
+            return False
+        if traj.seq > expected:
+            self.gaps += traj.seq - expected
+            log.warning("gap from node %s: seq %d..%d never arrived", traj.node_id, expected, traj.seq - 1)
+        self.next_seq[traj.node_id] = traj.seq + 1
+        return True
+
+    def close(self) -> None:
+        self._sock.close(linger=0)
+
+    def __enter__(self) -> TrajectoryReceiver:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+# ---- control channel -----------------------------------------------------------------------------
+
+
+class ControlServer:
+    """ROUTER side of the control channel (the learner): one socket, every node a peer identity."""
+
+    def __init__(self, bind: str | int = LOOPBACK_ANY_PORT, send_timeout_s: float = 30.0,
+                 context: zmq.Context | None = None):
+        if isinstance(bind, int):
+            bind = bind_address(port=bind)
+        self._sock = (context or zmq.Context.instance()).socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self._sock.setsockopt(zmq.SNDTIMEO, _ms(send_timeout_s))
+        self.send_timeout_s = send_timeout_s
+        self.addr = _bind(self._sock, bind)
+        self.decode_errors = 0
+
+    def recv(self, timeout_s: float, required: bool = False) -> tuple[bytes, Control] | None:
+        """(peer identity, message), or None after `timeout_s` (TransportError instead when `required`)."""
+        deadline = time.monotonic() + timeout_s
+        while self._sock.poll(_ms(deadline - time.monotonic())):
+            frames = self._sock.recv_multipart()
+            if len(frames) == 2:
+                try:
+                    return frames[0], messages.decode_control(frames[1])
+                except DecodeError as e:
+                    log.warning("undecodable control frame from %r on %s: %s", frames[0], self.addr, e)
+            self.decode_errors += 1
+        if required:
+            raise TransportError(f"no control message on {self.addr} within {timeout_s:g}s")
+        return None
+
+    def send(self, peer: bytes, msg: Control) -> None:
+        """Send to one peer; TransportError when the peer is unknown/gone or the send is blocked past the timeout."""
+        try:
+            self._sock.send_multipart([peer, messages.encode(msg)])
+        except zmq.Again:
+            raise TransportError(f"control send of {type(msg).__name__} to node {peer!r} on {self.addr} "
+                                 f"blocked for {self.send_timeout_s:g}s") from None
+        except zmq.ZMQError as e:
+            if e.errno != zmq.EHOSTUNREACH:
+                raise
+            raise TransportError(f"control send of {type(msg).__name__} on {self.addr}: node {peer!r} "
+                                 f"is not connected (it left or never registered)") from None
+
+    def close(self) -> None:
+        self._sock.close(linger=0)
+
+    def __enter__(self) -> ControlServer:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+class ControlClient:
+    """DEALER side (a rollout node). Messages that arrive while `request` waits for its reply are kept
+    for `recv`, so a `Stop` or `WeightsReady` pushed by the learner is never lost."""
+
+    def __init__(self, addr: str, node_id: str, timeout_s: float = 30.0, context: zmq.Context | None = None):
+        self.addr, self.node_id, self.timeout_s = addr, node_id, timeout_s
+        self._sock = (context or zmq.Context.instance()).socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.IDENTITY, node_id.encode())
+        self._sock.setsockopt(zmq.IMMEDIATE, 1)
+        self._sock.setsockopt(zmq.SNDTIMEO, _ms(timeout_s))
+        _connect(self._sock, addr)
+        self._pending: collections.deque[Control] = collections.deque()
+        self.decode_errors = 0
+
+    def send(self, msg: Control, timeout_s: float | None = None) -> None:
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        self._sock.setsockopt(zmq.SNDTIMEO, _ms(timeout_s))
+        try:
+            self._sock.send(messages.encode(msg))
+        except zmq.Again:
+            raise TransportError(f"node {self.node_id}: could not send {type(msg).__name__} to the learner at "
+                                 f"{self.addr} within {timeout_s:g}s (is the learner running and the "
+                                 f"address right?)") from None
+
+    def recv(self, timeout_s: float | None = None) -> Control | None:
+        """The next control message (kept ones first), or None after `timeout_s`."""
+        if self._pending:
+            return self._pending.popleft()
+        return self._recv_one(time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s))
+
+    def _recv_one(self, deadline: float) -> Control | None:
+        while self._sock.poll(_ms(deadline - time.monotonic())):
+            try:
+                return messages.decode_control(self._sock.recv())
+            except DecodeError as e:
+                self.decode_errors += 1
+                log.warning("undecodable control frame from %s: %s", self.addr, e)
+        return None
+
+    def request(self, msg: Control, timeout_s: float | None = None,
+                expect: type | tuple[type, ...] | None = None) -> Control:
+        """Send `msg` and wait for the reply (the first message of type `expect`, when given)."""
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + timeout_s
+        self.send(msg, timeout_s)
+        while True:
+            reply = self._recv_one(deadline)
+            if reply is None:
+                raise TransportError(f"node {self.node_id}: no reply to {type(msg).__name__} from the learner at "
+                                     f"{self.addr} within {timeout_s:g}s (is the learner running and the "
+                                     f"address right?)")
+            if expect is None or isinstance(reply, expect):
+                return reply
+            self._pending.append(reply)
+
+    def close(self) -> None:
+        self._sock.close(linger=0)
+
+    def __enter__(self) -> ControlClient:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
