@@ -85,6 +85,40 @@ class RolloutConfig(_Section):
     enforce_eager: Annotated[bool, _doc("Skip CUDA graphs / compilation in vLLM (fast start).")] = True
 
 
+class RewardModelConfig(_Section):
+    """A local HF reward model, used when `reward_model` is among reward.functions.
+
+    score = clip(transform(raw * scale + shift), clip_low, clip_high), where raw is one logit:
+    output `index` of a sequence classifier, or the logit of token `index` (or of `token`) at the
+    last position of a causal LM.
+    """
+
+    path: Annotated[str, _doc("Local HF folder of the reward model.")] = ""
+    kind: Annotated[Literal["sequence_classification", "causal_lm"],
+                    _doc("sequence_classification: AutoModelForSequenceClassification; causal_lm: a token's "
+                         "logit at the last position.")] = "sequence_classification"
+    index: Annotated[int, _doc("Class index (sequence_classification) or token id (causal_lm) whose logit is "
+                               "the raw score.", ge=0)] = 0
+    token: Annotated[str, _doc("causal_lm only: the token whose logit is the score (overrides index), "
+                               "e.g. 'Yes'.")] = ""
+    transform: Annotated[Literal["none", "sigmoid", "tanh"],
+                         _doc("Squashing applied after scale and shift.")] = "none"
+    scale: Annotated[float, _doc("Multiplies the raw score before the transform.")] = 1.0
+    shift: Annotated[float, _doc("Added after scaling, before the transform.")] = 0.0
+    clip_low: Annotated[float, _doc("Scores are clipped to at least this; also the low end of the range "
+                                    "checked at start.")] = -10.0
+    clip_high: Annotated[float, _doc("Scores are clipped to at most this; also the high end of the range "
+                                     "checked at start.")] = 10.0
+    batch_size: Annotated[int, _doc("Samples per forward pass.", ge=1)] = 16
+    max_length: Annotated[int, _doc("Prompt + completion tokens kept (truncated from the left).", ge=8)] = 1024
+    device: Annotated[str, _doc("Device of the reward model; auto: cuda when present, else cpu.")] = "auto"
+    dtype: Annotated[Literal["float32", "bfloat16", "float16"], _doc("Reward model parameter dtype.")] = "float32"
+
+    def __post_init__(self) -> None:
+        if self.clip_low >= self.clip_high:
+            raise ValueError(f"reward.model.clip_low = {self.clip_low} must be below clip_high = {self.clip_high}")
+
+
 class RewardConfig(_Section):
     functions: Annotated[list[str], _doc("Reward functions by registry name, `module:function` or "
                                          "`path.py:function`.", min_length=1)] = msgspec.field(
@@ -92,7 +126,17 @@ class RewardConfig(_Section):
     weights: Annotated[list[float], _doc("One weight per function; empty means all 1.0.")] = msgspec.field(
         default_factory=list)
     timeout_s: Annotated[float, _doc("Per-call deadline; a call past it is killed and gives None.", gt=0.0)] = 10.0
-    workers: Annotated[int, _doc("Reward worker processes per rollout node; 0 runs rewards inline.", ge=0)] = 0
+    workers: Annotated[int, _doc("Reward worker processes per rollout node; 0 runs rewards inline (no "
+                                 "timeout can be enforced then).", ge=0)] = 1
+    start_method: Annotated[Literal["forkserver", "spawn"],
+                            _doc("How pool workers start; never fork (the rollout process holds vLLM "
+                                 "threads).")] = "forkserver"
+    regex: Annotated[str, _doc("Pattern of the `regex` reward (re.search, DOTALL): 1.0 when it matches.")] = ""
+    length_target_tokens: Annotated[int, _doc("`length_penalty`: completions longer than this lose "
+                                              "1/target per extra token, down to -1.", ge=1)] = 256
+    math_timeout_s: Annotated[int, _doc("`math`: math-verify's own parse/verify alarm, in whole seconds.",
+                                        ge=1)] = 5
+    model: RewardModelConfig = msgspec.field(default_factory=RewardModelConfig)
 
     def __post_init__(self) -> None:
         if self.weights and len(self.weights) != len(self.functions):

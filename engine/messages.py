@@ -12,7 +12,7 @@ No pickle anywhere.
 
 from __future__ import annotations
 
-from typing import Union
+from typing import Any, Union
 
 import msgspec
 
@@ -173,3 +173,41 @@ def decode_trajectory(frame: bytes | memoryview) -> Trajectory:
 
 def decode_control(frame: bytes | memoryview) -> Control:
     return _decode(_control_decoder, frame)
+
+
+# ---- reward pool (rollout process <-> its own reward worker processes, over a local pipe) ----
+
+
+class RewardCall(_Wire, tag="reward_call"):
+    """Parent -> reward worker: call function `fn_index` of the worker's spec list on one batch."""
+
+    call_id: int
+    fn_index: int
+    prompts: list[str]
+    completions: list[str]
+    completion_ids: list[list[int]]
+    columns: dict[str, list[Any]]  # TRL style: one list per dataset column, one value per sample
+
+
+class RewardResult(_Wire, tag="reward_result"):
+    """Reward worker -> parent: one value per sample (None where the reward failed)."""
+
+    call_id: int
+    values: list[float | None]
+    errors: int = 0  # samples whose reward raised or returned a non-finite / non-number value
+    traceback: str = ""  # the first failure's traceback in this call
+
+
+class RewardReady(_Wire, tag="reward_ready"):
+    """Reward worker -> parent: functions loaded, ready for calls (or `error` says why not)."""
+
+    pid: int
+    error: str = ""
+
+
+class RewardStop(_Wire, tag="reward_stop"):
+    """Parent -> reward worker: exit."""
+
+
+RewardToWorker = Union[RewardCall, RewardStop]
+RewardFromWorker = Union[RewardReady, RewardResult]

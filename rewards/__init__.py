@@ -1,0 +1,17 @@
+"""Rewards: TRL-style reward functions, a reward-model scorer, and safe execution in a worker pool.
+
+    scorer = build_scorer(cfg.reward)
+    rewards = scorer.score(prompts, completions, completion_ids, columns=[{"answer": "a"}, ...])
+    scorer.stats.as_metrics(); scorer.close()
+
+`columns[i]` is sample i's dataset row; user functions receive the columns TRL-style, one list
+per column (`answer=[...]`). Built-in rewards read the reference answer from the `answer` column.
+"""
+
+from .call import Batch
+from .demo import demo_rows, letter_share
+from .registry import BUILTINS, REWARD_MODEL, RewardSpecError, resolve
+from .scorer import Scorer, ScorerStats, build_scorer, combine
+
+__all__ = ["BUILTINS", "REWARD_MODEL", "Batch", "RewardSpecError", "Scorer", "ScorerStats", "build_scorer",
+           "combine", "demo_rows", "letter_share", "resolve"]

@@ -1,0 +1,130 @@
+"""Call one reward function on a batch, turning failures into `None` per sample.
+
+The same code runs inline and inside pool workers. A batch call that raises is retried one
+sample at a time, so one bad sample costs only its own reward. A value that is not a finite
+number (NaN would poison the advantages) counts as a failure too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import math
+import numbers
+import threading
+import traceback
+from typing import Any, Callable
+
+import msgspec
+
+
+class Batch(msgspec.Struct, kw_only=True):
+    """The samples one reward call sees; `columns` are TRL-style lists, one value per sample."""
+
+    prompts: list[str]
+    completions: list[str]
+    completion_ids: list[list[int]]
+    columns: dict[str, list[Any]]
+
+    def __len__(self) -> int:
+        return len(self.completions)
+
+    def take(self, start: int, stop: int) -> "Batch":
+        return Batch(prompts=self.prompts[start:stop], completions=self.completions[start:stop],
+                     completion_ids=self.completion_ids[start:stop],
+                     columns={k: v[start:stop] for k, v in self.columns.items()})
+
+
+class CallOutcome(msgspec.Struct, kw_only=True):
+    values: list[float | None]
+    errors: int = 0
+    timeouts: int = 0
+    traceback: str = ""
+
+
+class RewardValueError(ValueError):
+    """A reward returned something other than one finite number (or None) per sample."""
+
+
+def rows_to_columns(columns: list[dict], n: int) -> dict[str, list[Any]]:
+    """`[{"answer": "a"}, {"answer": "b"}]` -> `{"answer": ["a", "b"]}`; every row must have the same keys."""
+    if len(columns) != n:
+        raise ValueError(f"score(): {len(columns)} column rows for {n} completions; give one row per sample")
+    keys = list(columns[0]) if columns else []
+    for i, row in enumerate(columns):
+        if set(row) != set(keys):
+            raise ValueError(f"score(): columns[{i}] has keys {sorted(row)} but columns[0] has {sorted(keys)}; "
+                             "every row must carry the same columns")
+    return {k: [row[k] for row in columns] for k in keys}
+
+
+def _run_awaitable(awaitable) -> Any:
+    async def wait():
+        return await awaitable
+
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(wait())
+    box: dict[str, Any] = {}  # called from inside a running loop: give the coroutine a loop of its own
+
+    def target():
+        try:
+            box["value"] = asyncio.run(wait())
+        except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
+            box["error"] = e
+
+    thread = threading.Thread(target=target, name="reward-async")
+    thread.start()
+    thread.join()
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+
+def invoke(fn: Callable[..., Any], batch: Batch) -> list[float | None]:
+    """Call `fn` TRL-style (sync or async) and check it returned one finite number or None per sample."""
+    result = fn(batch.prompts, batch.completions, batch.completion_ids, **batch.columns)
+    if inspect.isawaitable(result):
+        result = _run_awaitable(result)
+    try:
+        values = list(result)
+    except TypeError:
+        raise RewardValueError(f"returned {type(result).__name__}, not a list of floats") from None
+    if len(values) != len(batch):
+        raise RewardValueError(f"returned {len(values)} values for {len(batch)} samples")
+    return [_as_float(v) for v in values]
+
+
+def _as_float(value: Any) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        if not hasattr(value, "item"):  # numpy / torch scalars
+            raise RewardValueError(f"returned {value!r} ({type(value).__name__}), not a number")
+        value = value.item()
+    value = float(value)
+    if not math.isfinite(value):
+        raise RewardValueError(f"returned {value}, not a finite number")
+    return value
+
+
+def safe_call(fn: Callable[..., Any], batch: Batch) -> CallOutcome:
+    """`invoke`, with a failing batch retried sample by sample; failures become None and are counted."""
+    try:
+        return CallOutcome(values=invoke(fn, batch))
+    except Exception:
+        first = traceback.format_exc()
+    if len(batch) == 1:
+        return CallOutcome(values=[None], errors=1, traceback=first)
+    values: list[float | None] = []
+    errors = 0
+    for i in range(len(batch)):
+        try:
+            values.extend(invoke(fn, batch.take(i, i + 1)))
+        except Exception:
+            values.append(None)
+            errors += 1
+    # errors may be 0 here (the batch call broke, each sample alone did not): the values stand,
+    # and the traceback is still reported so the batch failure is seen once.
+    return CallOutcome(values=values, errors=errors, traceback=first)

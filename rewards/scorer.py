@@ -1,0 +1,142 @@
+"""`Scorer`: the one object a rollout node calls to reward a batch of completions.
+
+Each configured reward runs in one of three places: the worker pool (with a deadline per call;
+the default), inline in the caller (reward.workers = 0: no deadline can be enforced), or, for
+`reward_model`, a model on the caller's device. The combined reward is the weighted sum; a
+sample with any component None gets None, which the ledger records as a `reward_error` drop.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any
+
+from streamrl.engine.config import RewardConfig
+
+from .call import Batch, CallOutcome, rows_to_columns, safe_call
+from .registry import REWARD_MODEL, resolve
+
+log = logging.getLogger("streamrl.rewards")
+
+
+@dataclasses.dataclass
+class ScorerStats:
+    """Running counts since the scorer was built; `errors` and `timeouts` count samples."""
+
+    calls: int = 0  # score() calls
+    samples: int = 0
+    errors: int = 0  # samples a reward raised on (or returned a non-finite value for)
+    timeouts: int = 0  # samples whose reward call passed its deadline
+    none: int = 0  # samples whose combined reward is None
+    restarts: int = 0  # pool workers replaced after a hang or a crash
+    by_function: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)
+
+    def as_metrics(self) -> dict[str, float]:
+        return {f"reward/{k}": float(getattr(self, k))
+                for k in ("calls", "samples", "errors", "timeouts", "none", "restarts")}
+
+
+def combine(components: list[list[float | None]], weights: list[float]) -> list[float | None]:
+    """Weighted sum per sample across reward components; None when any component is None."""
+    out: list[float | None] = []
+    for values in zip(*components, strict=True):
+        if any(v is None for v in values):
+            out.append(None)
+        else:
+            out.append(sum(w * v for w, v in zip(weights, values, strict=True)))
+    return out
+
+
+class Scorer:
+    """Scores batches with the configured rewards; see the module docstring for where each runs."""
+
+    def __init__(self, cfg: RewardConfig, pool=None, model=None):
+        self.cfg = cfg
+        self.specs = list(cfg.functions)
+        self.weights = list(cfg.weights) or [1.0] * len(self.specs)
+        self.inline = {i: resolve(s, cfg) for i, s in enumerate(self.specs) if s != REWARD_MODEL}
+        self.pool = pool
+        self.model = model
+        self.stats = ScorerStats(by_function={s: {"errors": 0, "timeouts": 0} for s in self.specs})
+        self._logged: set[str] = set()
+
+    def score(self, prompts: list[str], completions: list[str], completion_ids: list[list[int]],
+              columns: list[dict]) -> list[float | None]:
+        """One combined reward per sample (None where a component failed); columns[i] is sample i's row."""
+        n = len(completions)
+        if len(prompts) != n or len(completion_ids) != n:
+            raise ValueError(f"score(): {len(prompts)} prompts, {n} completions, {len(completion_ids)} "
+                             "completion_ids; give one of each per sample")
+        batch = Batch(prompts=list(prompts), completions=list(completions),
+                      completion_ids=[list(ids) for ids in completion_ids], columns=rows_to_columns(columns, n))
+        components = self._components(batch) if n else [[] for _ in self.specs]
+        rewards = combine(components, self.weights)
+        self.stats.calls += 1
+        self.stats.samples += n
+        self.stats.none += sum(r is None for r in rewards)
+        return rewards
+
+    def _components(self, batch: Batch) -> list[list[float | None]]:
+        outcomes: dict[int, CallOutcome] = {}
+        if self.pool is not None:
+            pooled = [i for i in self.inline]
+            outcomes.update(zip(pooled, self.pool.run(pooled, batch)))
+        else:
+            outcomes.update({i: safe_call(fn, batch) for i, fn in self.inline.items()})
+        for i, spec in enumerate(self.specs):
+            if spec == REWARD_MODEL:
+                outcomes[i] = self._model_outcome(batch)
+        for i, outcome in outcomes.items():
+            self._account(self.specs[i], outcome)
+        return [outcomes[i].values for i in range(len(self.specs))]
+
+    def _model_outcome(self, batch: Batch) -> CallOutcome:
+        if self.model is None:
+            raise RuntimeError("reward_model is in reward.functions but no reward model was built; "
+                               "use build_scorer(cfg), which loads reward.model.path")
+        try:
+            return CallOutcome(values=self.model.score(batch.prompts, batch.completions))
+        except Exception:
+            import traceback
+
+            return CallOutcome(values=[None] * len(batch), errors=len(batch), traceback=traceback.format_exc())
+
+    def _account(self, spec: str, outcome: CallOutcome) -> None:
+        timeouts = outcome.timeouts
+        self.stats.errors += outcome.errors
+        self.stats.timeouts += timeouts
+        self.stats.by_function[spec]["errors"] += outcome.errors
+        self.stats.by_function[spec]["timeouts"] += timeouts
+        if outcome.traceback and spec not in self._logged:
+            self._logged.add(spec)
+            log.error("reward %r failed (first failure shown once; later ones are only counted in "
+                      "reward/errors and reward/timeouts):\n%s", spec, outcome.traceback)
+        if self.pool is not None:
+            self.stats.restarts = self.pool.restarts
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.close()
+            self.pool = None
+
+    def __enter__(self) -> "Scorer":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def build_scorer(cfg: RewardConfig) -> Scorer:
+    """The scorer for `cfg`: resolves every reward now (a bad spec fails here, named), starts the pool."""
+    model = None
+    if REWARD_MODEL in cfg.functions:
+        from .model import RewardModel
+
+        model = RewardModel(cfg.model)
+    scorer = Scorer(cfg, pool=None, model=model)
+    if cfg.workers > 0 and scorer.inline:
+        from .pool import RewardPool
+
+        scorer.pool = RewardPool(scorer.specs, cfg)
+    return scorer
