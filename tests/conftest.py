@@ -33,3 +33,42 @@ def tiny_model(tmp_path_factory) -> str:
 
 
 # ---- ledger / Redis fixtures (owned by the ledger work) ----
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory):
+    """One embedded Redis for the session (engine/redis_server.py, as the product starts it)."""
+    from streamrl.engine.redis_server import RedisServer
+
+    with RedisServer(tmp_path_factory.mktemp("redis")) as server:
+        yield server
+
+
+@pytest.fixture
+def redis_url(redis_server) -> str:
+    """The session server's URL, emptied for this test; afterwards every run's books must balance."""
+    from streamrl.engine.redis_server import connect
+
+    client = connect(redis_server.url)
+    client.flushdb()
+    yield redis_server.url
+    assert_books_balance(client)
+    client.close()
+
+
+def assert_books_balance(client) -> None:
+    """Fail when any run's ledger on this server has total != trained + dropped + in flight."""
+    from streamrl.engine.ledger import Ledger
+
+    runs = {key.split(":")[1] for key in client.scan_iter(match="streamrl:*:counts")}
+    errors = {run: Ledger(client, run).check(deep=True) for run in sorted(runs)}
+    errors = {run: e for run, e in errors.items() if e}
+    assert not errors, f"ledger books do not balance after the test: {errors}"
+
+
+@pytest.fixture
+def ledger_run(request) -> str:
+    """A run id unique to the test (several runs share the session's server)."""
+    import re
+
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", request.node.name)[:80]

