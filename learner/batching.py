@@ -1,0 +1,117 @@
+"""Trajectories (wire lists) -> packed micro-batches (tensors), once, in one place.
+
+A sequence is prompt + completion. The model reads tokens 0..L-2 and predicts 1..L-1, so a
+sequence of L tokens costs L - 1 positions of the token budget. Sequences are packed end to end
+without padding; `position_ids` restart at 0 for each one, which is how the attention (sdpa's
+packed-sequence mask on CPU, a varlen kernel on GPU) keeps them apart. Prompt tokens are context
+only: the loss mask covers the positions that predict completion tokens, and the behavior
+logprobs, advantages and versions sit at those positions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+
+import torch
+from torch import Tensor
+
+from streamrl.engine.messages import Trajectory
+
+
+@dataclass
+class MicroBatch:
+    """One packed micro-batch: T positions, S sequences."""
+
+    input_ids: Tensor  # [T] int64, the tokens the model reads
+    position_ids: Tensor  # [T] int64, restarting at 0 per sequence
+    targets: Tensor  # [T] int64, the next token at each position (what logprobs are of)
+    loss_mask: Tensor  # [T] bool, True where the target is a completion token
+    behavior_logprobs: Tensor  # [T] float32, log mu(target); 0 off the mask
+    advantages: Tensor  # [T] float32, the sequence's advantage on its loss positions
+    versions: Tensor  # [T] int64, policy version that sampled the target; -1 off the mask
+    seq_ids: Tensor  # [T] int64, index of the sequence (0..S-1) each position belongs to
+    cu_seqlens: Tensor  # [S + 1] int32, cumulative sequence lengths (varlen attention)
+    max_seqlen: int
+    sample_ids: list[str] = field(default_factory=list)  # [S]
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.numel())
+
+    @property
+    def num_loss_tokens(self) -> int:
+        return int(self.loss_mask.sum())
+
+    def to(self, device: torch.device | str) -> "MicroBatch":
+        moved = {f.name: getattr(self, f.name) for f in fields(self)}
+        for name, value in moved.items():
+            if isinstance(value, Tensor):
+                moved[name] = value.to(device, non_blocking=True)
+        return MicroBatch(**moved)
+
+
+def sequence_cost(trajectory: Trajectory) -> int:
+    """Positions the trajectory takes in a micro-batch."""
+    return len(trajectory.prompt_ids) + len(trajectory.completion_ids) - 1
+
+
+def plan(costs: list[int], token_budget: int) -> list[list[int]]:
+    """First-fit decreasing bins of indices whose costs sum to at most `token_budget` (ties by index)."""
+    bins: list[list[int]] = []
+    room: list[int] = []
+    for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
+        slot = next((b for b, free in enumerate(room) if free >= costs[i]), None)
+        if slot is None:
+            bins.append([])
+            room.append(token_budget)
+            slot = len(bins) - 1
+        bins[slot].append(i)
+        room[slot] -= costs[i]
+    return [sorted(b) for b in bins]
+
+
+def _tensors(trajectory: Trajectory, advantage: float) -> dict[str, Tensor]:
+    prompt, completion = trajectory.prompt_ids, trajectory.completion_ids
+    tokens = torch.tensor(prompt + completion, dtype=torch.int64)
+    n = tokens.numel() - 1
+    start = len(prompt) - 1  # position that predicts the first completion token
+    mask = torch.zeros(n, dtype=torch.bool)
+    mask[start:] = True
+    behavior = torch.zeros(n, dtype=torch.float32)
+    behavior[start:] = torch.tensor(trajectory.behavior_logprobs, dtype=torch.float32)
+    versions = torch.full((n,), -1, dtype=torch.int64)
+    versions[start:] = (torch.tensor(trajectory.token_versions, dtype=torch.int64) if trajectory.token_versions
+                        else trajectory.policy_version)
+    return {"input_ids": tokens[:-1], "targets": tokens[1:], "position_ids": torch.arange(n),
+            "loss_mask": mask, "behavior_logprobs": behavior, "versions": versions,
+            "advantages": mask.to(torch.float32) * float(advantage)}
+
+
+def collate(trajectories: list[Trajectory], advantages: list[float]) -> MicroBatch:
+    """Pack the given trajectories end to end into one micro-batch."""
+    parts = [_tensors(t, a) for t, a in zip(trajectories, advantages)]
+    lengths = [p["input_ids"].numel() for p in parts]
+    cat = {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
+    seq_ids = torch.repeat_interleave(torch.arange(len(parts)), torch.tensor(lengths))
+    cu = torch.zeros(len(parts) + 1, dtype=torch.int32)
+    cu[1:] = torch.cumsum(torch.tensor(lengths), 0)
+    return MicroBatch(seq_ids=seq_ids, cu_seqlens=cu, max_seqlen=max(lengths),
+                      sample_ids=[t.sample_id for t in trajectories], **cat)
+
+
+def pack(trajectories: list[Trajectory], advantages: list[float], token_budget: int) -> list[MicroBatch]:
+    """Packed micro-batches of at most `token_budget` positions each; completion-less samples are skipped.
+
+    Raises ValueError naming `learner.micro_batch_tokens` when one sequence alone exceeds the budget.
+    """
+    if len(trajectories) != len(advantages):
+        raise ValueError(f"{len(trajectories)} trajectories but {len(advantages)} advantages; give one each")
+    keep = [i for i, t in enumerate(trajectories) if t.completion_ids]
+    costs = [sequence_cost(trajectories[i]) for i in keep]
+    for i, cost in zip(keep, costs):
+        if cost > token_budget:
+            raise ValueError(f"sample {trajectories[i].sample_id} needs {cost} positions (prompt + completion - 1) "
+                             f"but learner.micro_batch_tokens = {token_budget}; raise it to at least {cost} "
+                             "or lower model.max_model_len")
+    return [collate([trajectories[keep[j]] for j in b], [advantages[keep[j]] for j in b])
+            for b in plan(costs, token_budget)]

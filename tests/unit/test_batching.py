@@ -1,0 +1,60 @@
+import random
+
+import pytest
+import torch
+
+from streamrl.engine.messages import Trajectory
+from streamrl.learner.batching import pack, plan
+
+
+def traj(sid, prompt, completion, logprobs, version=0, token_versions=()):
+    return Trajectory(sample_id=sid, group_id="g", node_id="n", seq=0, prompt_ids=list(prompt),
+                      completion_ids=list(completion), behavior_logprobs=list(logprobs), reward=1.0,
+                      policy_version=version, token_versions=list(token_versions))
+
+
+A = traj("a", [1, 2, 3], [4, 5], [-0.1, -0.2], version=3)
+B = traj("b", [7], [8, 9, 10], [-1.0, -2.0, -3.0], version=5, token_versions=[5, 5, 6])
+
+
+def test_pack_aligns_completion_tokens_with_their_logprobs():
+    (mb,) = pack([A, B], [1.5, -0.5], token_budget=7)
+    # A = [1 2 3 | 4 5] reads [1 2 3 4], predicts [2 3 4 5]; positions 2, 3 predict the completion
+    # B = [7 | 8 9 10] reads [7 8 9], predicts [8 9 10]; all three positions predict the completion
+    assert mb.input_ids.tolist() == [1, 2, 3, 4, 7, 8, 9]
+    assert mb.targets.tolist() == [2, 3, 4, 5, 8, 9, 10]
+    assert mb.position_ids.tolist() == [0, 1, 2, 3, 0, 1, 2]
+    assert mb.loss_mask.tolist() == [False, False, True, True, True, True, True]
+    assert mb.behavior_logprobs.tolist() == pytest.approx([0, 0, -0.1, -0.2, -1, -2, -3])
+    assert mb.advantages.tolist() == [0, 0, 1.5, 1.5, -0.5, -0.5, -0.5]
+    assert mb.versions.tolist() == [-1, -1, 3, 3, 5, 5, 6]
+    assert mb.seq_ids.tolist() == [0, 0, 0, 0, 1, 1, 1]
+    assert mb.cu_seqlens.tolist() == [0, 4, 7] and mb.max_seqlen == 4
+    assert mb.sample_ids == ["a", "b"] and mb.num_loss_tokens == 5
+
+
+def test_budget_splits_into_micro_batches():
+    # costs 4 and 3 do not share a budget of 5
+    batches = pack([A, B], [1.0, 1.0], token_budget=5)
+    assert [mb.sample_ids for mb in batches] == [["a"], ["b"]]
+
+
+def test_overlong_sequence_names_the_config_field():
+    with pytest.raises(ValueError, match="learner.micro_batch_tokens = 3"):
+        pack([A], [1.0], token_budget=3)
+
+
+def test_sample_without_completion_is_skipped():
+    empty = traj("e", [1, 2], [], [])
+    batches = pack([empty, B], [1.0, 2.0], token_budget=16)
+    assert [mb.sample_ids for mb in batches] == [["b"]]
+
+
+def test_plan_respects_budget_and_keeps_every_index():
+    rng = random.Random(0)
+    costs = [rng.randint(1, 50) for _ in range(200)]
+    bins = plan(costs, 64)
+    assert sorted(i for b in bins for i in b) == list(range(200))
+    assert all(sum(costs[i] for i in b) <= 64 for b in bins)
+    # first-fit decreasing stays within 11/9 OPT + 1 of the lower bound
+    assert len(bins) <= 11 / 9 * (sum(costs) / 64) + 2
