@@ -122,6 +122,7 @@ class WeightsReady(_Wire, tag="weights_ready"):
     world_size: int  # learner rank 0 + the node's receivers
     timeout_s: float
     buckets: list[BucketSpec]
+    backend: str = "gloo"  # "gloo" (CPU buffers) or "nccl" (buffers on the receiver's GPU)
 
 
 class WeightsApplied(_Wire, tag="weights_applied"):

@@ -1,0 +1,109 @@
+"""Weight bucket layout: which tensors go in which flat bucket, packing and unpacking.
+
+Pure tensor code (no process groups) so it is tested on its own; `engine/weights.py` moves the
+buckets. A bucket holds tensors of one dtype, at most `bucket_bytes`, each at an element offset.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable, Iterator, Mapping
+
+import torch
+
+from streamrl.engine.messages import BucketSpec, TensorSpec
+
+
+# ---- layout -----------------------------------------------------------------------------------
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"bucket dtype {name!r} is not a torch dtype (e.g. 'float32', 'bfloat16')")
+    return dtype
+
+
+def _storage_key(t: torch.Tensor) -> tuple:
+    return (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.dtype)
+
+
+def unique_tensors(named_tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor]
+                   ) -> list[tuple[str, torch.Tensor]]:
+    """Named tensors without tied duplicates (lm_head.weight sharing embed_tokens): the first name wins."""
+    items = named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
+    seen, names, out = set(), set(), []
+    for name, t in items:
+        if name in names:
+            raise ValueError(f"tensor name {name!r} appears twice in the state dict")
+        names.add(name)
+        key = _storage_key(t)
+        if key not in seen:
+            seen.add(key)
+            out.append((name, t))
+    return out
+
+
+def plan_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor],
+                 bucket_bytes: int) -> list[BucketSpec]:
+    """Flat buckets of one dtype each, at most `bucket_bytes` (a larger tensor gets a bucket of its own).
+
+    Tensors keep their order inside a dtype; a bucket is listed when it is opened, so the first
+    bucket holds the first tensors. Tied duplicates are skipped (vLLM ties them itself).
+    """
+    if bucket_bytes <= 0:
+        raise ValueError(f"bucket_bytes = {bucket_bytes}: must be > 0 (set weights.bucket_mb > 0)")
+    buckets: list[BucketSpec] = []
+    open_bucket: dict[torch.dtype, BucketSpec] = {}
+    for name, t in unique_tensors(named_tensors):
+        bucket = open_bucket.get(t.dtype)
+        numel = t.numel()
+        if bucket is None or (bucket.numel + numel) * t.element_size() > bucket_bytes and bucket.tensors:
+            bucket = BucketSpec(dtype=dtype_name(t.dtype), numel=0, tensors=[])
+            open_bucket[t.dtype] = bucket
+            buckets.append(bucket)
+        bucket.tensors.append(TensorSpec(name=name, shape=list(t.shape), offset=bucket.numel, numel=numel))
+        bucket.numel += numel
+    return buckets
+
+
+def pack_bucket(spec: BucketSpec, tensors: Mapping[str, torch.Tensor], device: torch.device | str) -> torch.Tensor:
+    """One flat tensor holding the bucket's tensors at their offsets."""
+    flat = torch.empty(spec.numel, dtype=torch_dtype(spec.dtype), device=device)
+    for ts in spec.tensors:
+        t = tensors.get(ts.name)
+        if t is None or list(t.shape) != ts.shape or t.dtype != flat.dtype:
+            got = "missing" if t is None else f"{dtype_name(t.dtype)}{list(t.shape)}"
+            raise ValueError(f"tensor {ts.name!r} is {got}; the layout says {spec.dtype}{ts.shape}")
+        flat[ts.offset:ts.offset + ts.numel].copy_(t.detach().reshape(-1), non_blocking=True)
+    return flat
+
+
+def unpack_bucket(spec: BucketSpec, flat: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
+    """Views into `flat`, named and shaped by the layout (no copy)."""
+    if flat.numel() != spec.numel:
+        raise ValueError(f"bucket holds {flat.numel()} elements; the layout says {spec.numel}")
+    for ts in spec.tensors:
+        yield ts.name, flat[ts.offset:ts.offset + ts.numel].view(ts.shape)
+
+
+class PackedBuckets:
+    """Buckets packed once on first use and shared by every node's sender thread."""
+
+    def __init__(self, specs: list[BucketSpec], tensors: Mapping[str, torch.Tensor], device: torch.device | str):
+        self.specs, self._tensors, self.device = specs, tensors, torch.device(device)
+        self._flat: dict[int, torch.Tensor] = {}
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self.specs)
+
+    def get(self, index: int) -> torch.Tensor:
+        with self._lock:
+            if index not in self._flat:
+                self._flat[index] = pack_bucket(self.specs[index], self._tensors, self.device)
+            return self._flat[index]
