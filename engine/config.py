@@ -325,14 +325,23 @@ def load(path: str | pathlib.Path | None = None, overrides: list[str] = ()) -> C
 
 
 def dump(config: Config) -> str:
-    """The config as TOML-like text (for logs and the run folder)."""
-    lines = []
-    for section, values in msgspec.to_builtins(config).items():
-        lines.append(f"[{section}]")
-        for key, value in values.items():
-            lines.append(f"{key} = {_toml_value(value)}")
-        lines.append("")
+    """The config as TOML text (for logs and the run folder); `build(tomllib.loads(dump(c))) == c`."""
+    lines: list[str] = []
+    _dump_table(msgspec.to_builtins(config), "", lines)
     return "\n".join(lines)
+
+
+def _dump_table(values: dict[str, Any], prefix: str, lines: list[str]) -> None:
+    tables = {k: v for k, v in values.items() if isinstance(v, dict)}
+    if prefix and (len(tables) < len(values)):
+        lines.append(f"[{prefix}]")
+    for key, value in values.items():
+        if key not in tables:
+            lines.append(f"{key} = {_toml_value(value)}")
+    if prefix:
+        lines.append("")
+    for key, table in tables.items():
+        _dump_table(table, f"{prefix}.{key}" if prefix else key, lines)
 
 
 def _toml_value(value: Any) -> str:
