@@ -1,0 +1,81 @@
+"""The seam between the rollout node and whatever generates tokens (vLLM, transformers, a test fake).
+
+Behavior logprobs, for every backend: log-softmax of the model's logits divided by the sampling
+temperature, read at the sampled token — the distribution the token was drawn from *before*
+top-k/top-p truncation, never renormalised over the kept tokens. That is what the learner
+recomputes (its logits / temperature), so the importance ratio compares like with like. With
+top-k/top-p on, the true sampling probability is higher than this by the kept mass; the
+learner's masked/truncated importance sampling absorbs that, and a renormalised value could not
+be matched by the learner at all.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+import msgspec
+
+from streamrl.engine.config import RolloutConfig
+from streamrl.engine.messages import WeightsReady
+
+
+class Completion(msgspec.Struct, kw_only=True):
+    """One sampled completion of a prompt, as token ids (never decoded on the way to the learner)."""
+
+    token_ids: list[int]
+    logprobs: list[float]  # behavior logprob of each token (see the module docstring)
+    finish_reason: str  # "stop" (eos or a stop token) or "length" (max_tokens / context)
+    token_versions: list[int]  # policy version that sampled each token, one per token
+
+    @property
+    def policy_version(self) -> int:
+        """Version of the first token (the one the node had when the sample started)."""
+        return self.token_versions[0] if self.token_versions else -1
+
+    @property
+    def mixed_versions(self) -> bool:
+        return len(set(self.token_versions)) > 1
+
+
+@runtime_checkable
+class GenerationEngine(Protocol):
+    """What the rollout node needs from a generation backend."""
+
+    policy_version: int
+
+    async def generate(self, prompt_ids: list[int], n: int, max_tokens: int) -> list[Completion]:
+        """`n` samples of one prompt (one group), with behavior logprobs and per-token versions."""
+        ...
+
+    async def update_weights(self, ready: WeightsReady) -> float:
+        """Receive and apply the weights of `ready.version`; return the seconds it took."""
+        ...
+
+    async def close(self) -> None:
+        ...
+
+
+def check_sampling(cfg: RolloutConfig) -> None:
+    """Reject sampling settings whose behavior logprobs a backend cannot report as documented above."""
+    truncates = cfg.top_p < 1.0 or cfg.top_k > 0
+    if truncates and cfg.temperature != 1.0:
+        raise ValueError(
+            f"rollout.temperature = {cfg.temperature} together with rollout.top_p = {cfg.top_p} / "
+            f"rollout.top_k = {cfg.top_k}: vLLM reports either the temperature-1 logprobs or ones "
+            "renormalised over the top-k/top-p tokens, neither of which is the temperature-scaled "
+            "distribution the learner recomputes. Set rollout.temperature = 1.0, or top_p = 1.0 and top_k = 0")
+
+
+def build_engine(cfg, device: str = "cpu") -> GenerationEngine:
+    """The backend `cfg.rollout.backend` names, on the model `cfg.model` names (built-in tiny model when empty)."""
+    from streamrl.engine.models import default_tiny_model
+
+    model_path = cfg.model.path or str(default_tiny_model())
+    check_sampling(cfg.rollout)
+    if cfg.rollout.backend == "vllm":
+        from streamrl.rollout.vllm_engine import VLLMEngine
+
+        return VLLMEngine(model_path, cfg.model, cfg.rollout, seed=cfg.run.seed, device=device)
+    from streamrl.rollout.hf_engine import HFEngine
+
+    return HFEngine(model_path, cfg.model, cfg.rollout, seed=cfg.run.seed, device=device)
