@@ -1,0 +1,170 @@
+"""Everything that knows about ranks: the process group, FSDP2 wrapping, reductions, rank-0 logging.
+
+The training step calls into this file and never asks how many ranks there are. One process
+without torchrun still gets a (one-rank) process group, so FSDP2 runs the same code path at any
+world size. Gradients are *summed* across ranks (divide factor 1): the loss is already divided by
+the global normaliser, so the sum is the gradient of the whole batch however it was split.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from streamrl.engine.config import LearnerConfig
+from streamrl.learner.logprobs import PolicyModel, register_varlen_attention
+
+DEFAULT_TIMEOUT_S = 300.0
+
+
+def init_distributed(timeout_s: float = DEFAULT_TIMEOUT_S) -> torch.device:
+    """Join torchrun's group (env RANK/WORLD_SIZE/...) or make a one-rank group; return this rank's device.
+
+    nccl on CUDA, gloo on CPU; every collective fails after `timeout_s` instead of hanging.
+    """
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    if dist.is_initialized():
+        return device
+    timeout = datetime.timedelta(seconds=timeout_s)
+    backend = "nccl" if cuda else "gloo"
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        dist.init_process_group(backend, timeout=timeout, device_id=device if cuda else None)
+    else:
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout,
+                                device_id=device if cuda else None)
+    return device
+
+
+def rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def is_rank0() -> bool:
+    return rank() == 0
+
+
+def rank0_logger(name: str) -> logging.Logger:
+    """The logger `name` on rank 0; a silent one on every other rank."""
+    logger = logging.getLogger(name if is_rank0() else f"{name}.rank{rank()}")
+    if not is_rank0():
+        logger.addHandler(logging.NullHandler())
+        logger.propagate = False
+        logger.disabled = True
+    return logger
+
+
+def wrap_model(model: nn.Module, cfg: LearnerConfig, device: torch.device, *, temperature: float = 1.0,
+               chunk: int = 1024) -> PolicyModel:
+    """Shard a HF causal LM with FSDP2 (each decoder layer, then the root) over all ranks.
+
+    On CUDA: bf16 compute with fp32 reductions and master weights, varlen attention for packed
+    sequences. Optional activation checkpointing and per-layer torch.compile (cfg).
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    init_distributed()
+    if device.type == "cuda" and register_varlen_attention():
+        model.config._attn_implementation = "streamrl_varlen"
+    model = model.to(device=device, dtype=torch.float32).train()
+    layers = model.model.layers
+    if cfg.activation_checkpointing:
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+        for i, layer in enumerate(layers):
+            layers[i] = checkpoint_wrapper(layer, preserve_rng_state=False)
+    if cfg.compile:
+        for layer in layers:
+            layer.compile(dynamic=True)
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+          if device.type == "cuda" else MixedPrecisionPolicy())
+    policy = PolicyModel(model, chunk=chunk, temperature=temperature)
+    for layer in layers:
+        fully_shard(layer, mesh=mesh, mp_policy=mp)
+    fully_shard(policy, mesh=mesh, mp_policy=mp)
+    policy.set_gradient_divide_factor(1.0)
+    return policy
+
+
+def _hf_name(name: str) -> str:
+    return name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
+
+
+def full_state_dict(model: nn.Module) -> dict[str, Tensor]:
+    """Every rank calls; rank 0 gets full CPU tensors under HF names, the others an empty dict."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    lm = model.lm if isinstance(model, PolicyModel) else model
+    state = get_model_state_dict(lm, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return {_hf_name(k): v for k, v in state.items()} if is_rank0() else {}
+
+
+def all_reduce_sum(value: Tensor) -> Tensor:
+    """Sum over ranks (a copy; the input is left alone)."""
+    out = value.detach().clone()
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(out, op=dist.ReduceOp.SUM)
+    return out
+
+
+def max_over_ranks(value: int, device: torch.device) -> int:
+    out = torch.tensor([value], dtype=torch.int64, device=device)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(out, op=dist.ReduceOp.MAX)
+    return int(out.item())
+
+
+def reduce_metrics(metrics: dict[str, float | Tensor], device: torch.device | None = None) -> dict[str, float]:
+    """Reduce a metrics dict over ranks: keys ending `_max` by max, `_min` by min, the rest summed.
+
+    Every rank must pass the same keys. Means are formed afterwards from reduced sums (see
+    losses.summarize), so no rank's share is weighted wrongly.
+    """
+    device = device or torch.device("cpu")
+    keys = sorted(metrics)
+    values = torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64, device=device)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        for suffix, op in (("_max", dist.ReduceOp.MAX), ("_min", dist.ReduceOp.MIN), ("", dist.ReduceOp.SUM)):
+            idx = [i for i, k in enumerate(keys) if k.endswith(suffix) and
+                   (suffix or not k.endswith(("_max", "_min")))]
+            if idx:
+                part = values[idx].clone()
+                dist.all_reduce(part, op=op)
+                values[idx] = part
+    return dict(zip(keys, values.tolist()))
+
+
+def gather_names(names: list[str]) -> list[str]:
+    """Union of a list of names from every rank (used on the rare non-finite step)."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return sorted(set(names))
+    everyone: list[list[str] | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, names)
+    return sorted({n for part in everyone for n in (part or [])})
+
+
+def shutdown(timeout_s: float = 60.0) -> None:
+    """Clean teardown: wait for every rank (bounded), then destroy the group.
+
+    Without the barrier a rank that exits first tears its gloo pairs down under a peer that is
+    still sending, which aborted the process ("terminate called without an active exception").
+    """
+    if not dist.is_initialized():
+        return
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    if dist.get_world_size() > 1:
+        if dist.get_backend() == "gloo":
+            dist.monitored_barrier(timeout=datetime.timedelta(seconds=timeout_s))
+        else:
+            dist.barrier()
+    dist.destroy_process_group()

@@ -1,0 +1,138 @@
+"""One safe optimizer step over packed micro-batches.
+
+micro-batches -> forward (logprobs + entropy, chunked over the vocabulary) -> loss (divided by the
+global normaliser) -> backward -> clip -> non-finite check -> optimizer step. A non-finite gradient
+norm skips the step: gradients are zeroed, the skip is counted and logged with the offending
+parameter names, and neither the weights nor the optimizer state move.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+from torch import Tensor, nn
+
+from streamrl.engine.config import LearnerConfig, LossConfig
+from streamrl.learner import parallel
+from streamrl.learner.batching import MicroBatch
+from streamrl.learner.losses import local_normalizer, policy_loss, summarize
+
+log = parallel.rank0_logger("streamrl.learner")
+
+
+def compute_logprobs(model: nn.Module, mb: MicroBatch) -> tuple[Tensor, Tensor]:
+    """(logprobs, entropy), each [T] fp32, of the micro-batch's targets under `model`."""
+    return model(mb.input_ids, mb.position_ids, mb.targets, mb.cu_seqlens, mb.max_seqlen)
+
+
+def _filler(like: MicroBatch) -> MicroBatch:
+    """A one-position micro-batch with no loss token: keeps a rank with fewer micro-batches in step."""
+    z = like.input_ids[:1]
+    zero_i, zero_f = torch.zeros_like(z), torch.zeros(1, device=z.device)
+    return MicroBatch(input_ids=zero_i, position_ids=zero_i, targets=zero_i,
+                      loss_mask=torch.zeros(1, dtype=torch.bool, device=z.device), behavior_logprobs=zero_f,
+                      advantages=zero_f, versions=zero_i - 1, seq_ids=zero_i,
+                      cu_seqlens=torch.tensor([0, 1], dtype=torch.int32, device=z.device), max_seqlen=1)
+
+
+class Trainer:
+    """Owns the optimizer and the policy version; `step` trains on one batch of micro-batches."""
+
+    def __init__(self, model: nn.Module, loss_cfg: LossConfig, cfg: LearnerConfig, device: torch.device,
+                 ref_model: nn.Module | None = None):
+        self.model, self.loss_cfg, self.cfg, self.device = model, loss_cfg, cfg, device
+        self.ref_model = ref_model
+        self.optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=cfg.betas,
+                                           weight_decay=cfg.weight_decay, fused=device.type == "cuda")
+        warmup = max(cfg.warmup_steps, 0)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda s: min(1.0, (s + 1) / warmup) if warmup else 1.0)
+        self.version = 0
+        self.skipped_steps = 0
+
+    def global_normalizer(self, micro_batches: list[MicroBatch], global_token_count: float | None) -> float:
+        """Loss tokens (or sequences) of the whole step over all ranks: one all-reduce."""
+        if global_token_count is not None and self.loss_cfg.aggregation == "token":
+            return float(global_token_count)
+        local = sum((local_normalizer(mb.loss_mask, mb.seq_ids, self.loss_cfg) for mb in micro_batches),
+                    torch.zeros((), device=self.device))
+        return float(parallel.all_reduce_sum(torch.as_tensor(local, device=self.device)))
+
+    def _forward_backward(self, mb: MicroBatch, normalizer: float) -> dict[str, Tensor]:
+        logprobs, entropy = compute_logprobs(self.model, mb)
+        ref = None
+        if self.loss_cfg.kl_coef > 0:
+            if self.ref_model is None:
+                raise ValueError("loss.kl_coef > 0 needs a reference model: pass ref_model to Trainer")
+            with torch.no_grad():
+                ref, _ = compute_logprobs(self.ref_model, mb)
+        loss, stats = policy_loss(logprobs, mb.behavior_logprobs, mb.advantages, mb.loss_mask, self.loss_cfg,
+                                  seq_ids=mb.seq_ids, ref_logprobs=ref, entropy=entropy, normalizer=normalizer,
+                                  same_version=mb.versions == self.version)
+        loss.backward()
+        return stats
+
+    def step(self, micro_batches: list[MicroBatch], global_token_count: float | None = None) -> dict[str, float]:
+        """Train on this rank's micro-batches; metrics are reduced over ranks (same dict on every rank)."""
+        start = time.perf_counter()
+        micro_batches = [mb.to(self.device) for mb in micro_batches]
+        rounds = parallel.max_over_ranks(len(micro_batches), self.device)
+        if not micro_batches and rounds:
+            raise ValueError("this rank got no micro-batch while others did; give every rank at least one")
+        micro_batches += [_filler(micro_batches[0]) for _ in range(rounds - len(micro_batches))]
+        normalizer = self.global_normalizer(micro_batches, global_token_count)
+        sums: dict[str, Tensor] = {}
+        for mb in micro_batches:
+            for key, value in self._forward_backward(mb, normalizer).items():
+                sums[key] = _combine(key, sums.get(key), value.detach())
+        grad_norm, bad = self._clip_and_check()
+        if bad:
+            self._skip(bad, grad_norm)
+        else:
+            self.optimizer.step()
+            self.scheduler.step()
+            self.version += 1
+        self.optimizer.zero_grad(set_to_none=True)
+        sums["positions"] = torch.tensor(float(sum(mb.num_tokens for mb in micro_batches)))
+        reduced = parallel.reduce_metrics({k: float(v) for k, v in sums.items()}, self.device)
+        metrics = summarize(reduced)
+        metrics.update(loss=reduced["loss_sum"] / max(normalizer, 1.0), positions=reduced["positions"],
+                       grad_norm=grad_norm, skipped=float(bool(bad)), skipped_steps=float(self.skipped_steps),
+                       version=float(self.version), normalizer=normalizer, lr=self.scheduler.get_last_lr()[0],
+                       step_seconds=time.perf_counter() - start)
+        return metrics
+
+    def _clip_and_check(self) -> tuple[float, list[str]]:
+        """Clip to max_grad_norm; the norm, and the names of parameters with non-finite gradients."""
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        norm = torch.nn.utils.clip_grad_norm_(params, self.cfg.max_grad_norm, foreach=True)
+        if hasattr(norm, "full_tensor"):
+            norm = norm.full_tensor()
+        norm = float(norm)
+        if math.isfinite(norm):
+            return norm, []
+        local = [name for name, p in self.model.named_parameters()
+                 if p.grad is not None and not bool(torch.isfinite(_local(p.grad)).all())]
+        return norm, parallel.gather_names([parallel._hf_name(n.removeprefix("lm.")) for n in local]) or ["?"]
+
+    def _skip(self, names: list[str], grad_norm: float) -> None:
+        self.skipped_steps += 1
+        shown = ", ".join(names[:8]) + (f" (+{len(names) - 8} more)" if len(names) > 8 else "")
+        log.warning("step skipped at version %d: gradient norm %s; non-finite gradients in %s (%d skipped so far)",
+                    self.version, grad_norm, shown, self.skipped_steps)
+
+
+def _local(t: Tensor) -> Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _combine(key: str, old: Tensor | None, new: Tensor) -> Tensor:
+    if old is None:
+        return new
+    if key.endswith("_max"):
+        return torch.maximum(old, new)
+    if key.endswith("_min"):
+        return torch.minimum(old, new)
+    return old + new

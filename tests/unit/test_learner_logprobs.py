@@ -1,0 +1,53 @@
+import pytest
+import torch
+
+from streamrl.engine.messages import Trajectory
+from streamrl.learner.batching import pack
+from streamrl.learner.logprobs import PolicyModel, chunked_logprobs
+
+
+def test_chunked_logprobs_match_log_softmax_and_its_gradient():
+    torch.manual_seed(0)
+    hidden = torch.randn(10, 8, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(50, 8, dtype=torch.float64, requires_grad=True)
+    targets = torch.randint(0, 50, (10,))
+    g = torch.randn(10, dtype=torch.float64)
+
+    logits = (hidden @ weight.t()) / 0.7
+    ref = torch.log_softmax(logits, -1).gather(1, targets[:, None]).squeeze(1)
+    p = torch.softmax(logits, -1)
+    ref_entropy = -(p * torch.log_softmax(logits, -1)).sum(-1)
+    ref_grads = torch.autograd.grad((ref * g).sum(), (hidden, weight))
+
+    lp, entropy = chunked_logprobs(hidden, weight, targets, chunk=3, temperature=0.7)  # chunks 3+3+3+1
+    grads = torch.autograd.grad((lp * g).sum(), (hidden, weight))
+    assert torch.allclose(lp.double(), ref, atol=1e-5)
+    assert torch.allclose(entropy.double(), ref_entropy, atol=1e-5)
+    for got, want in zip(grads, ref_grads):
+        assert torch.allclose(got, want, atol=1e-5)
+
+
+def traj(sid, prompt, completion):
+    return Trajectory(sample_id=sid, group_id="g", node_id="n", seq=0, prompt_ids=prompt, completion_ids=completion,
+                      behavior_logprobs=[0.0] * len(completion), reward=0.0, policy_version=0)
+
+
+def test_packed_forward_equals_each_sequence_alone(tiny_model):
+    from transformers import AutoModelForCausalLM
+
+    lm = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32, attn_implementation="sdpa")
+    policy = PolicyModel(lm, chunk=4)
+    a, b = traj("a", [5, 6, 7], [8, 9, 10, 11]), traj("b", [20, 21], [22, 23, 24])
+    with torch.no_grad():
+        (packed,) = pack([a, b], [0.0, 0.0], 64)
+        lp_packed, _ = policy(packed.input_ids, packed.position_ids, packed.targets, packed.cu_seqlens,
+                              packed.max_seqlen)
+        alone = []
+        for t in (a, b):
+            (mb,) = pack([t], [0.0], 64)
+            alone.append(policy(mb.input_ids, mb.position_ids, mb.targets, mb.cu_seqlens, mb.max_seqlen)[0])
+        # the reference: HF's own logits of the sequence run alone
+        logits = lm(torch.tensor([[20, 21, 22, 23, 24]])).logits[0, :-1]
+        hf_b = torch.log_softmax(logits, -1).gather(1, torch.tensor([[21], [22], [23], [24]])).squeeze(1)
+    assert torch.allclose(lp_packed, torch.cat(alone), atol=1e-5)
+    assert torch.allclose(alone[1], hf_b, atol=1e-5)

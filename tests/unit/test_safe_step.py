@@ -1,0 +1,72 @@
+"""The safe step on one rank (a one-rank gloo group, the same FSDP2 path as many ranks)."""
+
+import math
+
+import pytest
+import torch
+
+from streamrl.engine.config import LearnerConfig, LossConfig
+from streamrl.engine.messages import Trajectory
+from streamrl.learner import parallel
+from streamrl.learner.batching import pack
+from streamrl.learner.train_step import Trainer, compute_logprobs
+
+
+@pytest.fixture(scope="module")
+def trainer(tiny_model):
+    from transformers import AutoModelForCausalLM
+
+    device = parallel.init_distributed()
+    torch.manual_seed(0)
+    lm = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32, attn_implementation="sdpa")
+    model = parallel.wrap_model(lm, LearnerConfig(lr=1e-2), device)
+    yield Trainer(model, LossConfig(), LearnerConfig(lr=1e-2), device)
+    parallel.shutdown()
+
+
+def batch(advantages):
+    trajs = [Trajectory(sample_id=f"s{i}", group_id="g", node_id="n", seq=i, prompt_ids=[3, 4, 5 + i],
+                        completion_ids=[10 + i, 11, 12], behavior_logprobs=[-6.0] * 3, reward=0.0, policy_version=0)
+             for i in range(len(advantages))]
+    return pack(trajs, advantages, token_budget=12)
+
+
+def weights(model):
+    return {k: v.clone() for k, v in parallel.full_state_dict(model).items()}
+
+
+def test_planted_nan_skips_the_step_and_leaves_weights_bit_identical(trainer, caplog):
+    before = weights(trainer.model)
+    version = trainer.version
+    with caplog.at_level("WARNING", logger="streamrl.learner"):
+        metrics = trainer.step(batch([1.0, float("nan"), -1.0, 0.5]))
+    assert metrics["skipped"] == 1.0 and metrics["skipped_steps"] == 1.0
+    assert not math.isfinite(metrics["grad_norm"])
+    after = weights(trainer.model)
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert trainer.version == version
+    assert all(p.grad is None for p in trainer.model.parameters())
+    assert "non-finite gradients in" in caplog.text and "model.layers.0." in caplog.text
+    # the next finite batch trains: weights move, gradient norm clipped to 1.0 by default
+    metrics = trainer.step(batch([1.0, -1.0, 1.0, -1.0]))
+    assert metrics["skipped"] == 0.0 and trainer.version == version + 1
+    assert any(not torch.equal(before[k], v) for k, v in weights(trainer.model).items())
+    assert all(torch.isfinite(v).all() for v in weights(trainer.model).values())
+
+
+def test_first_step_on_own_logprobs_has_ratio_one_and_tiny_kl(trainer):
+    mbs = batch([1.0, -1.0, 0.5, -0.5])
+    with torch.no_grad():
+        for mb in mbs:
+            lp, _ = compute_logprobs(trainer.model, mb)
+            mb.behavior_logprobs = torch.where(mb.loss_mask, lp, torch.zeros_like(lp))
+            mb.versions = torch.where(mb.loss_mask, trainer.version, -1)
+    metrics = trainer.step(mbs)
+    assert metrics["tokens"] == 12.0 and metrics["positions"] == 20.0
+    assert metrics["is_weight_max"] == pytest.approx(1.0, abs=1e-6)
+    assert metrics["is_weight_min"] == pytest.approx(1.0, abs=1e-6)
+    assert abs(metrics["ppo_kl"]) < 1e-6 and metrics["mismatch_kl"] < 1e-6
+    assert metrics["clip_fraction"] == 0.0 and metrics["entropy"] > 0.0
+    # ratio 1 everywhere: loss = -mean advantage over the 12 loss tokens = -(3 - 3 + 1.5 - 1.5) / 12 = 0
+    assert metrics["loss"] == pytest.approx(0.0, abs=1e-6)
+    assert metrics["grad_norm"] > 0.0
