@@ -1,0 +1,88 @@
+"""Calling reward functions safely (inline): per-sample isolation, value checks, async, spec loading."""
+
+from __future__ import annotations
+
+import asyncio
+import textwrap
+
+import numpy as np
+import pytest
+
+from streamrl.engine.config import RewardConfig
+from streamrl.rewards import Scorer
+from streamrl.rewards.call import Batch, safe_call
+from streamrl.rewards.registry import RewardSpecError, resolve
+
+
+def batch(*completions: str) -> Batch:
+    n = len(completions)
+    return Batch(prompts=["p"] * n, completions=list(completions), completion_ids=[[1]] * n,
+                 columns={"answer": ["x"] * n})
+
+
+def picky(prompts, completions, completion_ids, **columns):
+    if "bad" in completions:
+        raise KeyError("bad sample")
+    return [float(len(c)) for c in completions]
+
+
+def test_a_raising_batch_is_retried_per_sample():
+    out = safe_call(picky, batch("ab", "bad", "c"))
+    assert out.values == [2.0, None, 1.0] and out.errors == 1 and "KeyError: 'bad sample'" in out.traceback
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), "1.0", True, [1.0]])
+def test_non_finite_or_non_number_values_are_errors(value):
+    out = safe_call(lambda p, c, i, **k: [value] * len(c), batch("a"))
+    assert out.values == [None] and out.errors == 1
+
+
+def test_numpy_values_and_explicit_none_pass():
+    out = safe_call(lambda p, c, i, **k: [np.float32(0.5), np.int64(2)], batch("a", "b"))
+    assert out.values == [0.5, 2.0] and out.errors == 0
+    out = safe_call(lambda p, c, i, **k: [None, np.float64(1.5)], batch("a", "b"))
+    assert out.values == [None, 1.5] and out.errors == 0  # a reward may abstain; that is not an error
+
+
+async def async_len(prompts, completions, completion_ids, **columns):
+    await asyncio.sleep(0)
+    return [float(len(c)) for c in completions]
+
+
+def test_async_rewards_run_with_or_without_a_running_loop():
+    assert safe_call(async_len, batch("abc")).values == [3.0]
+
+    async def inside_a_loop():
+        return safe_call(async_len, batch("ab")).values
+
+    assert asyncio.run(inside_a_loop()) == [2.0]
+
+
+def test_a_reward_loaded_from_a_file_path(tmp_path):
+    path = tmp_path / "rw.py"
+    path.write_text(textwrap.dedent("""
+        def starts_with_answer(prompts, completions, completion_ids, answer, **columns):
+            return [float(c.startswith(a)) for c, a in zip(completions, answer)]
+
+        def too_few(prompts, completions):
+            return []
+    """))
+    scorer = Scorer(RewardConfig(functions=[f"{path}:starts_with_answer"], workers=0))
+    assert scorer.score(["p", "p"], ["yes!", "no"], [[1], [2]], [{"answer": "yes"}] * 2) == [1.0, 0.0]
+    with pytest.raises(RewardSpecError, match="takes 2 positional arguments"):
+        resolve(f"{path}:too_few", RewardConfig())
+    with pytest.raises(RewardSpecError, match="has no callable named 'missing'"):
+        resolve(f"{path}:missing", RewardConfig())
+    with pytest.raises(RewardSpecError, match="does not exist"):
+        resolve(f"{tmp_path}/nope.py:f", RewardConfig())
+
+
+def test_a_module_function_spec():
+    fn = resolve("streamrl.rewards.demo:demo", RewardConfig())
+    assert fn(["p"], ["aab"], [[1]], answer=["a"]) == [2 / 3]
+
+
+def test_inline_scorer_counts_errors_and_none():
+    scorer = Scorer(RewardConfig(functions=["exact_match"], workers=0))
+    assert scorer.score(["p"], ["x"], [[1]], [{"not_answer": "x"}]) == [None]  # no `answer` column: TypeError
+    assert scorer.stats.errors == 1 and scorer.stats.none == 1
