@@ -81,7 +81,26 @@ class TrajectorySender:
         self._sock.setsockopt(zmq.SNDHWM, hwm)
         self._sock.setsockopt(zmq.IMMEDIATE, 1)
         self._sock.setsockopt(zmq.SNDTIMEO, _ms(send_timeout_s))
+        self._monitor: zmq.Socket | None = self._sock.get_monitor_socket(zmq.EVENT_CONNECTED)
         _connect(self._sock, addr)
+
+    def wait_connected(self, timeout_s: float) -> None:
+        """Return once the TCP connection to the receiver is up; TransportError naming it after `timeout_s`."""
+        from zmq.utils.monitor import recv_monitor_message
+
+        deadline = time.monotonic() + timeout_s
+        while self._monitor is not None and self._monitor.poll(_ms(deadline - time.monotonic())):
+            if recv_monitor_message(self._monitor)["event"] == zmq.EVENT_CONNECTED:
+                self._close_monitor()
+        if self._monitor is not None:
+            raise TransportError(f"node {self.node_id}: no connection to the learner's trajectory socket at "
+                                 f"{self.addr} within {timeout_s:g}s (is the learner running and the address right?)")
+
+    def _close_monitor(self) -> None:
+        if self._monitor is not None:
+            self._sock.disable_monitor()
+            self._monitor.close(linger=0)
+            self._monitor = None
 
     def send(self, traj: Trajectory) -> int:
         """Stamp `traj` with this node's id and next seq, send it, return the seq. Blocks at the HWM."""
@@ -98,6 +117,7 @@ class TrajectorySender:
         return self.seq - 1
 
     def close(self) -> None:
+        self._close_monitor()
         self._sock.close(linger=_ms(self.flush_timeout_s))
 
     def __enter__(self) -> TrajectorySender:

@@ -152,3 +152,14 @@ def test_control_server_counts_bad_frames():
             assert server.decode_errors == 1
         finally:
             dealer.close(linger=0)
+
+
+def test_wait_connected(receiver):
+    with TrajectorySender(receiver.addr, "n", send_timeout_s=5) as sender:
+        sender.wait_connected(10)
+        sender.send(_traj())
+        assert receiver.recv(10).seq == 0
+    addr = f"tcp://127.0.0.1:{_dead_port()}"
+    with TrajectorySender(addr, "n", send_timeout_s=5) as sender:
+        with pytest.raises(TransportError, match=f"{addr} within 0.3s"):
+            sender.wait_connected(0.3)

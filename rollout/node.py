@@ -1,0 +1,214 @@
+"""The rollout node loop: prompt -> credit -> generate a group -> score -> send each trajectory.
+
+Up to `rollout.max_concurrent_groups` groups are in flight at once (asyncio tasks); the engine
+batches them. Seams the end-to-end wiring fills: `credits` (admission; unlimited by default),
+`apply_weights` (a new policy between or during generation), and `stop` (finish in-flight groups
+within a grace period, abandon the rest and report them). Completions are decoded only for the
+rewards; trajectories carry token ids.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import dataclasses
+import itertools
+import logging
+import time
+from collections.abc import Iterable
+from typing import Protocol
+
+from streamrl.engine.config import Config
+from streamrl.engine.messages import Timings, Trajectory, WeightsReady
+from streamrl.rollout.engine import Completion, GenerationEngine
+from streamrl.rollout.sources import Prompt, prompt_text
+
+log = logging.getLogger(__name__)
+
+CREDIT_RETRY_S = 0.05
+
+
+class Credits(Protocol):
+    """Admission: a group starts only once `acquire` granted it; `release` returns a group never sent."""
+
+    async def acquire(self, group_id: str, sample_ids: list[str]) -> bool: ...
+
+    async def release(self, group_id: str, sample_ids: list[str], reason: str) -> None: ...
+
+
+class UnlimitedCredits:
+    async def acquire(self, group_id: str, sample_ids: list[str]) -> bool:
+        return True
+
+    async def release(self, group_id: str, sample_ids: list[str], reason: str) -> None:
+        return None
+
+
+class TrajectorySink(Protocol):
+    def send(self, traj: Trajectory) -> int: ...
+
+
+class Scorer(Protocol):
+    def score(self, prompts: list[str], completions: list[str], completion_ids: list[list[int]],
+              columns: list[dict]) -> list[float | None]: ...
+
+
+@dataclasses.dataclass
+class NodeStats:
+    groups_started: int = 0
+    groups_sent: int = 0
+    samples_sent: int = 0
+    tokens_sent: int = 0
+    groups_failed: int = 0  # generation or scoring raised; the group's credit was released
+    rewards_none: int = 0
+    abandoned: list[str] = dataclasses.field(default_factory=list)  # group ids cut off by stop()
+    weight_updates: int = 0
+
+
+class RolloutNode:
+    def __init__(self, cfg: Config, node_id: str, engine: GenerationEngine, source: Iterable[Prompt],
+                 scorer: Scorer, sink: TrajectorySink, tokenizer, credits: Credits | None = None):
+        self.cfg, self.node_id, self.engine = cfg, node_id, engine
+        self.source, self.scorer, self.sink, self.tokenizer = source, scorer, sink, tokenizer
+        self.credits = credits or UnlimitedCredits()
+        self.stats = NodeStats()
+        self.in_flight: dict[str, asyncio.Task] = {}
+        self._stopping: asyncio.Event | None = None
+        self._fatal: BaseException | None = None
+        self._groups = itertools.count()
+        self._weights_lock = asyncio.Lock()
+        self._send_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="trajectory-send")
+
+    @property
+    def policy_version(self) -> int:
+        return self.engine.policy_version
+
+    async def run(self, max_groups: int | None = None, grace_s: float = 30.0) -> NodeStats:
+        """Generate until the source ends, `max_groups` groups started, `stop()` or a fatal send error."""
+        self._stopping = asyncio.Event()
+        limit = asyncio.Semaphore(self.cfg.rollout.max_concurrent_groups)
+        prompts = iter(self.source)
+        try:
+            while max_groups is None or self.stats.groups_started < max_groups:
+                if not await self._slot(limit):
+                    break
+                prompt = next(prompts, None)
+                if prompt is None or not await self._admit(prompt, limit):
+                    limit.release()
+                    break
+        finally:
+            await self._drain(grace_s)
+            self._send_thread.shutdown(wait=True)
+        if self._fatal is not None:
+            raise self._fatal
+        return self.stats
+
+    async def _slot(self, limit: asyncio.Semaphore) -> bool:
+        """Wait for room for one more group; False (holding nothing) once stopping."""
+        acquire = asyncio.ensure_future(limit.acquire())
+        stopping = asyncio.ensure_future(self._stopping.wait())
+        await asyncio.wait([acquire, stopping], return_when=asyncio.FIRST_COMPLETED)
+        stopping.cancel()
+        if not self._stopping.is_set():
+            return True
+        if acquire.done() and not acquire.cancelled():
+            limit.release()
+        acquire.cancel()
+        return False
+
+    async def _admit(self, prompt: Prompt, limit: asyncio.Semaphore) -> bool:
+        """Take a credit for a new group (retrying while none is free) and start it; False when stopping."""
+        group_id = f"{self.node_id}-g{next(self._groups)}"
+        sample_ids = [f"{group_id}-{i}" for i in range(self.cfg.rollout.group_size)]
+        while not await self.credits.acquire(group_id, sample_ids):
+            if self._stopping.is_set():
+                return False
+            await asyncio.sleep(CREDIT_RETRY_S)
+        self.stats.groups_started += 1
+        task = asyncio.create_task(self._group(group_id, sample_ids, prompt), name=group_id)
+        self.in_flight[group_id] = task
+        task.add_done_callback(lambda t: self._group_done(t, limit))
+        return True
+
+    def _group_done(self, task: asyncio.Task, limit: asyncio.Semaphore) -> None:
+        self.in_flight.pop(task.get_name(), None)
+        limit.release()
+        if not task.cancelled() and task.exception() is not None and self._fatal is None:
+            self._fatal = task.exception()
+
+    async def _group(self, group_id: str, sample_ids: list[str], prompt: Prompt) -> None:
+        submitted = time.time()
+        try:
+            completions = await self.engine.generate(prompt.prompt_ids, len(sample_ids), self.cfg.rollout.max_tokens)
+            finished = time.time()
+            rewards = await asyncio.to_thread(self._score, prompt, completions)
+        except asyncio.CancelledError:
+            await self.credits.release(group_id, sample_ids, "abandoned")
+            raise
+        except Exception as e:
+            log.exception("group %s failed before sending; its credit is released", group_id)
+            self.stats.groups_failed += 1
+            await self.credits.release(group_id, sample_ids, f"error: {type(e).__name__}")
+            return
+        timings = Timings(submitted=submitted, finished=finished, rewarded=time.time())
+        trajectories = [self._trajectory(sid, group_id, prompt, c, r, timings)
+                        for sid, c, r in zip(sample_ids, completions, rewards, strict=True)]
+        await self._send(trajectories)
+        self.stats.groups_sent += 1
+
+    def _score(self, prompt: Prompt, completions: list[Completion]) -> list[float | None]:
+        ids = [c.token_ids for c in completions]
+        texts = [self.tokenizer.decode(t, skip_special_tokens=True) for t in ids]
+        prompts = [prompt_text(prompt, self.cfg.data)] * len(ids)
+        return self.scorer.score(prompts, texts, ids, [prompt.row] * len(ids))
+
+    def _trajectory(self, sample_id: str, group_id: str, prompt: Prompt, c: Completion,
+                    reward: float | None, timings: Timings) -> Trajectory:
+        self.stats.rewards_none += reward is None
+        version = c.policy_version if c.token_versions else self.engine.policy_version
+        return Trajectory(sample_id=sample_id, group_id=group_id, node_id=self.node_id, seq=0,
+                          prompt_ids=prompt.prompt_ids, completion_ids=c.token_ids, behavior_logprobs=c.logprobs,
+                          reward=reward, policy_version=version,
+                          token_versions=c.token_versions if c.mixed_versions else [],
+                          finish_reason=c.finish_reason, group_size=self.cfg.rollout.group_size,
+                          timings=timings)
+
+    async def _send(self, trajectories: list[Trajectory]) -> None:
+        """Send in the one sender thread (ZMQ sockets are not thread-safe); a blocked send is backpressure."""
+        loop = asyncio.get_running_loop()
+        for traj in trajectories:
+            try:
+                await loop.run_in_executor(self._send_thread, self.sink.send, traj)
+            except Exception as e:  # the learner is gone: nothing further can be delivered
+                self._fatal = self._fatal or e
+                self.stop(f"send failed: {e}")
+                raise
+            self.stats.samples_sent += 1
+            self.stats.tokens_sent += len(traj.completion_ids)
+
+    async def apply_weights(self, ready: WeightsReady) -> float:
+        """Load the policy of `ready.version` into the engine (generation keeps going around it)."""
+        async with self._weights_lock:
+            seconds = await self.engine.update_weights(ready)
+        self.stats.weight_updates += 1
+        log.info("policy version %d live on %s in %.2fs", ready.version, self.node_id, seconds)
+        return seconds
+
+    def stop(self, reason: str = "stop") -> None:
+        """Start no new group; `run` then finishes in-flight groups within its grace period."""
+        if self._stopping is not None and not self._stopping.is_set():
+            log.info("node %s stopping (%s) with %d groups in flight", self.node_id, reason, len(self.in_flight))
+            self._stopping.set()
+
+    async def _drain(self, grace_s: float) -> None:
+        """Wait for in-flight groups: all of them at a normal end, `grace_s` once stopping."""
+        tasks = list(self.in_flight.values())
+        if not tasks:
+            return
+        _, pending = await asyncio.wait(tasks, timeout=grace_s if self._stopping.is_set() else None)
+        for task in pending:
+            self.stats.abandoned.append(task.get_name())
+            task.cancel()
+        if pending:
+            await asyncio.wait(pending, timeout=grace_s)
+            log.warning("node %s abandoned %d groups: %s", self.node_id, len(pending), self.stats.abandoned)
