@@ -8,8 +8,10 @@ sample with any component None gets None, which the ledger records as a `reward_
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
+import threading
 from typing import Any
 
 from streamrl.engine.config import RewardConfig
@@ -33,8 +35,11 @@ class ScorerStats:
     by_function: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)
 
     def as_metrics(self) -> dict[str, float]:
-        return {f"reward/{k}": float(getattr(self, k))
-                for k in ("calls", "samples", "errors", "timeouts", "none", "restarts")}
+        metrics = {f"reward/{k}": float(getattr(self, k))
+                   for k in ("calls", "samples", "errors", "timeouts", "none", "restarts")}
+        for spec, counts in self.by_function.items():
+            metrics.update({f"reward/{k}/{spec}": float(v) for k, v in counts.items()})
+        return metrics
 
 
 def combine(components: list[list[float | None]], weights: list[float]) -> list[float | None]:
@@ -60,6 +65,7 @@ class Scorer:
         self.model = model
         self.stats = ScorerStats(by_function={s: {"errors": 0, "timeouts": 0} for s in self.specs})
         self._logged: set[str] = set()
+        self._lock = threading.Lock()  # one batch at a time: the pool's workers are shared state
 
     def score(self, prompts: list[str], completions: list[str], completion_ids: list[list[int]],
               columns: list[dict]) -> list[float | None]:
@@ -70,12 +76,18 @@ class Scorer:
                              "completion_ids; give one of each per sample")
         batch = Batch(prompts=list(prompts), completions=list(completions),
                       completion_ids=[list(ids) for ids in completion_ids], columns=rows_to_columns(columns, n))
-        components = self._components(batch) if n else [[] for _ in self.specs]
-        rewards = combine(components, self.weights)
-        self.stats.calls += 1
-        self.stats.samples += n
-        self.stats.none += sum(r is None for r in rewards)
+        with self._lock:
+            components = self._components(batch) if n else [[] for _ in self.specs]
+            rewards = combine(components, self.weights)
+            self.stats.calls += 1
+            self.stats.samples += n
+            self.stats.none += sum(r is None for r in rewards)
         return rewards
+
+    async def score_async(self, prompts: list[str], completions: list[str], completion_ids: list[list[int]],
+                          columns: list[dict]) -> list[float | None]:
+        """`score` on a thread, for callers on an event loop (the rollout's AsyncLLM loop)."""
+        return await asyncio.to_thread(self.score, prompts, completions, completion_ids, columns)
 
     def _components(self, batch: Batch) -> list[list[float | None]]:
         outcomes: dict[int, CallOutcome] = {}
@@ -116,9 +128,10 @@ class Scorer:
             self.stats.restarts = self.pool.restarts
 
     def close(self) -> None:
-        if self.pool is not None:
-            self.pool.close()
-            self.pool = None
+        with self._lock:
+            if self.pool is not None:
+                self.pool.close()
+                self.pool = None
 
     def __enter__(self) -> "Scorer":
         return self

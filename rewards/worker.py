@@ -7,8 +7,10 @@ replacement worker starts in milliseconds.
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import signal
+import threading
 import traceback
 
 import msgspec
@@ -27,6 +29,7 @@ _from_worker = msgspec.msgpack.Decoder(RewardFromWorker)
 def main(conn, cfg_bytes: bytes, specs: list[str]) -> None:
     """Entry point of a worker; `conn` is its end of the pipe to the pool."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group; the parent stops us
+    _die_with_parent()
     try:
         cfg = msgspec.msgpack.decode(cfg_bytes, type=RewardConfig)
         fns = [None if spec == REWARD_MODEL else resolve(spec, cfg) for spec in specs]
@@ -42,6 +45,21 @@ def main(conn, cfg_bytes: bytes, specs: list[str]) -> None:
         if isinstance(message, RewardStop):
             return
         conn.send_bytes(_encoder.encode(_serve(fns, message)))
+
+
+def _die_with_parent() -> None:
+    # A worker stuck in a hung reward never reads its pipe, so it would outlive a SIGKILLed parent
+    # (under forkserver its OS parent is the fork server, which itself waits for its children).
+    # The parent's sentinel becomes ready the moment the parent is gone.
+    parent = multiprocessing.parent_process()
+    if parent is None:
+        return
+
+    def watch() -> None:
+        parent.join()
+        os._exit(1)
+
+    threading.Thread(target=watch, name="reward-parent-watch", daemon=True).start()
 
 
 def _serve(fns: list, call: RewardCall) -> RewardResult:

@@ -134,3 +134,54 @@ def test_a_none_reward_is_dropped_as_reward_error_in_the_ledger(user_file, redis
     assert received.reward_errors == [ids[1]]
     assert ledger.counts().dropped_by_reason == {"reward_error": 1}
     ledger.mark_trained([ids[0]])
+
+
+ORPHAN_SCRIPT = textwrap.dedent('''
+    import sys
+    from streamrl.engine.config import RewardConfig
+    from streamrl.rewards import build_scorer
+
+    if __name__ == "__main__":
+        scorer = build_scorer(RewardConfig(functions=[sys.argv[1] + ":sleeper"], workers=1, timeout_s=3600))
+        print(scorer.pool.workers[0].proc.pid, flush=True)
+        scorer.score(["p"], ["hang"], [[1]], [{}])
+''')
+
+
+def _alive(pid: int) -> bool:
+    import os
+
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:  # a zombie is dead too
+        return f.read().split(")")[-1].split()[0] != "Z"
+
+
+def test_a_worker_stuck_in_a_hung_reward_dies_with_its_killed_parent(user_file, tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    script = tmp_path / "parent.py"
+    script.write_text(ORPHAN_SCRIPT)
+    parent = subprocess.Popen([sys.executable, str(script), user_file], stdout=subprocess.PIPE, text=True)
+    worker = None
+    try:
+        worker = int(parent.stdout.readline())
+        time.sleep(0.5)  # let the hung call start
+        assert _alive(worker)
+        parent.send_signal(signal.SIGKILL)
+        parent.wait(timeout=30)
+        deadline = time.monotonic() + 30
+        while _alive(worker) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not _alive(worker), "the worker outlived its SIGKILLed parent"
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+            parent.wait(timeout=10)
+        if worker is not None and _alive(worker):
+            os.kill(worker, signal.SIGKILL)

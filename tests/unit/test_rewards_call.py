@@ -86,3 +86,15 @@ def test_inline_scorer_counts_errors_and_none():
     scorer = Scorer(RewardConfig(functions=["exact_match"], workers=0))
     assert scorer.score(["p"], ["x"], [[1]], [{"not_answer": "x"}]) == [None]  # no `answer` column: TypeError
     assert scorer.stats.errors == 1 and scorer.stats.none == 1
+
+
+def test_score_async_from_an_event_loop_and_per_function_metrics():
+    scorer = Scorer(RewardConfig(functions=["demo", "exact_match"], workers=0))
+
+    async def main():
+        return await asyncio.gather(scorer.score_async(["p"], ["a"], [[1]], [{"answer": "a"}]),
+                                    scorer.score_async(["p"], ["b"], [[1]], [{"answer": "a"}]))
+
+    assert asyncio.run(main()) == [[2.0], [0.0]]  # "a": demo 1 + exact 1; "b": 0 + 0
+    metrics = scorer.stats.as_metrics()
+    assert metrics["reward/calls"] == 2.0 and metrics["reward/errors/demo"] == 0.0
