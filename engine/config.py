@@ -136,7 +136,8 @@ class RewardConfig(_Section):
                                               "1/target per extra token, down to -1.", ge=1)] = 256
     math_timeout_s: Annotated[int, _doc("`math`: math-verify's own parse/verify alarm, in whole seconds.",
                                         ge=1)] = 5
-    model: RewardModelConfig = msgspec.field(default_factory=RewardModelConfig)
+    model: Annotated[RewardModelConfig, _doc("The reward model scored when `reward_model` is among "
+                                             "reward.functions.")] = msgspec.field(default_factory=RewardModelConfig)
 
     def __post_init__(self) -> None:
         if self.weights and len(self.weights) != len(self.functions):
