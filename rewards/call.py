@@ -46,16 +46,27 @@ class RewardValueError(ValueError):
     """A reward returned something other than one finite number (or None) per sample."""
 
 
-def rows_to_columns(columns: list[dict], n: int) -> dict[str, list[Any]]:
-    """`[{"answer": "a"}, {"answer": "b"}]` -> `{"answer": ["a", "b"]}`; every row must have the same keys."""
+# As in TRL, these columns are the reward's positional arguments already, never keyword columns.
+NOT_COLUMNS = frozenset({"prompt", "prompts", "completion", "completions", "completion_ids"})
+
+
+def rows_to_columns(columns: list[dict], n: int, answer_column: str = "answer") -> dict[str, list[Any]]:
+    """`[{"answer": "a"}, {"answer": "b"}]` -> `{"answer": ["a", "b"]}`; every row must have the same keys.
+
+    The prompt/completion columns are left out (as TRL does); `answer_column` is also passed as
+    `answer`, the name the built-in rewards read, when the rows have no `answer` of their own.
+    """
     if len(columns) != n:
         raise ValueError(f"score(): {len(columns)} column rows for {n} completions; give one row per sample")
-    keys = list(columns[0]) if columns else []
+    keys = [k for k in (columns[0] if columns else ()) if k not in NOT_COLUMNS]
     for i, row in enumerate(columns):
-        if set(row) != set(keys):
-            raise ValueError(f"score(): columns[{i}] has keys {sorted(row)} but columns[0] has {sorted(keys)}; "
-                             "every row must carry the same columns")
-    return {k: [row[k] for row in columns] for k in keys}
+        if set(row) - NOT_COLUMNS != set(keys):
+            raise ValueError(f"score(): columns[{i}] has keys {sorted(row)} but columns[0] has "
+                             f"{sorted(columns[0])}; every row must carry the same columns")
+    out = {k: [row[k] for row in columns] for k in keys}
+    if answer_column != "answer" and answer_column in out and "answer" not in out:
+        out["answer"] = out[answer_column]
+    return out
 
 
 def _run_awaitable(awaitable) -> Any:

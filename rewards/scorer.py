@@ -56,8 +56,9 @@ def combine(components: list[list[float | None]], weights: list[float]) -> list[
 class Scorer:
     """Scores batches with the configured rewards; see the module docstring for where each runs."""
 
-    def __init__(self, cfg: RewardConfig, pool=None, model=None):
+    def __init__(self, cfg: RewardConfig, pool=None, model=None, answer_column: str = "answer"):
         self.cfg = cfg
+        self.answer_column = answer_column
         self.specs = list(cfg.functions)
         self.weights = list(cfg.weights) or [1.0] * len(self.specs)
         self.inline = {i: resolve(s, cfg) for i, s in enumerate(self.specs) if s != REWARD_MODEL}
@@ -75,7 +76,7 @@ class Scorer:
             raise ValueError(f"score(): {len(prompts)} prompts, {n} completions, {len(completion_ids)} "
                              "completion_ids; give one of each per sample")
         batch = Batch(prompts=list(prompts), completions=list(completions),
-                      completion_ids=[list(ids) for ids in completion_ids], columns=rows_to_columns(columns, n))
+                      completion_ids=[list(ids) for ids in completion_ids], columns=rows_to_columns(columns, n, self.answer_column))
         with self._lock:
             components = self._components(batch) if n else [[] for _ in self.specs]
             rewards = combine(components, self.weights)
@@ -140,14 +141,17 @@ class Scorer:
         self.close()
 
 
-def build_scorer(cfg: RewardConfig) -> Scorer:
-    """The scorer for `cfg`: resolves every reward now (a bad spec fails here, named), starts the pool."""
+def build_scorer(cfg: RewardConfig, answer_column: str = "answer") -> Scorer:
+    """The scorer for `cfg`: resolves every reward now (a bad spec fails here, named), starts the pool.
+
+    `answer_column` (data.answer_column) is also passed to rewards as `answer`, which built-ins read.
+    """
     model = None
     if REWARD_MODEL in cfg.functions:
         from .model import RewardModel
 
         model = RewardModel(cfg.model)
-    scorer = Scorer(cfg, pool=None, model=model)
+    scorer = Scorer(cfg, pool=None, model=model, answer_column=answer_column)
     if cfg.workers > 0 and scorer.inline:
         from .pool import RewardPool
 

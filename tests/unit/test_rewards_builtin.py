@@ -76,3 +76,11 @@ def test_unknown_spec_names_the_choices():
         resolve("nope", RewardConfig())
     with pytest.raises(RewardSpecError, match="cannot import module"):
         resolve("no_such_module_xyz:fn", RewardConfig())
+
+
+def test_prompt_columns_are_left_out_and_the_answer_column_is_aliased():
+    # the rollout passes whole dataset rows: their `prompt` must not clash with the positional prompts
+    scorer = Scorer(RewardConfig(functions=["exact_match"], workers=0), answer_column="solution")
+    rows = [{"prompt": "2+2?", "solution": "4"}, {"prompt": "2+2?", "solution": "4"}]
+    assert scorer.score(["2+2?"] * 2, ["4", "5"], [[1], [2]], rows) == [1.0, 0.0]
+    assert scorer.stats.errors == 0
