@@ -70,6 +70,8 @@ class RewardPool:
 
     def run(self, fn_indices: list[int], batch: Batch) -> list[CallOutcome]:
         """One outcome per entry of `fn_indices`: that function's values over the whole batch."""
+        if not self.workers:
+            raise RewardPoolError("the reward pool is closed; build a new scorer")
         n = len(batch)
         size = -(-n // len(self.workers)) if n else 1
         tasks = [(fn, start, min(n, start + size)) for fn in fn_indices for start in range(0, n, size)]
@@ -126,7 +128,6 @@ class RewardPool:
             w.ready = True
             self._boot_failures = 0
             return
-        fn, start, stop = tasks[w.task]
         results[w.task] = CallOutcome(values=reply.values, errors=reply.errors, traceback=reply.traceback)
         w.task = None
 

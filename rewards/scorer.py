@@ -67,10 +67,13 @@ class Scorer:
         self.stats = ScorerStats(by_function={s: {"errors": 0, "timeouts": 0} for s in self.specs})
         self._logged: set[str] = set()
         self._lock = threading.Lock()  # one batch at a time: the pool's workers are shared state
+        self.closed = False
 
     def score(self, prompts: list[str], completions: list[str], completion_ids: list[list[int]],
               columns: list[dict]) -> list[float | None]:
         """One combined reward per sample (None where a component failed); columns[i] is sample i's row."""
+        if self.closed:
+            raise RuntimeError("score() on a closed Scorer; build a new one with build_scorer(cfg)")
         n = len(completions)
         if len(prompts) != n or len(completion_ids) != n:
             raise ValueError(f"score(): {len(prompts)} prompts, {n} completions, {len(completion_ids)} "
@@ -130,6 +133,7 @@ class Scorer:
 
     def close(self) -> None:
         with self._lock:
+            self.closed = True
             if self.pool is not None:
                 self.pool.close()
                 self.pool = None

@@ -98,3 +98,10 @@ def test_score_async_from_an_event_loop_and_per_function_metrics():
     assert asyncio.run(main()) == [[2.0], [0.0]]  # "a": demo 1 + exact 1; "b": 0 + 0
     metrics = scorer.stats.as_metrics()
     assert metrics["reward/calls"] == 2.0 and metrics["reward/errors/demo"] == 0.0
+
+
+def test_a_closed_scorer_refuses_to_score():
+    scorer = Scorer(RewardConfig(functions=["demo"], workers=0))
+    scorer.close()
+    with pytest.raises(RuntimeError, match="closed Scorer"):
+        scorer.score(["p"], ["a"], [[1]], [{"answer": "a"}])
