@@ -69,7 +69,7 @@ def wrap_model(model: nn.Module, cfg: LearnerConfig, device: torch.device, *, te
     sequences. Optional activation checkpointing and per-layer torch.compile (cfg).
     """
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
     init_distributed()
     if device.type == "cuda" and register_varlen_attention():
@@ -91,7 +91,10 @@ def wrap_model(model: nn.Module, cfg: LearnerConfig, device: torch.device, *, te
     for layer in layers:
         fully_shard(layer, mesh=mesh, mp_policy=mp)
     fully_shard(policy, mesh=mesh, mp_policy=mp)
-    policy.set_gradient_divide_factor(1.0)
+    for module in policy.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM
     return policy
 
 

@@ -1,0 +1,53 @@
+"""Run under torchrun: two learner steps on a fixed batch, rank 0 saves loss, metrics and weights.
+
+usage: torchrun --nproc_per_node N fsdp_parity_worker.py MODEL_DIR OUT_FILE
+Micro-batches are dealt round-robin to the ranks, so with 2 ranks one rank gets fewer.
+"""
+
+import random
+import sys
+
+import torch
+
+from streamrl.engine.config import LearnerConfig, LossConfig
+from streamrl.engine.messages import Trajectory
+from streamrl.learner import parallel
+from streamrl.learner.batching import pack
+from streamrl.learner.train_step import Trainer
+
+
+def fixed_batch() -> tuple[list[Trajectory], list[float]]:
+    rng = random.Random(1234)
+    trajs, advantages = [], []
+    for i in range(8):
+        prompt = [rng.randrange(3, 500) for _ in range(rng.randint(2, 9))]
+        completion = [rng.randrange(3, 500) for _ in range(rng.randint(1, 12))]
+        trajs.append(Trajectory(sample_id=f"s{i}", group_id=f"g{i // 4}", node_id="n", seq=i, prompt_ids=prompt,
+                                completion_ids=completion, reward=0.0, policy_version=0,
+                                behavior_logprobs=[-6.2 + rng.uniform(-0.3, 0.3) for _ in completion]))
+        advantages.append(rng.uniform(-1.5, 1.5))
+    return trajs, advantages
+
+
+def main(model_dir: str, out_file: str) -> None:
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    device = parallel.init_distributed(timeout_s=120)
+    try:
+        lm = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa")
+        cfg = LearnerConfig(lr=1e-3, max_grad_norm=1.0)
+        trainer = Trainer(parallel.wrap_model(lm, cfg, device), LossConfig(aggregation="sequence"), cfg, device)
+        micro_batches = pack(*fixed_batch(), token_budget=32)
+        world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
+        mine = micro_batches[rank::world]
+        metrics = [trainer.step(mine), trainer.step(mine)]
+        state = parallel.full_state_dict(trainer.model)
+        if parallel.is_rank0():
+            torch.save({"metrics": metrics, "state": state, "micro_batches": len(micro_batches)}, out_file)
+    finally:
+        parallel.shutdown()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
