@@ -51,6 +51,10 @@ def equivalent(completion: str, answer: str, timeout_s: int | None = None) -> bo
 def make_math_answer(timeout_s: int) -> RewardFn:
     if timeout_s < 1:
         raise ValueError(f"reward.math_timeout_s = {timeout_s}; give whole seconds >= 1")
+    try:  # now, while a worker boots, so sympy's import (1-2 s) never eats into a call's deadline
+        import math_verify  # noqa: F401
+    except ImportError:
+        raise ValueError("the `math` reward needs math-verify: pip install math-verify") from None
 
     def math(prompts, completions, completion_ids, answer: list[str], **columns) -> list[float]:
         t = _timeout(timeout_s)
