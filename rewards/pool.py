@@ -105,9 +105,17 @@ class RewardPool:
                 fn, start, stop = tasks[w.task]
                 part = batch.take(start, stop)
                 self._next_call += 1
-                w.conn.send_bytes(worker_module.encode_call(RewardCall(
+                call = worker_module.encode_call(RewardCall(
                     call_id=self._next_call, fn_index=fn, prompts=part.prompts, completions=part.completions,
-                    completion_ids=part.completion_ids, columns=part.columns)))
+                    completion_ids=part.completion_ids, columns=part.columns))
+                try:
+                    w.conn.send_bytes(call)
+                except OSError:  # it died while idle (OOM killer, a stray signal): retry on its replacement
+                    pending.appendleft(w.task)
+                    w.task = None
+                    w.kill()
+                    self._replace(w)
+                    continue
                 w.deadline = time.monotonic() + self.timeout_s
 
     def _wait_s(self, waiting: list[_Worker]) -> float:

@@ -89,6 +89,19 @@ def test_a_crashing_worker_gives_none_and_is_replaced(user_file):
         assert score(scorer, ["x"]) == [2.0]
 
 
+def test_a_worker_killed_while_idle_is_replaced_before_the_next_call(user_file):
+    import os
+    import signal
+
+    with pool_scorer(user_file, "raiser", workers=1) as scorer:
+        assert score(scorer, ["ab"]) == [2.0]
+        victim = scorer.pool.workers[0].proc
+        os.kill(victim.pid, signal.SIGKILL)
+        victim.join(timeout=30)
+        assert score(scorer, ["abc"]) == [3.0]
+        assert scorer.stats.restarts == 1 and scorer.stats.errors == 0
+
+
 def test_a_user_async_reward_from_a_file_gets_columns_as_lists(user_file):
     with pool_scorer(user_file, "async_match", workers=1) as scorer:
         rewards = scorer.score(["p", "p"], ["7", "8"], [[1], [2]],
