@@ -1,0 +1,92 @@
+"""The vllm and hf backends report the same behavior logprobs: log_softmax(logits / T), not renormalised."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from streamrl.engine.config import ModelConfig, RolloutConfig
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+PROMPTS = [[5, 6, 7, 8], [40, 41, 42], [300, 12, 99, 100, 101, 7]]
+MODEL = ModelConfig(max_model_len=128)
+
+
+@pytest.fixture(scope="module")
+def sharp_model(tmp_path_factory) -> str:
+    from streamrl.engine.models import make_tiny_model
+
+    return str(make_tiny_model(tmp_path_factory.mktemp("models") / "sharp", seed=1, initializer_range=0.2))
+
+
+@pytest.fixture(scope="module")
+def loop():
+    loop = asyncio.new_event_loop()
+    yield loop
+    loop.close()
+
+
+def _engines(kind: str, model: str, rollout: RolloutConfig):
+    if kind == "vllm":
+        from streamrl.rollout.vllm_engine import VLLMEngine
+
+        return VLLMEngine(model, MODEL, rollout, seed=0)
+    from streamrl.rollout.hf_engine import HFEngine
+
+    return HFEngine(model, MODEL, rollout, seed=0)
+
+
+def _generate_all(loop, engine, n: int, max_tokens: int):
+    async def go():
+        return await asyncio.gather(*(engine.generate(p, n, max_tokens) for p in PROMPTS))
+
+    return loop.run_until_complete(go())
+
+
+def _worst_gap(reference, prompts_and_groups) -> float:
+    worst = 0.0
+    for prompt, group in prompts_and_groups:
+        for c in group:
+            assert len(c.logprobs) == len(c.token_ids) == len(c.token_versions) > 0
+            scored = reference.score(prompt, c.token_ids)
+            worst = max(worst, max(abs(a - b) for a, b in zip(scored, c.logprobs)))
+    return worst
+
+
+@pytest.mark.parametrize("sampling", [dict(temperature=0.7), dict(temperature=1.0, top_k=5)], ids=["T0.7", "topk5"])
+def test_vllm_and_hf_backends_agree_on_logprobs(loop, sharp_model, sampling):
+    rollout = RolloutConfig(**sampling)
+    hf = _engines("hf", sharp_model, rollout)
+    hf_groups = _generate_all(loop, hf, n=3, max_tokens=10)
+    vllm = _engines("vllm", sharp_model, rollout)
+    try:
+        vllm_groups = _generate_all(loop, vllm, n=3, max_tokens=10)
+    finally:
+        loop.run_until_complete(vllm.close())
+    # vLLM's tokens scored by the hf backend's definition, and the hf backend's own tokens likewise.
+    assert _worst_gap(hf, zip(PROMPTS, vllm_groups)) < 1e-3
+    assert _worst_gap(hf, zip(PROMPTS, hf_groups)) < 1e-3
+    for groups in (vllm_groups, hf_groups):
+        assert [len(g) for g in groups] == [3, 3, 3]
+        for c in (c for g in groups for c in g):
+            assert c.finish_reason in ("stop", "length") and c.token_versions == [0] * len(c.token_ids)
+            if "top_k" in sampling:
+                _assert_within_top_k(hf, c, groups, sampling["top_k"])
+
+
+def _assert_within_top_k(hf, completion, groups, k: int) -> None:
+    """Sampled tokens are among the k likeliest, yet their logprob is not renormalised over those k."""
+    import torch
+
+    prompt = next(p for p, g in zip(PROMPTS, groups) if any(c is completion for c in g))
+    ids = torch.tensor([prompt + completion.token_ids])
+    with torch.no_grad():
+        logprobs = hf.model(ids).logits[0, len(prompt) - 1:-1].float().log_softmax(-1)
+    top = logprobs.topk(k, -1)
+    for pos, token in enumerate(completion.token_ids):
+        assert token in top.indices[pos].tolist()
+        kept_mass = top.values[pos].exp().sum().item()
+        assert kept_mass < 0.99  # renormalising would have shifted the logprob by -log(kept_mass) > 0.01
+        assert completion.logprobs[pos] == pytest.approx(logprobs[pos, token].item(), abs=1e-3)
