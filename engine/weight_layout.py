@@ -32,40 +32,37 @@ def _storage_key(t: torch.Tensor) -> tuple:
     return (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.dtype)
 
 
-def unique_tensors(named_tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor]
-                   ) -> list[tuple[str, torch.Tensor]]:
-    """Named tensors without tied duplicates (lm_head.weight sharing embed_tokens): the first name wins."""
-    items = named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
-    seen, names, out = set(), set(), []
-    for name, t in items:
-        if name in names:
-            raise ValueError(f"tensor name {name!r} appears twice in the state dict")
-        names.add(name)
-        key = _storage_key(t)
-        if key not in seen:
-            seen.add(key)
-            out.append((name, t))
-    return out
-
-
 def plan_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor],
                  bucket_bytes: int) -> list[BucketSpec]:
     """Flat buckets of one dtype each, at most `bucket_bytes` (a larger tensor gets a bucket of its own).
 
     Tensors keep their order inside a dtype; a bucket is listed when it is opened, so the first
-    bucket holds the first tensors. Tied duplicates are skipped (vLLM ties them itself).
+    bucket holds the first tensors. A tied duplicate (lm_head.weight sharing embed_tokens) travels
+    once: its spec points at the first name's offset. It is still listed, because vLLM 0.32's
+    `reload_weights` computes wrong logits when a tied lm_head.weight is left out (measured).
     """
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes = {bucket_bytes}: must be > 0 (set weights.bucket_mb > 0)")
     buckets: list[BucketSpec] = []
     open_bucket: dict[torch.dtype, BucketSpec] = {}
-    for name, t in unique_tensors(named_tensors):
+    placed: dict[tuple, tuple[BucketSpec, int]] = {}
+    names: set[str] = set()
+    items = named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
+    for name, t in items:
+        if name in names:
+            raise ValueError(f"tensor name {name!r} appears twice in the state dict")
+        names.add(name)
+        numel, key = t.numel(), _storage_key(t)
+        if key in placed:
+            bucket, offset = placed[key]
+            bucket.tensors.append(TensorSpec(name=name, shape=list(t.shape), offset=offset, numel=numel))
+            continue
         bucket = open_bucket.get(t.dtype)
-        numel = t.numel()
         if bucket is None or (bucket.numel + numel) * t.element_size() > bucket_bytes and bucket.tensors:
             bucket = BucketSpec(dtype=dtype_name(t.dtype), numel=0, tensors=[])
             open_bucket[t.dtype] = bucket
             buckets.append(bucket)
+        placed[key] = (bucket, bucket.numel)
         bucket.tensors.append(TensorSpec(name=name, shape=list(t.shape), offset=bucket.numel, numel=numel))
         bucket.numel += numel
     return buckets

@@ -31,11 +31,11 @@ import torch.distributed as dist
 from streamrl.engine.config import WeightsConfig
 from streamrl.engine.messages import BucketSpec, WeightsApplied, WeightsReady
 from streamrl.engine.weight_layout import (PackedBuckets, dtype_name, pack_bucket, plan_buckets, torch_dtype,
-                                           unique_tensors, unpack_bucket)
+                                           unpack_bucket)
 
 __all__ = ["PackedBuckets", "TransferResult", "WeightBroadcaster", "WeightSender", "WeightTransferError",
            "WeightVersionError", "dtype_name", "pack_bucket", "plan_buckets", "receive", "torch_dtype",
-           "unique_tensors", "unpack_bucket"]
+           "unpack_bucket"]
 
 ROOT = 0  # learner rank 0 is rank 0 of every node's weight group
 IN_FLIGHT = 2  # buckets broadcast ahead of the one being waited on, so packing overlaps the wire

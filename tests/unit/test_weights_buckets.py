@@ -32,13 +32,14 @@ def test_plan_buckets_by_dtype_and_size():
     ]
 
 
-def test_plan_buckets_oversize_tensor_alone_and_tied_skipped():
+def test_plan_buckets_oversize_tensor_alone_and_tied_sent_once():
     embed = torch.zeros(8, 4)
     tensors = {"small": torch.zeros(2), "embed_tokens.weight": embed, "lm_head.weight": embed, "tail": torch.zeros(3)}
-    # 16-byte buckets: embed (128 B) is larger than a bucket: it gets one of its own; lm_head is tied (skipped).
+    # 16-byte buckets: embed (128 B) is larger than a bucket: it gets one of its own; lm_head is tied:
+    # listed at embed's offset, its bytes not counted again (the bucket stays 32 elements).
     assert _layout(plan_buckets(tensors, 16)) == [
         ("float32", 2, [("small", 0, 2)]),
-        ("float32", 32, [("embed_tokens.weight", 0, 32)]),
+        ("float32", 32, [("embed_tokens.weight", 0, 32), ("lm_head.weight", 0, 32)]),
         ("float32", 3, [("tail", 0, 3)]),
     ]
 
@@ -62,8 +63,10 @@ def test_pack_unpack_roundtrip_and_shape_check():
 def _planted_state() -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(0)
     special = torch.tensor([float("nan"), -0.0, float("inf"), 1e-45, -3.4e38])
-    return {"embed": torch.randn(300, 16, generator=g), "norm": torch.cat([special, torch.randn(11, generator=g)]),
-            "proj": torch.randn(40, 16, generator=g).to(torch.bfloat16), "ids": torch.arange(-5, 20)}
+    embed = torch.randn(300, 16, generator=g)
+    return {"embed": embed, "norm": torch.cat([special, torch.randn(11, generator=g)]),
+            "proj": torch.randn(40, 16, generator=g).to(torch.bfloat16), "ids": torch.arange(-5, 20),
+            "head": embed}  # tied: sent once, received under both names
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:

