@@ -57,8 +57,9 @@ def score(scorer, completions: list[str], **row):
     return scorer.score(["p"] * n, completions, [[1, 2]] * n, [dict(row) for _ in range(n)])
 
 
-def test_a_hung_reward_returns_none_by_its_deadline_and_the_pool_keeps_serving(user_file):
-    with pool_scorer(user_file, "sleeper", timeout_s=1.0) as scorer:
+@pytest.mark.parametrize("start_method", ["forkserver", "spawn"])
+def test_a_hung_reward_returns_none_by_its_deadline_and_the_pool_keeps_serving(user_file, start_method):
+    with pool_scorer(user_file, "sleeper", timeout_s=1.0, start_method=start_method) as scorer:
         score(scorer, ["warm", "up"])  # both workers booted, so the deadline measures the call alone
         start = time.monotonic()
         rewards = score(scorer, ["hang", "fine"])  # 2 workers: one sample each
