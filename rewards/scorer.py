@@ -12,6 +12,7 @@ import asyncio
 import dataclasses
 import logging
 import threading
+import traceback
 from typing import Any
 
 from streamrl.engine.config import RewardConfig
@@ -61,7 +62,8 @@ class Scorer:
         self.answer_column = answer_column
         self.specs = list(cfg.functions)
         self.weights = list(cfg.weights) or [1.0] * len(self.specs)
-        self.inline = {i: resolve(s, cfg) for i, s in enumerate(self.specs) if s != REWARD_MODEL}
+        # resolved here even when the pool runs them: a bad spec fails now, in the caller, named
+        self.functions = {i: resolve(s, cfg) for i, s in enumerate(self.specs) if s != REWARD_MODEL}
         self.pool = pool
         self.model = model
         self.stats = ScorerStats(by_function={s: {"errors": 0, "timeouts": 0} for s in self.specs})
@@ -79,7 +81,8 @@ class Scorer:
             raise ValueError(f"score(): {len(prompts)} prompts, {n} completions, {len(completion_ids)} "
                              "completion_ids; give one of each per sample")
         batch = Batch(prompts=list(prompts), completions=list(completions),
-                      completion_ids=[list(ids) for ids in completion_ids], columns=rows_to_columns(columns, n, self.answer_column))
+                      completion_ids=[list(ids) for ids in completion_ids],
+                      columns=rows_to_columns(columns, n, self.answer_column))
         with self._lock:
             components = self._components(batch) if n else [[] for _ in self.specs]
             rewards = combine(components, self.weights)
@@ -96,10 +99,10 @@ class Scorer:
     def _components(self, batch: Batch) -> list[list[float | None]]:
         outcomes: dict[int, CallOutcome] = {}
         if self.pool is not None:
-            pooled = [i for i in self.inline]
+            pooled = list(self.functions)
             outcomes.update(zip(pooled, self.pool.run(pooled, batch)))
         else:
-            outcomes.update({i: safe_call(fn, batch) for i, fn in self.inline.items()})
+            outcomes.update({i: safe_call(fn, batch) for i, fn in self.functions.items()})
         for i, spec in enumerate(self.specs):
             if spec == REWARD_MODEL:
                 outcomes[i] = self._model_outcome(batch)
@@ -114,8 +117,6 @@ class Scorer:
         try:
             return CallOutcome(values=self.model.score(batch.prompts, batch.completions))
         except Exception:
-            import traceback
-
             return CallOutcome(values=[None] * len(batch), errors=len(batch), traceback=traceback.format_exc())
 
     def _account(self, spec: str, outcome: CallOutcome) -> None:
@@ -156,7 +157,7 @@ def build_scorer(cfg: RewardConfig, answer_column: str = "answer") -> Scorer:
 
         model = RewardModel(cfg.model)
     scorer = Scorer(cfg, pool=None, model=model, answer_column=answer_column)
-    if cfg.workers > 0 and scorer.inline:
+    if cfg.workers > 0 and scorer.functions:
         from .pool import RewardPool
 
         scorer.pool = RewardPool(scorer.specs, cfg)
