@@ -10,7 +10,8 @@ is resolved (trained or dropped), so at most `(max_staleness + 1) * groups_per_s
 in flight however many nodes join. A node that stops beating is reaped by the learner: its samples
 not yet received are dropped as `node_lost`, or re-admitted for another node (`on_node_lost`).
 
-The learner's hot path costs two round trips per step: `receive()` and `mark_trained()`.
+The learner's hot path costs two round trips per step, `receive()` and `commit_step()`, plus
+`reap_lost_nodes()` (one) as often as it likes to check on nodes.
 """
 
 from __future__ import annotations
@@ -123,7 +124,7 @@ class Ledger:
         self.config = config or LedgerConfig()
         self.prefix = f"streamrl:{run}:"
         self._scripts = {name: client.register_script(getattr(lua, name))
-                         for name in ("TAKE_CREDIT", "TRANSITION", "RESOLVE_NODE", "CLAIM_ORPHAN", "PUBLISH_VERSION")}
+                         for name in ("TAKE_CREDIT", "TRANSITION", "REAP", "LEAVE", "CLAIM_ORPHAN", "PUBLISH_VERSION")}
 
     def _call(self, name: str, *args, client=None):
         try:
@@ -181,19 +182,13 @@ class Ledger:
         return [n for n, up in zip(nodes, pipe.execute()) if up]
 
     def reap_lost_nodes(self) -> dict[str, int]:
-        """Resolve the samples of every node whose heartbeat expired; node -> samples resolved."""
-        nodes = self.client.smembers(self.prefix + "nodes")
-        lost = set(nodes) - set(self.alive_nodes()) if nodes else set()
-        reaped = {}
-        for node in sorted(lost):
-            n = self._call("RESOLVE_NODE", node, self.config.on_node_lost, "node_lost", time.time(), "0")
-            if n >= 0:
-                reaped[node] = n
-        return reaped
+        """Resolve the samples of every node whose heartbeat expired (one round trip); node -> samples."""
+        out = self._call("REAP", self.config.on_node_lost, time.time())
+        return dict(zip(out[::2], out[1::2]))
 
     def leave(self, node_id: str, reason: str = "preempted") -> int:
         """A node leaving cleanly: its samples not yet received are dropped with `reason`."""
-        return self._call("RESOLVE_NODE", node_id, "drop", _check_reason(reason), time.time(), "1")
+        return self._call("LEAVE", node_id, _check_reason(reason), time.time())
 
     # ---- credits ----------------------------------------------------------------------------
 
@@ -242,6 +237,17 @@ class Ledger:
     def mark_trained(self, sample_ids: Sequence[str]) -> list[bool]:
         """True for the samples that moved to `trained` now; a sample is trained at most once."""
         return [r == "" for r in self.transition(sample_ids, "trained")]
+
+    def commit_step(self, trained_ids: Sequence[str], version: int, step: int) -> list[bool]:
+        """Learner side, one round trip after an optimizer step: mark the batch trained (staleness
+        measured against the version that trained it), then publish the new `version`."""
+        pipe = self.client.pipeline(transaction=False)
+        if trained_ids:
+            self._scripts["TRANSITION"](args=[self.prefix, "trained", time.time(), 1, *trained_ids], client=pipe)
+        record = json.dumps({"step": step, "time": time.time()})
+        self._scripts["PUBLISH_VERSION"](args=[self.prefix, version, record], client=pipe)
+        results = _execute(pipe, self.run)
+        return [r == 1 for r in results[0]] if trained_ids else []
 
     def drop(self, sample_ids: Sequence[str], reason: str) -> list[bool]:
         return [r == "" for r in self.transition(sample_ids, "dropped:" + _check_reason(reason))]

@@ -19,29 +19,43 @@ Key layout under the prefix `streamrl:{run}:`:
   orphans         list   groups of lost nodes waiting for another node (on_node_lost = readmit)
 """
 
-# Shared helpers, pasted in front of the scripts that resolve samples.
+# Shared helpers, pasted in front of the scripts that resolve samples. Counter, staleness and
+# group changes are summed over the batch (`books`) and written once at the end (`flush`): the
+# learner's batches cost two commands per sample instead of a dozen.
 _RESOLVE = r"""
-local function release(p, key)
-  local group = redis.call('HGET', key, 'group')
-  local gk = p .. 'g:' .. group
-  if redis.call('HINCRBY', gk, 'open', -1) == 0 then
-    redis.call('DECR', p .. 'inflight')
-    redis.call('SREM', p .. 'ng:' .. redis.call('HGET', gk, 'node'), group)
+local function books(p) return {p = p, counts = {}, lag = {}, groups = {}} end
+
+local function bump(b, field, n) b.counts[field] = (b.counts[field] or 0) + n end
+
+local function finish(b, key, id, state, target, now, vmin)
+  redis.call('HSET', key, 'state', target, 't_end', now)
+  bump(b, state, -1)
+  if target == 'trained' then
+    bump(b, 'trained', 1)
+    b.version = b.version or tonumber(redis.call('GET', b.p .. 'version') or '0')
+    local lag = tostring(b.version - tonumber(vmin or '0'))
+    b.lag[lag] = (b.lag[lag] or 0) + 1
+  else
+    bump(b, 'dropped', 1)
+    bump(b, target, 1)
   end
+  local group = string.match(id, '^(.*):%d+$')
+  b.groups[group] = (b.groups[group] or 0) + 1
 end
 
-local function finish(p, key, state, target, now)
-  redis.call('HSET', key, 'state', target, 't_end', now)
-  redis.call('HINCRBY', p .. 'counts', state, -1)
-  if target == 'trained' then
-    redis.call('HINCRBY', p .. 'counts', 'trained', 1)
-    local lag = tonumber(redis.call('GET', p .. 'version') or '0') - tonumber(redis.call('HGET', key, 'vmin') or '0')
-    redis.call('HINCRBY', p .. 'lag', tostring(lag), 1)
-  else
-    redis.call('HINCRBY', p .. 'counts', 'dropped', 1)
-    redis.call('HINCRBY', p .. 'counts', target, 1)
+-- A group whose last sample is resolved returns its credit.
+local function flush(b)
+  for field, n in pairs(b.counts) do
+    if n ~= 0 then redis.call('HINCRBY', b.p .. 'counts', field, n) end
   end
-  release(p, key)
+  for lag, n in pairs(b.lag) do redis.call('HINCRBY', b.p .. 'lag', lag, n) end
+  for group, n in pairs(b.groups) do
+    local gk = b.p .. 'g:' .. group
+    if redis.call('HINCRBY', gk, 'open', -n) == 0 then
+      redis.call('DECR', b.p .. 'inflight')
+      redis.call('SREM', b.p .. 'ng:' .. redis.call('HGET', gk, 'node'), group)
+    end
+  end
 end
 """
 
@@ -85,62 +99,94 @@ local legal = {generated = {admitted = true}, received = {generated = true}, tra
 local dropping = string.sub(target, 1, 8) == 'dropped:'
 local from = dropping and {admitted = true, generated = true, received = true} or legal[target]
 if not from then return redis.error_reply('BAD_TARGET unknown target state ' .. target) end
+local b = books(p)
 local out = {}
 for i = 5, #ARGV, stride do
-  local key = p .. 's:' .. ARGV[i]
-  local state = redis.call('HGET', key, 'state')
+  local id = ARGV[i]
+  local key = p .. 's:' .. id
+  local row = redis.call('HMGET', key, 'state', 'vmin')
+  local state = row[1]
   if state and from[state] then
     if dropping or target == 'trained' then
-      finish(p, key, state, target, now)
+      finish(b, key, id, state, target, now, row[2])
+    elseif target == 'generated' then
+      redis.call('HSET', key, 'state', target, 't_gen', now, 'v', ARGV[i + 1], 'vmin', ARGV[i + 2])
     else
-      local stamp = target == 'generated' and 't_gen' or 't_rcv'
-      redis.call('HSET', key, 'state', target, stamp, now)
-      if target == 'generated' then redis.call('HSET', key, 'v', ARGV[i + 1], 'vmin', ARGV[i + 2]) end
-      redis.call('HINCRBY', p .. 'counts', state, -1)
-      redis.call('HINCRBY', p .. 'counts', target, 1)
+      redis.call('HSET', key, 'state', target, 't_rcv', now)
+    end
+    if not (dropping or target == 'trained') then
+      bump(b, state, -1)
+      bump(b, target, 1)
     end
     out[#out + 1] = 1
   else
     out[#out + 1] = state or ''
   end
 end
+flush(b)
 return out
 """
 
-# ARGV: prefix, node, mode ('drop' | 'readmit'), reason, now, force ('1': the node leaves; '0':
-# only when its heartbeat expired). Resolves the node's samples not yet received by the learner
-# (received ones no longer depend on it). Returns how many, or -1 when the node is still alive.
-RESOLVE_NODE = _RESOLVE + r"""
-local p, node, mode, reason, now, force = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6]
-if force ~= '1' and redis.call('EXISTS', p .. 'alive:' .. node) == 1 then return -1 end
-local resolved = 0
-for _, group in ipairs(redis.call('SMEMBERS', p .. 'ng:' .. node)) do
-  local gk = p .. 'g:' .. group
-  local reset = false
-  for i = 0, tonumber(redis.call('HGET', gk, 'n')) - 1 do
-    local key = p .. 's:' .. group .. ':' .. i
-    local state = redis.call('HGET', key, 'state')
-    if state == 'admitted' or state == 'generated' then
-      resolved = resolved + 1
-      if mode == 'readmit' then
-        redis.call('HSET', key, 'state', 'admitted', 'node', '')
-        redis.call('HINCRBY', p .. 'counts', state, -1)
-        redis.call('HINCRBY', p .. 'counts', 'admitted', 1)
-        reset = true
-      else
-        finish(p, key, state, 'dropped:' .. reason, now)
+# Resolves a node's samples not yet received by the learner (received ones no longer depend on
+# it): dropped with `reason`, or re-admitted and their groups queued for another node. Returns
+# how many samples.
+_RESOLVE_NODE = _RESOLVE + r"""
+local function resolve_node(b, node, mode, reason, now)
+  local p = b.p
+  local resolved = 0
+  for _, group in ipairs(redis.call('SMEMBERS', p .. 'ng:' .. node)) do
+    local gk = p .. 'g:' .. group
+    local reset = false
+    for i = 0, tonumber(redis.call('HGET', gk, 'n')) - 1 do
+      local id = group .. ':' .. i
+      local key = p .. 's:' .. id
+      local state = redis.call('HGET', key, 'state')
+      if state == 'admitted' or state == 'generated' then
+        resolved = resolved + 1
+        if mode == 'readmit' then
+          redis.call('HSET', key, 'state', 'admitted', 'node', '')
+          bump(b, state, -1)
+          bump(b, 'admitted', 1)
+          reset = true
+        else
+          finish(b, key, id, state, 'dropped:' .. reason, now)
+        end
       end
     end
+    if reset then
+      redis.call('HSET', gk, 'node', '')
+      redis.call('SREM', p .. 'ng:' .. node, group)
+      redis.call('RPUSH', p .. 'orphans', group)
+    end
   end
-  if reset then
-    redis.call('HSET', gk, 'node', '')
-    redis.call('SREM', p .. 'ng:' .. node, group)
-    redis.call('RPUSH', p .. 'orphans', group)
+  redis.call('DEL', p .. 'alive:' .. node)
+  redis.call('SREM', p .. 'nodes', node)
+  redis.call('SADD', p .. 'lost', node)
+  return resolved
+end
+"""
+
+# ARGV: prefix, mode ('drop' | 'readmit'), now. Every node whose heartbeat expired is resolved
+# (reason node_lost). Returns {node, samples resolved, node, samples resolved, ...}.
+REAP = _RESOLVE_NODE + r"""
+local p, mode, now = ARGV[1], ARGV[2], ARGV[3]
+local b = books(p)
+local out = {}
+for _, node in ipairs(redis.call('SMEMBERS', p .. 'nodes')) do
+  if redis.call('EXISTS', p .. 'alive:' .. node) == 0 then
+    out[#out + 1] = node
+    out[#out + 1] = resolve_node(b, node, mode, 'node_lost', now)
   end
 end
-redis.call('DEL', p .. 'alive:' .. node)
-redis.call('SREM', p .. 'nodes', node)
-redis.call('SADD', p .. 'lost', node)
+flush(b)
+return out
+"""
+
+# ARGV: prefix, node, reason, now. A node leaving: its samples not yet received are dropped.
+LEAVE = _RESOLVE_NODE + r"""
+local b = books(ARGV[1])
+local resolved = resolve_node(b, ARGV[2], 'drop', ARGV[3], ARGV[4])
+flush(b)
 return resolved
 """
 

@@ -73,8 +73,9 @@ def test_duplicate_delivery_is_trained_once(redis_url, ledger_run):
     assert first.rejected == [(ids[0], "received")]
     again = ledger.receive(batch, current_version=0)  # a late re-delivery
     assert again.fresh == [] and [r[0] for r in again.rejected] == ids
-    assert ledger.mark_trained(ids + ids) == [True, True, False, False]
-    assert ledger.counts().trained == 2
+    assert ledger.commit_step(ids + ids, version=1, step=1) == [True, True, False, False]
+    assert ledger.counts().trained == 2 and ledger.current_version() == 1
+    assert ledger.staleness_histogram() == {0: 2}  # trained by version 0, before 1 was published
 
 
 def test_receive_drops_stale_samples_and_failed_rewards(redis_url, ledger_run):
