@@ -63,35 +63,33 @@ def chunked_logprobs(hidden: Tensor, weight: Tensor, targets: Tensor, chunk: int
     return _ChunkedLogprobs.apply(hidden, weight, targets, chunk, 1.0 / temperature)
 
 
+_VARLEN: dict = {}
+
+
 def _varlen_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None,
                       **kwargs):
     """transformers attention over packed sequences with torch's varlen flash kernel ([1, H, T, D] in)."""
-    from torch.nn.attention.varlen import varlen_attn
-
     cu, max_len = kwargs["cu_seq_lens_q"], kwargs["max_length_q"]
     q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # [T, H, D]
-    params = inspect.signature(varlen_attn).parameters
-    extra = {"scale": scaling}
-    if "enable_gqa" in params:
-        extra["enable_gqa"] = True
-    elif k.shape[1] != q.shape[1]:
+    if not _VARLEN["gqa"] and k.shape[1] != q.shape[1]:
         k, v = (x.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for x in (k, v))
-    if "is_causal" in params:
-        extra["is_causal"] = True
-    else:
-        extra["window_size"] = (-1, 0)
-    out = varlen_attn(q, k, v, cu, cu, max_len, max_len, **extra)
+    out = _VARLEN["fn"](q, k, v, cu, cu, max_len, max_len, scale=scaling, **_VARLEN["extra"])
     return out[None], None  # [1, T, H, D]
 
 
 def register_varlen_attention() -> bool:
     """Make attn_implementation="streamrl_varlen" available; False where torch has no varlen kernel."""
     try:
-        from torch.nn.attention.varlen import varlen_attn  # noqa: F401
+        from torch.nn.attention.varlen import varlen_attn
         from transformers import AttentionInterface
         from transformers.masking_utils import AttentionMaskInterface
     except ImportError:
         return False
+    params = inspect.signature(varlen_attn).parameters  # the signature moved between torch releases
+    extra = {"is_causal": True} if "is_causal" in params else {"window_size": (-1, 0)}
+    if "enable_gqa" in params:
+        extra["enable_gqa"] = True
+    _VARLEN.update(fn=varlen_attn, extra=extra, gqa="enable_gqa" in params)
     AttentionInterface.register("streamrl_varlen", _varlen_attention)
     AttentionMaskInterface.register("streamrl_varlen", lambda *args, **kwargs: None)
     return True

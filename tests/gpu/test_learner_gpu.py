@@ -1,0 +1,70 @@
+"""The learner on CUDA: bf16 chunked head, varlen attention over packed sequences, the safe step."""
+
+import pytest
+import torch
+
+from streamrl.engine.config import LearnerConfig, LossConfig
+from streamrl.engine.messages import Trajectory
+from streamrl.learner.batching import pack
+
+pytestmark = pytest.mark.gpu
+
+
+def traj(i, prompt, completion):
+    return Trajectory(sample_id=f"s{i}", group_id="g", node_id="n", seq=i, prompt_ids=prompt, completion_ids=completion,
+                      behavior_logprobs=[-6.0] * len(completion), reward=0.0, policy_version=0)
+
+
+def test_chunked_head_in_bf16_matches_fp32_reference():
+    from streamrl.learner.logprobs import chunked_logprobs
+
+    torch.manual_seed(0)
+    hidden = torch.randn(3000, 256, device="cuda")
+    weight = torch.randn(20000, 256, device="cuda") * 0.05
+    targets = torch.randint(0, 20000, (3000,), device="cuda")
+    ref = torch.log_softmax(hidden @ weight.t(), -1).gather(1, targets[:, None]).squeeze(1)
+    lp, entropy = chunked_logprobs(hidden.bfloat16(), weight.bfloat16(), targets, chunk=1024)
+    assert lp.dtype == torch.float32 and entropy.shape == (3000,)
+    assert (lp - ref).abs().max().item() < 0.1  # bf16 inputs: ~3 significant digits per logit
+
+
+def test_varlen_packed_forward_matches_each_sequence_alone(tiny_model):
+    from transformers import AutoModelForCausalLM
+
+    from streamrl.learner.logprobs import PolicyModel, register_varlen_attention
+
+    assert register_varlen_attention(), "this torch has no torch.nn.attention.varlen"
+    lm = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.bfloat16, attn_implementation="sdpa").cuda()
+    policy = PolicyModel(lm)
+    trajs = [traj(0, [5, 6, 7], list(range(10, 40))), traj(1, [20, 21], list(range(50, 70)))]
+    (packed,) = pack(trajs, [0.0, 0.0], 256)
+    packed = packed.to("cuda")
+    with torch.no_grad():
+        alone = torch.cat([policy(*_args(pack([t], [0.0], 256)[0].to("cuda")))[0] for t in trajs])
+        lm.config._attn_implementation = "streamrl_varlen"
+        lp_packed, _ = policy(*_args(packed))
+    assert (lp_packed - alone).abs().max().item() < 0.05
+
+
+def _args(mb):
+    return mb.input_ids, mb.position_ids, mb.targets, mb.cu_seqlens, mb.max_seqlen
+
+
+def test_safe_step_on_cuda(tiny_model):
+    from transformers import AutoModelForCausalLM
+
+    from streamrl.learner import parallel
+    from streamrl.learner.train_step import Trainer
+
+    device = parallel.init_distributed()
+    lm = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    cfg = LearnerConfig(lr=1e-2)
+    trainer = Trainer(parallel.wrap_model(lm, cfg, device), LossConfig(), cfg, device)
+    trajs = [traj(i, [3, 4, 5 + i], [10 + i, 11, 12]) for i in range(4)]
+    before = {k: v.clone() for k, v in parallel.full_state_dict(trainer.model).items()}
+    bad = trainer.step(pack(trajs, [1.0, float("nan"), -1.0, 0.5], 12))
+    assert bad["skipped"] == 1.0
+    assert all(torch.equal(before[k], v) for k, v in parallel.full_state_dict(trainer.model).items())
+    good = trainer.step(pack(trajs, [1.0, -1.0, 1.0, -1.0], 12))
+    assert good["skipped"] == 0.0 and trainer.version == 1
+    parallel.shutdown()
