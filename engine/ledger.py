@@ -53,6 +53,7 @@ class GeneratedSample(Protocol):
     """What `mark_generated` / `receive` read from a sample (`messages.Trajectory` has it all)."""
 
     sample_id: str
+    node_id: str
     policy_version: int
     reward: float | None
 
@@ -225,9 +226,12 @@ class Ledger:
         return ["" if r == 1 else (r or "unknown") for r in out]
 
     def mark_generated(self, samples: Sequence[GeneratedSample]) -> list[bool]:
-        """Node side, before sending: the samples exist, sampled by these policy versions."""
+        """Node side, before sending: the samples exist, sampled by these policy versions.
+
+        False for a sample not `admitted` to this node (`node_id`): e.g. a node reaped as lost
+        whose group went to another node."""
         ids = [s.sample_id for s in samples]
-        extra = [(s.policy_version, s.min_version) for s in samples]
+        extra = [(s.policy_version, s.min_version, s.node_id) for s in samples]
         return [r == "" for r in self.transition(ids, "generated", extra)]
 
     def mark_received(self, sample_ids: Sequence[str]) -> list[bool]:

@@ -91,7 +91,7 @@ redis.call('HINCRBY', p .. 'counts', 'admitted', n)
 return 1
 """
 
-# ARGV: prefix, target, now, stride, then `stride` values per sample: id [, version, vmin].
+# ARGV: prefix, target, now, stride, then `stride` values per sample: id [, version, vmin, node].
 # Returns, per sample, 1 when it moved to `target`, else its state at the time ('' if unknown).
 TRANSITION = _RESOLVE + r"""
 local p, target, now, stride = ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4])
@@ -104,9 +104,11 @@ local out = {}
 for i = 5, #ARGV, stride do
   local id = ARGV[i]
   local key = p .. 's:' .. id
-  local row = redis.call('HMGET', key, 'state', 'vmin')
+  local row = redis.call('HMGET', key, 'state', 'vmin', 'node')
   local state = row[1]
-  if state and from[state] then
+  if target == 'generated' and state and row[3] ~= ARGV[i + 3] then
+    out[#out + 1] = 'owned by node ' .. row[3]  -- a node reaped and back: the sample is another's now
+  elseif state and from[state] then
     if dropping or target == 'trained' then
       finish(b, key, id, state, target, now, row[2])
     elseif target == 'generated' then

@@ -16,8 +16,8 @@ def _ledger(url, run, **cfg) -> Ledger:
     return ledger
 
 
-def _trajectory(sample_id, version=0, reward=1.0, token_versions=()):
-    return Trajectory(sample_id=sample_id, group_id=sample_id.split(":")[0], node_id="n0", seq=0, prompt_ids=[1],
+def _trajectory(sample_id, version=0, reward=1.0, token_versions=(), node="n0"):
+    return Trajectory(sample_id=sample_id, group_id=sample_id.split(":")[0], node_id=node, seq=0, prompt_ids=[1],
                       completion_ids=[5] * len(token_versions or [0]), behavior_logprobs=[-0.5] * len(token_versions or [0]),
                       reward=reward, policy_version=version, token_versions=list(token_versions))
 
@@ -138,7 +138,7 @@ def test_a_node_that_stops_beating_has_its_samples_dropped(redis_url, ledger_run
         ledger.heartbeat(node)
     a, g, r = ledger.take_credit("dead", "g0", 3)
     other = ledger.take_credit("live", "g1", 1)
-    ledger.mark_generated([_trajectory(g), _trajectory(r)])
+    ledger.mark_generated([_trajectory(g, node="dead"), _trajectory(r, node="dead")])
     ledger.mark_received([r])
     assert ledger.reap_lost_nodes() == {}
     time.sleep(0.4)
@@ -158,7 +158,7 @@ def test_readmit_hands_a_lost_nodes_group_to_another_node(redis_url, ledger_run)
     ledger = _ledger(redis_url, ledger_run, heartbeat_ttl_s=0.3, on_node_lost="readmit")
     ledger.heartbeat("dead")
     a, g, r = ledger.take_credit("dead", "g0", 3, prompt="row-17")
-    ledger.mark_generated([_trajectory(g), _trajectory(r)])
+    ledger.mark_generated([_trajectory(g, node="dead"), _trajectory(r, node="dead")])
     ledger.mark_received([r])
     time.sleep(0.4)
     ledger.heartbeat("heir")
@@ -168,7 +168,9 @@ def test_readmit_hands_a_lost_nodes_group_to_another_node(redis_url, ledger_run)
     assert (orphan.group_id, orphan.prompt, orphan.sample_ids) == ("g0", "row-17", [a, g])
     assert ledger.claim_orphan("heir") is None
     assert ledger.groups_in_flight() == 1  # the credit stayed with the group
-    assert ledger.mark_generated([_trajectory(a), _trajectory(g)]) == [True, True]
+    ledger.heartbeat("dead")  # back from a pause: its old samples are the heir's now
+    assert ledger.transition([a], "generated", [(0, 0, "dead")]) == ["owned by node heir"]
+    assert ledger.mark_generated([_trajectory(a, node="heir"), _trajectory(g, node="heir")]) == [True, True]
     assert ledger.record(g)["node"] == "heir"
     assert ledger.mark_received([a, g]) == [True, True]
     assert ledger.mark_trained([a, g, r]) == [True, True, True]

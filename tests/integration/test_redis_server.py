@@ -77,3 +77,22 @@ def test_a_server_that_cannot_start_shows_its_log(tmp_path):
     with RedisServer(tmp_path / "a", port=port):
         with pytest.raises(RedisUnavailableError, match=f"exited with code .* on port {port}"):
             RedisServer(tmp_path / "b", port=port, start_timeout_s=10).start()
+
+
+def test_open_ledger_embeds_a_server_in_the_run_folder_and_a_resume_finds_it(tmp_path, redis_url):
+    from streamrl.engine.ledger import open_ledger
+
+    ledger, server = open_ledger(LedgerConfig(max_staleness=2), "embedded", tmp_path / "run")
+    try:
+        assert server is not None and (tmp_path / "run" / "redis").is_dir()
+        ledger.init_run(groups_per_step=1)
+        ledger.publish_version(4, step=4)
+    finally:
+        server.stop()
+    ledger, server = open_ledger(LedgerConfig(), "embedded", tmp_path / "run")
+    try:
+        assert ledger.current_version() == 4 and ledger.capacity() == 3
+    finally:
+        server.stop()
+    external, none = open_ledger(LedgerConfig(url=redis_url), "external", tmp_path / "other")
+    assert none is None and external.client.ping() and not (tmp_path / "other").exists()
