@@ -30,10 +30,10 @@ import torch.distributed as dist
 
 from streamrl.engine.config import WeightsConfig
 from streamrl.engine.messages import BucketSpec, WeightsApplied, WeightsReady
-from streamrl.engine.weight_layout import (PackedBuckets, dtype_name, pack_bucket, plan_buckets, torch_dtype,
+from streamrl.engine.weight_layout import (BufferPool, PackedBuckets, dtype_name, pack_bucket, plan_buckets, torch_dtype,
                                            unpack_bucket)
 
-__all__ = ["PackedBuckets", "TransferResult", "WeightBroadcaster", "WeightSender", "WeightTransferError",
+__all__ = ["BufferPool", "PackedBuckets", "TransferResult", "WeightBroadcaster", "WeightSender", "WeightTransferError",
            "WeightVersionError", "dtype_name", "pack_bucket", "plan_buckets", "receive", "torch_dtype",
            "unpack_bucket"]
 
@@ -88,6 +88,9 @@ def new_group(store: dist.Store, prefix: str, rank: int, world_size: int, backen
     (gloo) or the communicator is up (NCCL), at most `timeout_s`."""
     timeout = datetime.timedelta(seconds=timeout_s)
     prefixed = dist.PrefixStore(prefix, store)
+    # explicit barrier on the store: NCCL's own bootstrap would wait for a missing peer without a deadline
+    prefixed.set(f"joined/{rank}", "1")
+    prefixed.wait([f"joined/{r}" for r in range(world_size)], timeout)
     if backend == "gloo":
         return dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
     options = dist.ProcessGroupNCCL.Options()
@@ -96,6 +99,16 @@ def new_group(store: dist.Store, prefix: str, rank: int, world_size: int, backen
         group = dist.ProcessGroupNCCL(prefixed, rank, world_size, options)
     group.eager_connect_single_device(torch.device(device))
     return group
+
+
+def abort(group: dist.ProcessGroup | None) -> None:
+    """Free a failed NCCL communicator (a stuck one would block its destructor); gloo needs nothing."""
+    fn = getattr(group, "abort", None) if isinstance(group, getattr(dist, "ProcessGroupNCCL", ())) else None
+    if fn is not None:
+        try:
+            fn()
+        except Exception:  # already torn down: nothing left to free
+            pass
 
 
 def broadcast_async(group: dist.ProcessGroup, tensor: torch.Tensor, timeout_s: float) -> dist.Work:
@@ -131,6 +144,7 @@ class WeightSender:
         except Exception as e:
             raise WeightTransferError(node_id, "rendezvous", f"cannot open a TCPStore on {host}:{port}: {e}") from e
         self._group: dist.ProcessGroup | None = None
+        self._pool = BufferPool()
         self._prefix = ""
         self._groups_built = 0
 
@@ -156,7 +170,7 @@ class WeightSender:
              on_bucket: Callable[[str, int], None] | None = None) -> float:
         """Join (or reuse) the group and broadcast every bucket; returns the seconds it took."""
         packed = state_dict if isinstance(state_dict, PackedBuckets) else PackedBuckets(
-            ready.buckets, state_dict, self.device if self.backend == "nccl" else "cpu")
+            ready.buckets, state_dict, self.device if self.backend == "nccl" else "cpu", self._pool)
         start, phase = time.perf_counter(), "rendezvous"
         try:
             if self._group is None:
@@ -171,6 +185,7 @@ class WeightSender:
             while pending:
                 phase = self._wait_oldest(pending, len(packed), on_bucket)
         except Exception as e:
+            abort(self._group)
             self._group = None
             raise WeightTransferError(self.node_id, phase, f"{type(e).__name__}: {e}") from e
         return time.perf_counter() - start
@@ -191,12 +206,12 @@ class WeightSender:
 
 # ---- receiver (rollout node) ------------------------------------------------------------------
 
-_receiver_groups: dict[tuple, dist.ProcessGroup] = {}
+_receiver_groups: dict[tuple, tuple[dist.ProcessGroup, BufferPool]] = {}
 _receiver_lock = threading.Lock()
 
 
-def _receiver_group(ready: WeightsReady, rank: int, device: torch.device) -> dist.ProcessGroup:
-    """The cached group for this prefix, or a new one (dropping older groups of the same learner store)."""
+def _receiver_group(ready: WeightsReady, rank: int, device: torch.device) -> tuple[dist.ProcessGroup, BufferPool]:
+    """The cached group (and its buffers) for this prefix, or a new one (dropping older groups of that store)."""
     key = (ready.store_host, ready.store_port, ready.group_prefix, rank)
     with _receiver_lock:
         if key in _receiver_groups:
@@ -207,15 +222,16 @@ def _receiver_group(ready: WeightsReady, rank: int, device: torch.device) -> dis
     store = dist.TCPStore(ready.store_host, ready.store_port, is_master=False, timeout=timeout)
     group = new_group(store, ready.group_prefix, rank, ready.world_size, ready.backend, ready.timeout_s, device)
     with _receiver_lock:
-        _receiver_groups[key] = group
-    return group
+        _receiver_groups[key] = (group, BufferPool())
+    return _receiver_groups[key]
 
 
 def receive(ready: WeightsReady, device: torch.device | str, rank: int = 1) -> Iterator[tuple[str, torch.Tensor]]:
     """Join the node's weight group as `rank`, receive every bucket, yield (HF name, tensor view).
 
-    All receives are posted at once and waited in order, so a consumer (`reload_weights`) applies
-    bucket i while bucket i+1 is on the wire. Raises `WeightTransferError` naming the phase; the
+    All receives are posted at once and waited in order, so a consumer may apply bucket i while
+    bucket i+1 is on the wire. The views alias buffers kept for the group's next transfer: copy
+    them (as `reload_weights` does) before receiving again. Raises `WeightTransferError` naming the phase; the
     group is then dropped and the learner's next transfer builds a new one.
     """
     if not 1 <= rank < ready.world_size:
@@ -225,8 +241,8 @@ def receive(ready: WeightsReady, device: torch.device | str, rank: int = 1) -> I
     peer, phase = f"learner@{ready.store_host}:{ready.store_port}", "rendezvous"
     key = (ready.store_host, ready.store_port, ready.group_prefix, rank)
     try:
-        group = _receiver_group(ready, rank, buffer_device)
-        flats = [torch.empty(b.numel, dtype=torch_dtype(b.dtype), device=buffer_device) for b in ready.buckets]
+        group, pool = _receiver_group(ready, rank, buffer_device)
+        flats = [pool.take(i, torch_dtype(b.dtype), b.numel, buffer_device) for i, b in enumerate(ready.buckets)]
         works = [broadcast_async(group, flat, ready.timeout_s) for flat in flats]
         for index, (spec, flat, work) in enumerate(zip(ready.buckets, flats, works)):
             phase = f"bucket {index + 1}/{len(flats)}"
@@ -234,7 +250,8 @@ def receive(ready: WeightsReady, device: torch.device | str, rank: int = 1) -> I
             yield from unpack_bucket(spec, flat)
     except Exception as e:
         with _receiver_lock:
-            _receiver_groups.pop(key, None)
+            group, _ = _receiver_groups.pop(key, (None, None))
+        abort(group)
         if isinstance(e, WeightTransferError):
             raise
         raise WeightTransferError(peer, phase, f"{type(e).__name__}: {e}") from e
