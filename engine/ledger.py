@@ -30,7 +30,6 @@ from streamrl.engine import ledger_scripts as lua
 from streamrl.engine.config import LedgerConfig
 from streamrl.engine.redis_server import RedisServer, connect
 
-IN_FLIGHT_STATES = ("admitted", "generated", "received")
 DROP_REASONS = ("stale", "node_lost", "reward_error", "overlong", "duplicate", "preempted")
 _REASON = re.compile(r"^[a-z][a-z0-9_]*$")
 
@@ -127,9 +126,9 @@ class Ledger:
         self._scripts = {name: client.register_script(getattr(lua, name))
                          for name in ("TAKE_CREDIT", "TRANSITION", "REAP", "LEAVE", "CLAIM_ORPHAN", "PUBLISH_VERSION")}
 
-    def _call(self, name: str, *args, client=None):
+    def _call(self, name: str, *args):
         try:
-            return self._scripts[name](args=[self.prefix, *args], client=client)
+            return self._scripts[name](args=[self.prefix, *args])
         except redis.ResponseError as e:
             raise LedgerError(f"ledger of run {self.run!r}: {e}") from None
 
@@ -241,6 +240,15 @@ class Ledger:
     def mark_trained(self, sample_ids: Sequence[str]) -> list[bool]:
         """True for the samples that moved to `trained` now; a sample is trained at most once."""
         return [r == "" for r in self.transition(sample_ids, "trained")]
+
+    def drop_stale(self, samples: Sequence[GeneratedSample], current_version: int) -> list:
+        """Learner side, for samples received earlier and consumed now: drop the ones gone stale
+        since, as `stale`; the rest, to train."""
+        stale = [s.sample_id for s in samples if is_stale(s.min_version, current_version, self.config.max_staleness)]
+        if stale:
+            self.drop(stale, "stale")
+        gone = set(stale)
+        return [s for s in samples if s.sample_id not in gone]
 
     def commit_step(self, trained_ids: Sequence[str], version: int, step: int) -> list[bool]:
         """Learner side, one round trip after an optimizer step: mark the batch trained (staleness

@@ -91,9 +91,10 @@ def test_receive_drops_stale_samples_and_failed_rewards(redis_url, ledger_run):
     got = ledger.receive(batch, current_version=3)
     assert [s.sample_id for s in got.fresh] == [ids[0]]
     assert got.stale == [ids[1], ids[2]] and got.reward_errors == [ids[3]] and got.rejected == []
-    assert ledger.mark_trained([ids[0]]) == [True]
-    assert ledger.staleness_histogram() == {1: 1}  # trained at version 3 from version 2
-    assert ledger.counts().dropped_by_reason == {"reward_error": 1, "stale": 2}
+    ledger.publish_version(4, step=4)
+    assert ledger.drop_stale(got.fresh, current_version=4) == []  # buffered past a step: lag 2 > 1
+    assert ledger.record(ids[0])["state"] == "dropped:stale"
+    assert ledger.counts().dropped_by_reason == {"reward_error": 1, "stale": 3}
 
 
 def test_credits_bound_groups_in_flight_and_return_when_a_group_is_resolved(redis_url, ledger_run):
