@@ -19,6 +19,7 @@ from collections.abc import Iterable
 from typing import Protocol
 
 from streamrl.engine.config import Config
+from streamrl.engine.ledger import sample_ids as ledger_sample_ids
 from streamrl.engine.messages import Timings, Trajectory, WeightsReady
 from streamrl.rollout.engine import Completion, GenerationEngine
 from streamrl.rollout.sources import Prompt, prompt_text
@@ -119,7 +120,7 @@ class RolloutNode:
     async def _admit(self, prompt: Prompt, limit: asyncio.Semaphore) -> bool:
         """Take a credit for a new group (retrying while none is free) and start it; False when stopping."""
         group_id = f"{self.node_id}-g{next(self._groups)}"
-        sample_ids = [f"{group_id}-{i}" for i in range(self.cfg.rollout.group_size)]
+        sample_ids = ledger_sample_ids(group_id, self.cfg.rollout.group_size)  # the ids the ledger admits
         while not await self.credits.acquire(group_id, sample_ids):
             if self._stopping.is_set():
                 return False
