@@ -51,6 +51,89 @@ def make_tiny_model(
     typer.echo(f"tiny model written to {folder}")
 
 
+@app.command()
+def learner(config: ConfigOpt = None, overrides: SetOpt = None) -> None:
+    """Run the learner (rank 0 binds the sockets); more ranks: learner.ranks under torchrun."""
+    import sys
+
+    from streamrl.learner.main import main as learner_main
+
+    args = (["--config", str(config)] if config else []) + [a for o in overrides or [] for a in ("--set", o)]
+    if _load(config, overrides).learner.ranks > 1:
+        import subprocess
+
+        ranks = _load(config, overrides).learner.ranks
+        raise typer.Exit(subprocess.call([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                          f"--nproc-per-node={ranks}", "-m", "streamrl.learner.main", *args]))
+    raise typer.Exit(learner_main(args))
+
+
+@app.command()
+def rollout(
+    config: ConfigOpt = None,
+    overrides: SetOpt = None,
+    learner: Annotated[str, typer.Option(help="Learner control address tcp://HOST:PORT, or its run folder.")] = "",
+    node_id: Annotated[Optional[str], typer.Option(help="Unique node name (default: host-pid).")] = None,
+) -> None:
+    """Run one rollout node: register with the learner, take its weights, generate until stopped."""
+    from streamrl.rollout.service import main as rollout_main
+
+    raise typer.Exit(rollout_main(_load(config, overrides), learner, node_id))
+
+
+@app.command()
+def status(
+    run: Annotated[str, typer.Option("--run", help="Run id (run.name).")] = "demo",
+    redis_url: Annotated[str, typer.Option(help="Redis URL; default: the run folder's embedded server, "
+                                                "started read-only for the look.")] = "",
+    runs_dir: Annotated[str, typer.Option(help="Folder holding run folders.")] = "runs",
+    deep: Annotated[bool, typer.Option(help="Also recount every sample record.")] = False,
+) -> None:
+    """The run's books: generated, in flight, trained, dropped by reason; exit 1 when they do not balance."""
+    from streamrl.engine.status import status_command
+
+    if redis_url:
+        raise typer.Exit(status_command(run, redis_url, deep=deep))
+    from streamrl.engine.redis_server import RedisServer
+
+    folder = pathlib.Path(runs_dir) / run / "redis"
+    if not folder.is_dir():
+        typer.secho(f"error: no ledger at {folder}; give --redis-url for a run on another server", fg="red", err=True)
+        raise typer.Exit(2)
+    with RedisServer(folder) as server:
+        raise typer.Exit(status_command(run, server.url, deep=deep))
+
+
+@app.command()
+def run(
+    config: ConfigOpt = None,
+    overrides: SetOpt = None,
+    rollout_nodes: Annotated[int, typer.Option(min=0, help="Rollout processes to start.")] = 2,
+    model: Annotated[str, typer.Option(help="Local HF model folder (default: the built-in tiny model).")] = "",
+    data: Annotated[str, typer.Option(help="Prompt file (.jsonl/.parquet) or dataset folder (default: demo task).")] = "",
+    reward: Annotated[Optional[list[str]], typer.Option(help="Reward function(s) by name or module:function.")] = None,
+    steps: Annotated[Optional[int], typer.Option(min=1, help="Optimizer steps.")] = None,
+    device: Annotated[Optional[str], typer.Option(help="auto, cpu or cuda.")] = None,
+) -> None:
+    """Everything on this machine: embedded Redis, a learner and N rollout nodes, with a live view."""
+    from streamrl.engine.run_local import run_local
+
+    sets = list(overrides or [])
+    sets += [f"model.path={model!r}"] if model else []
+    sets += [f"data.path={data!r}"] if data else []
+    sets += [f"reward.functions={list(reward)!r}"] if reward else []
+    sets += [f"run.steps={steps}"] if steps else []
+    sets += [f"run.device={device!r}"] if device else []
+    raise typer.Exit(run_local(_load(config, sets), rollout_nodes, explicit_name=any(
+        s.startswith("run.name") for s in sets) or _names_run(config)))
+
+
+def _names_run(config: pathlib.Path | None) -> bool:
+    import tomllib
+
+    return bool(config and "name" in tomllib.loads(config.read_text()).get("run", {}))
+
+
 def main() -> None:
     app()
 

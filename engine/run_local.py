@@ -1,0 +1,82 @@
+"""The `streamrl run` session: start the launcher, show the live view, stop everything, sum up."""
+
+from __future__ import annotations
+
+import time
+
+import msgspec
+from rich.console import Console
+from rich.live import Live
+
+from streamrl.engine.config import Config
+from streamrl.engine.launcher import Launcher
+from streamrl.engine.telemetry import live_table, read_metrics
+
+
+def fresh_name(cfg: Config, explicit: bool) -> Config:
+    """A default-named run whose folder exists gets a timestamped name; an explicit name is kept."""
+    if explicit or not cfg.run.path.exists():
+        return cfg
+    run = msgspec.structs.replace(cfg.run, name=f"{cfg.run.name}-{time.strftime('%Y%m%d-%H%M%S')}")
+    return msgspec.structs.replace(cfg, run=run)
+
+
+def summary(records: list[dict], wall_s: float) -> str:
+    if not records:
+        return f"no step finished in {wall_s:.0f} s"
+    k = max(1, len(records) // 4)
+    first = sum(r["reward/mean"] for r in records[:k]) / k
+    last = sum(r["reward/mean"] for r in records[-k:]) / k
+    tokens = sum(r.get("completion_tokens", 0) for r in records)
+    return (f"{len(records)} steps in {wall_s:.0f} s; mean reward {first:.3f} (first {k} steps) -> {last:.3f} "
+            f"(last {k}); {tokens} completion tokens trained, {tokens / wall_s:.0f} tokens/s overall")
+
+
+def run_local(cfg: Config, nodes: int, explicit_name: bool = False, console: Console | None = None) -> int:
+    """Run to the configured number of steps (or Ctrl-C); the exit status."""
+    console = console or Console()
+    cfg = fresh_name(cfg, explicit_name)
+    launcher = Launcher(cfg)
+    console.print(f"run [bold]{cfg.run.name}[/]: folder {launcher.run_dir}, logs in {launcher.run_dir / 'logs'}")
+    started, code = time.monotonic(), 1
+    try:
+        launcher.start(nodes)
+        code = _watch(launcher, cfg, console, started)
+    except KeyboardInterrupt:
+        console.print("[yellow]interrupted: stopping every process this run started[/]")
+        code = 130
+    except RuntimeError as e:
+        console.print(f"[red]error:[/] {e}")
+    finally:
+        launcher.stop_all(keep_redis=True)
+        records = read_metrics(launcher.run_dir / "metrics.jsonl")
+        console.print(summary(records, time.monotonic() - started))
+        code = _books(launcher, cfg, console) or code
+        launcher.stop_redis()
+    return code
+
+
+def _watch(launcher: Launcher, cfg: Config, console: Console, started: float) -> int:
+    metrics = launcher.run_dir / "metrics.jsonl"
+    with Live(console=console, refresh_per_second=2, transient=False) as live:
+        while launcher.learner.alive:
+            nodes = {name: child.alive for name, child in launcher.nodes.items()}
+            note = "" if any(nodes.values()) or not nodes else "no rollout node is running: the learner waits"
+            live.update(live_table(read_metrics(metrics), cfg.run.steps, nodes, time.monotonic() - started, note))
+            time.sleep(0.5)
+        nodes = {name: child.alive for name, child in launcher.nodes.items()}
+        live.update(live_table(read_metrics(metrics), cfg.run.steps, nodes, time.monotonic() - started))
+    code = launcher.learner.process.returncode
+    if code != 0:
+        console.print(f"[red]the learner exited with code {code}[/]; its log {launcher.learner.log_path}:\n"
+                      f"{launcher.learner.log_tail()}")
+    return code
+
+
+def _books(launcher: Launcher, cfg: Config, console: Console) -> int:
+    """The ledger's table; non-zero when the books do not balance."""
+    if launcher.ledger_url is None:
+        return 0
+    from streamrl.engine.status import status_command
+
+    return status_command(cfg.run.name, launcher.ledger_url, console=console)

@@ -1,0 +1,175 @@
+"""`streamrl learner`: receive → admit → step → broadcast, one optimizer step per batch of groups.
+
+Every rank runs this file (torchrun for more than one); rank 0 alone owns the sockets, the ledger,
+the metrics and the console. The batch travels from rank 0 to the other ranks once per step; each
+rank trains on its share and the step's normaliser is global, so the update does not depend on
+how many ranks there are.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+from streamrl.engine.config import Config, ConfigError, load
+from streamrl.engine.messages import Trajectory, decode_trajectory, encode
+from streamrl.engine.models import default_tiny_model, load_model
+from streamrl.engine.telemetry import MetricsSink, setup_logging
+from streamrl.learner import parallel
+from streamrl.learner.advantages import group_advantages
+from streamrl.learner.batching import pack
+from streamrl.learner.train_step import Trainer
+
+log = logging.getLogger("streamrl.learner")
+
+
+def check_config(cfg: Config) -> None:
+    """Refuse combinations the learner cannot run, naming the fields."""
+    samples = cfg.learner.groups_per_step * cfg.rollout.group_size
+    if cfg.learner.ranks > samples:
+        raise ConfigError(f"learner.ranks = {cfg.learner.ranks} exceeds the samples of a step "
+                          f"(learner.groups_per_step × rollout.group_size = {samples}): some ranks would idle")
+    if cfg.checkpoint.every or cfg.checkpoint.export_every:
+        raise ConfigError("checkpoint.every / checkpoint.export_every: checkpoints are not available in this "
+                          "version yet; leave them at 0")
+
+
+def share_batch(groups: list[list[Trajectory]] | None, cfg: Config) -> tuple[list[Trajectory], list[float], int]:
+    """Rank 0's groups → (this rank's samples, their advantages, loss tokens of the whole step)."""
+    payload = None
+    if parallel.is_rank0():
+        rewards = [[t.reward for t in group] for group in groups]
+        advantages, _ = group_advantages(rewards, cfg.loss.advantage)
+        flat = [t for group in groups for t in group]
+        payload = ([encode(t) for t in flat], [a for row in advantages for a in row],
+                   sum(len(t.completion_ids) for t in flat))
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if world > 1:
+        box = [payload]
+        dist.broadcast_object_list(box, src=0)
+        payload = box[0]
+    frames, advantages, total_tokens = payload
+    rank = parallel.rank()
+    return [decode_trajectory(f) for f in frames[rank::world]], advantages[rank::world], total_tokens
+
+
+def batch_metrics(groups: list[list[Trajectory]], version: int, seconds: float) -> dict[str, float]:
+    from streamrl.rewards.stats import batch_stats
+
+    flat = [t for group in groups for t in group]
+    tokens = sum(len(t.completion_ids) for t in flat)
+    lags = [version - t.min_version for t in flat]
+    stats = batch_stats([t.reward for t in flat], [t.group_id for t in flat])
+    return {**stats.as_metrics(), "samples": len(flat), "completion_tokens": tokens,
+            "tokens_per_s": tokens / max(seconds, 1e-9), "staleness_mean": sum(lags) / len(lags),
+            "staleness_max": max(lags)}
+
+
+def run_learner(cfg: Config) -> int:
+    device = parallel.init_distributed()
+    rank0 = parallel.is_rank0()
+    setup_logging(cfg.run.path, f"learner-rank{parallel.rank()}", console=rank0, level=cfg.telemetry.log_level)
+    torch.manual_seed(cfg.run.seed)
+    model_path = cfg.model.path or str(default_tiny_model())
+    model = load_model(model_path, "float32", "cpu", cfg.model.trust_remote_code)
+    policy = parallel.wrap_model(model, cfg.learner, device, temperature=cfg.rollout.temperature)
+    trainer = Trainer(policy, cfg.loss, cfg.learner, device)
+    side = RankZero(cfg, device) if rank0 else None
+    try:
+        for step in range(1, cfg.run.steps + 1):
+            started = time.monotonic()
+            groups = side.collect() if rank0 else None                                   # receive → admit
+            samples, advantages, total_tokens = share_batch(groups, cfg)
+            metrics = trainer.step(pack(samples, advantages, cfg.learner.micro_batch_tokens), total_tokens)  # step
+            state = parallel.full_state_dict(policy)
+            if rank0:
+                side.publish(groups, state, trainer.version, step, metrics, started)    # commit → broadcast
+    finally:
+        if side is not None:
+            side.close()
+        parallel.shutdown()
+    return 0
+
+
+class RankZero:
+    """What only rank 0 does each step: the hub (sockets, ledger, weights) and the metrics."""
+
+    def __init__(self, cfg: Config, device: torch.device):
+        from streamrl.engine.ledger import open_ledger
+        from streamrl.learner.hub import Hub
+
+        self.cfg = cfg
+        self.ledger, self.redis = open_ledger(cfg.ledger, cfg.run.name, cfg.run.path)
+        self.ledger.init_run(cfg.learner.groups_per_step)
+        url = cfg.ledger.url or self.redis.url
+        self.hub = Hub(cfg, self.ledger, url, device, version=self.ledger.current_version())
+        self.hub.write_address_file(cfg.run.path)
+        self.sink = MetricsSink(cfg.run.path, cfg.telemetry.tensorboard, cfg.telemetry.prometheus_port)
+        log.info("learner up: control %s, trajectories %s, ledger %s", self.hub.control_addr,
+                 self.hub.receiver.addr, url.split("@")[-1])
+
+    def collect(self) -> list[list[Trajectory]]:
+        return self.hub.collect(self.cfg.learner.groups_per_step)
+
+    def publish(self, groups, state, version: int, step: int, metrics: dict, started: float) -> None:
+        from streamrl.rewards.stats import batch_stats, warn_if_flat
+
+        flat = [t for group in groups for t in group]
+        trained_by = self.hub.version  # the policy the step started from: staleness is measured against it
+        if metrics["skipped"]:
+            self.ledger.drop([t.sample_id for t in flat], "nonfinite_step")
+        else:
+            self.hub.commit(groups, version, step)
+        results = self.hub.broadcast(state, version) if not metrics["skipped"] else {}
+        warn_if_flat(batch_stats([t.reward for t in flat], [t.group_id for t in flat]), step)
+        record = {**metrics, **batch_metrics(groups, trained_by, time.monotonic() - started),
+                  "nodes": self.hub.nodes_alive(), "weights_s": max((r.seconds for r in results.values()), default=0.0),
+                  "evicted": sum(not r.ok for r in results.values()),
+                  **{f"samples_{k}": v for k, v in self.hub.counters.items()},
+                  "gaps": self.hub.receiver.gaps, "duplicates": self.hub.receiver.duplicates}
+        self.sink.log(step, record)
+        log.info("step %d v%d reward %.3f±%.3f loss %.4f tokens/s %.0f mismatch_kl %.2e staleness %.2f nodes %d",
+                 step, version, record["reward/mean"], record["reward/std"], record["loss"], record["tokens_per_s"],
+                 record.get("mismatch_kl", float("nan")), record["staleness_mean"], record["nodes"])
+
+    def close(self) -> None:
+        self.hub.close()
+        self.sink.close()
+        errors = self.ledger.check()
+        if errors:
+            log.error("the ledger does not balance: %s", "; ".join(errors))
+        if self.redis is not None:
+            self.redis.stop()
+
+
+def _terminate_gracefully(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m streamrl.learner.main", description=__doc__.splitlines()[0])
+    parser.add_argument("--config", help="TOML config file (defaults when omitted)")
+    parser.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE", help="override")
+    args = parser.parse_args(argv)
+    try:
+        cfg = load(args.config, args.set)
+        check_config(cfg)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    signal.signal(signal.SIGTERM, _terminate_gracefully)
+    try:
+        return run_learner(cfg)
+    except KeyboardInterrupt:
+        log.warning("learner stopped by a signal")
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

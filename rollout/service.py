@@ -1,0 +1,234 @@
+"""`streamrl rollout`: a rollout node that belongs to a run.
+
+Start-up: the engine first (so the node can take weights the moment it registers), then
+`Register` → `Welcome` from the learner (where the trajectory stream and the ledger are), then the
+current weights when the run is past version 0, and only then generation. While it runs:
+credits from the ledger bound how many groups are in flight, each trajectory is marked generated
+before it is sent, heartbeats go to the ledger and the learner, and `WeightsReady` / `Stop` from
+the learner are served by one control thread (ZMQ sockets are not thread-safe). On SIGTERM or
+Ctrl-C the node stops taking credits, finishes or abandons its groups, resolves what it never
+sent in the ledger (`preempted`) and says goodbye.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import pathlib
+import signal
+import socket
+import sys
+import threading
+import time
+
+from streamrl.engine.config import Config, ConfigError, load
+from streamrl.engine.ledger import Ledger
+from streamrl.engine.messages import (Goodbye, Heartbeat, Register, Stop, Trajectory, WeightsApplied, WeightsReady,
+                                      Welcome)
+from streamrl.engine.transport import ControlClient, TrajectorySender, TransportError
+
+log = logging.getLogger("streamrl.rollout")
+
+HEARTBEAT_S = 1.0
+
+
+class LedgerCredits:
+    """Admission through the ledger: one credit per group, returned when the group is resolved."""
+
+    def __init__(self, ledger: Ledger, node_id: str):
+        self.ledger, self.node_id = ledger, node_id
+
+    async def acquire(self, group_id: str, sample_ids: list[str]) -> bool:
+        taken = await asyncio.to_thread(self.ledger.take_credit, self.node_id, group_id, len(sample_ids))
+        return taken is not None
+
+    async def release(self, group_id: str, sample_ids: list[str], reason: str) -> None:
+        why = "preempted" if reason == "abandoned" else "generation_error"
+        await asyncio.to_thread(self.ledger.drop, sample_ids, why)
+
+
+class LedgerSink:
+    """Marks each trajectory generated in the ledger, then streams it to the learner."""
+
+    def __init__(self, ledger: Ledger, sender: TrajectorySender):
+        self.ledger, self.sender = ledger, sender
+
+    def send(self, traj: Trajectory) -> int:
+        self.ledger.mark_generated([traj])
+        return self.sender.send(traj)
+
+
+class ControlLoop(threading.Thread):
+    """Heartbeats out; WeightsReady and Stop in. Weights are applied on the node's event loop."""
+
+    def __init__(self, client: ControlClient, ledger: Ledger, node, loop: asyncio.AbstractEventLoop):
+        super().__init__(name="control", daemon=True)
+        self.client, self.ledger, self.node, self.loop = client, ledger, node, loop
+        self.stopping = threading.Event()
+        self.stop_reason = ""
+
+    def run(self) -> None:
+        last_beat = 0.0
+        while not self.stopping.is_set():
+            if time.monotonic() - last_beat > HEARTBEAT_S:
+                self._beat()
+                last_beat = time.monotonic()
+            msg = self.client.recv(0.1)
+            if isinstance(msg, WeightsReady):
+                self._apply(msg)
+            elif isinstance(msg, Stop):
+                self.stop_reason = msg.reason
+                log.info("the learner asked this node to stop: %s", msg.reason)
+                self.loop.call_soon_threadsafe(abandon, self.node, msg.reason)
+                return
+
+    def _beat(self) -> None:
+        try:
+            self.ledger.heartbeat(self.node.node_id)
+            self.client.send(Heartbeat(node_id=self.node.node_id, policy_version=self.node.policy_version,
+                                       in_flight=len(self.node.in_flight), tokens_generated=self.node.stats.tokens_sent),
+                             timeout_s=1.0)
+        except Exception as e:  # noqa: BLE001 - a missed beat is logged; the ledger's TTL judges
+            log.warning("heartbeat failed: %s", e)
+
+    def _apply(self, ready: WeightsReady) -> None:
+        error, seconds = "", 0.0
+        try:
+            seconds = asyncio.run_coroutine_threadsafe(self.node.apply_weights(ready), self.loop).result()
+        except Exception as e:  # noqa: BLE001 - reported to the learner, which evicts the node
+            error = f"{type(e).__name__}: {e}"
+            log.error("weights version %d failed: %s", ready.version, error)
+        self.client.send(WeightsApplied(node_id=self.node.node_id, version=ready.version, seconds=seconds, error=error))
+
+
+def abandon(node, reason: str) -> None:
+    """Stop now: the learner takes no more samples, so groups in flight are cancelled, not finished
+    (their credits come back through the ledger as `preempted`)."""
+    node.stop(reason)
+    for task in list(node.in_flight.values()):
+        task.cancel()
+
+
+def resolve_learner(learner: str, cfg: Config) -> str:
+    """A control address as given, or the one the run's learner wrote into `RUN/learner.json`."""
+    if learner.startswith(("tcp://", "ipc://")):
+        return learner
+    path = pathlib.Path(learner) if learner else cfg.run.path / "learner.json"
+    if path.is_dir():
+        path = path / "learner.json"
+    try:
+        return json.loads(path.read_text())["control_addr"]
+    except (OSError, ValueError, KeyError) as e:
+        raise ConfigError(f"--learner {learner or '(empty)'}: no learner address at {path} ({e}); give "
+                          "tcp://HOST:PORT or the run folder of a running learner") from None
+
+
+def register(client: ControlClient, node_id: str, backend: str, device: str, timeout_s: float) -> Welcome:
+    welcome = client.request(Register(node_id=node_id, host=socket.gethostname(), device=device, backend=backend),
+                             timeout_s=timeout_s, expect=(Welcome, Stop))
+    if isinstance(welcome, Stop):
+        raise TransportError(f"the learner refused node {node_id}: {welcome.reason}")
+    return welcome
+
+
+async def serve(cfg: Config, learner_addr: str, node_id: str) -> int:
+    from streamrl.engine.models import default_tiny_model, load_tokenizer
+    from streamrl.engine.redis_server import connect
+    from streamrl.rewards import build_scorer
+    from streamrl.rollout.engine import build_engine
+    from streamrl.rollout.main import resolve_device
+    from streamrl.rollout.node import RolloutNode
+    from streamrl.rollout.sources import PromptSource
+
+    model_path = cfg.model.path or str(default_tiny_model())
+    tokenizer = load_tokenizer(model_path, cfg.model.trust_remote_code)
+    device = resolve_device(cfg.run.device)
+    engine = build_engine(cfg, device)  # before registering: weights can be taken at once
+    client = ControlClient(learner_addr, node_id, cfg.transport.recv_timeout_s)
+    scorer = build_scorer(cfg.reward, answer_column=cfg.data.answer_column)
+    try:
+        welcome = register(client, node_id, cfg.rollout.backend, device, cfg.transport.recv_timeout_s)
+        ledger = Ledger(connect(welcome.redis_url, cfg.ledger.connect_retries), welcome.run_name, cfg.ledger)
+        ledger.heartbeat(node_id)
+        with TrajectorySender(welcome.trajectory_addr, node_id, cfg.transport.hwm, cfg.transport.send_timeout_s) as tx:
+            node = RolloutNode(cfg, node_id, engine, PromptSource(cfg.data, tokenizer, seed=cfg.run.seed + hash(node_id) % 997),
+                               scorer, LedgerSink(ledger, tx), tokenizer, credits=LedgerCredits(ledger, node_id))
+            await _first_weights(client, node, welcome, cfg.weights.timeout_s * 3)
+            return await _generate(cfg, client, ledger, node, node_id)
+    finally:
+        await engine.close()
+        scorer.close()
+        client.close()
+
+
+async def _first_weights(client: ControlClient, node, welcome: Welcome, timeout_s: float) -> None:
+    """A node joining past version 0 takes the current weights before it generates anything."""
+    if welcome.policy_version == 0:
+        return
+    msg = client.recv(timeout_s)
+    if not isinstance(msg, WeightsReady):
+        raise TransportError(f"expected the current weights (version {welcome.policy_version}) from the learner "
+                             f"within {timeout_s:g} s, got {type(msg).__name__ if msg else 'nothing'}")
+    error, seconds = "", 0.0
+    try:
+        seconds = await node.apply_weights(msg)
+    except Exception as e:  # noqa: BLE001 - reported, then raised
+        error = f"{type(e).__name__}: {e}"
+    client.send(WeightsApplied(node_id=node.node_id, version=msg.version, seconds=seconds, error=error))
+    if error:
+        raise TransportError(f"could not apply the learner's weights: {error}")
+
+
+async def _generate(cfg: Config, client: ControlClient, ledger: Ledger, node, node_id: str) -> int:
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, node.stop, signal.Signals(sig).name)
+    control = ControlLoop(client, ledger, node, loop)
+    control.start()
+    try:
+        stats = await node.run()
+    finally:
+        control.stopping.set()
+        await asyncio.to_thread(control.join, 5.0)
+        left = ledger.leave(node_id, "preempted")
+        try:
+            client.send(Goodbye(node_id=node_id, reason=control.stop_reason or "stopped"), timeout_s=1.0)
+        except TransportError:
+            pass  # the learner is gone already
+    log.info("node %s done: %d groups sent, %d samples resolved on leaving", node_id, stats.groups_sent, left)
+    return 0
+
+
+def main(cfg: Config, learner: str = "", node_id: str | None = None) -> int:
+    """Run one registered rollout node; the process exit status."""
+    from streamrl.engine.telemetry import setup_logging
+
+    node_id = node_id or f"{socket.gethostname()}-{os.getpid()}"
+    setup_logging(cfg.run.path, f"rollout-{node_id}", console=True, level=cfg.telemetry.log_level)
+    try:
+        return asyncio.run(serve(cfg, resolve_learner(learner, cfg), node_id))
+    except (TransportError, ConfigError) as e:
+        log.error("%s", e)
+        return 1
+
+
+def cli(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m streamrl.rollout.service", description=__doc__.splitlines()[0])
+    parser.add_argument("--config", help="TOML config file (defaults when omitted)")
+    parser.add_argument("--learner", default="", help="tcp://HOST:PORT, or a run folder (default: the run's own)")
+    parser.add_argument("--node-id", help="unique node name (default: host-pid)")
+    parser.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE", help="override")
+    args = parser.parse_args(argv)
+    try:
+        cfg = load(args.config, args.set)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return main(cfg, args.learner, args.node_id)
+
+
+if __name__ == "__main__":
+    sys.exit(cli())
