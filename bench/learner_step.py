@@ -121,7 +121,21 @@ def streamrl(args):
         fields["vs_baseline"] = round(tps / world / args.baseline_tps, 3)
     if rank == 0:
         emit(**fields)
+    if args.profile:
+        profile(step, args.profile if rank == 0 else None)
     parallel.shutdown()
+
+
+def profile(step, path: str | None) -> None:
+    """One step under the profiler; the kernels that took the most GPU time, to `path`."""
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+
+    with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    if path:
+        with open(path, "w") as f:
+            f.write(prof.key_averages().table(sort_by="cuda_time_total", row_limit=40, max_name_column_width=70))
 
 
 def main():
@@ -138,6 +152,7 @@ def main():
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--baseline-tps", type=float, default=0.0)
+    ap.add_argument("--profile", default="", help="write a profile of one step to this file")
     args = ap.parse_args()
     baseline(args) if args.mode == "baseline" else streamrl(args)
 

@@ -88,9 +88,10 @@ def wrap_model(model: nn.Module, cfg: LearnerConfig, device: torch.device, *, te
     mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
           if device.type == "cuda" else MixedPrecisionPolicy())
     policy = PolicyModel(model, chunk=chunk, temperature=temperature)
+    reshard = dist.get_world_size() > 1  # one rank: nothing to save by freeing the gathered weights
     for layer in layers:
-        fully_shard(layer, mesh=mesh, mp_policy=mp)
-    fully_shard(policy, mesh=mesh, mp_policy=mp)
+        fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
+    fully_shard(policy, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
     for module in policy.modules():
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)
