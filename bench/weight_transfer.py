@@ -103,8 +103,7 @@ def receiver(args) -> None:
         got = list(receive(ready, device, rank=1))
         _sync(device)
         end = time.perf_counter()
-        for name, t in got:
-            targets[name].copy_(t)
+        torch._foreach_copy_([targets[name] for name, _ in got], [t for _, t in got])  # as apply_to_hf_model
         _sync(device)
         reply = {"end": end, "end_apply": time.perf_counter()}
         if cmd.get("check"):

@@ -72,12 +72,24 @@ def pack_bucket(spec: BucketSpec, tensors: Mapping[str, torch.Tensor], device: t
                 out: torch.Tensor | None = None) -> torch.Tensor:
     """One flat tensor (`out` when given) holding the bucket's tensors at their offsets."""
     flat = torch.empty(spec.numel, dtype=torch_dtype(spec.dtype), device=device) if out is None else out
+    primaries, end = [], 0
     for ts in spec.tensors:
         t = tensors.get(ts.name)
         if t is None or list(t.shape) != ts.shape or t.dtype != flat.dtype:
             got = "missing" if t is None else f"{dtype_name(t.dtype)}{list(t.shape)}"
             raise ValueError(f"tensor {ts.name!r} is {got}; the layout says {spec.dtype}{ts.shape}")
-        flat[ts.offset:ts.offset + ts.numel].copy_(t.detach().reshape(-1), non_blocking=True)
+        if ts.offset == end:  # a tied alias points back at an earlier offset: its bytes are already in
+            primaries.append(t.detach().reshape(-1))
+            end += ts.numel
+    if end != spec.numel:
+        raise ValueError(f"bucket layout is not contiguous: tensors cover {end} of {spec.numel} elements")
+    if all(t.device == flat.device for t in primaries):
+        torch.cat(primaries, out=flat)  # one batched kernel instead of a copy per tensor (~290 in a 0.5B)
+    else:
+        offset = 0
+        for t in primaries:
+            flat[offset:offset + t.numel()].copy_(t, non_blocking=True)
+            offset += t.numel()
     return flat
 
 

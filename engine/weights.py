@@ -16,7 +16,6 @@ failure, because a gloo/NCCL group is unusable after one failed operation.
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import dataclasses
 import datetime
@@ -38,7 +37,6 @@ __all__ = ["BufferPool", "PackedBuckets", "TransferResult", "WeightBroadcaster",
            "unpack_bucket"]
 
 ROOT = 0  # learner rank 0 is rank 0 of every node's weight group
-IN_FLIGHT = 2  # buckets broadcast ahead of the one being waited on, so packing overlaps the wire
 
 
 class WeightTransferError(RuntimeError):
@@ -176,28 +174,22 @@ class WeightSender:
             if self._group is None:
                 self._group = new_group(self.store, ready.group_prefix, ROOT, ready.world_size,
                                         self.backend, self.timeout_s, self.device)
-            pending: collections.deque[tuple[int, dist.Work]] = collections.deque()
+            # every bucket is queued before any wait: a CPU wait per bucket costs ~0.3 ms of NCCL
+            # polling each (measured: 7B in 256 MB buckets took 1.65x raw that way)
+            works = []
             for index in range(len(packed)):
                 phase = f"bucket {index + 1}/{len(packed)}"
-                pending.append((index, broadcast_async(self._group, packed.get(index), self.timeout_s)))
-                if len(pending) >= IN_FLIGHT:
-                    phase = self._wait_oldest(pending, len(packed), on_bucket)
-            while pending:
-                phase = self._wait_oldest(pending, len(packed), on_bucket)
+                works.append(broadcast_async(self._group, packed.get(index), self.timeout_s))
+            for index, work in enumerate(works):
+                phase = f"bucket {index + 1}/{len(packed)}"
+                wait(work, self.timeout_s)
+                if on_bucket is not None:
+                    on_bucket(self.node_id, index)
         except Exception as e:
             abort(self._group)
             self._group = None
             raise WeightTransferError(self.node_id, phase, f"{type(e).__name__}: {e}") from e
         return time.perf_counter() - start
-
-    def _wait_oldest(self, pending: collections.deque, total: int, on_bucket) -> str:
-        index, work = pending[0]
-        phase = f"bucket {index + 1}/{total}"
-        wait(work, self.timeout_s)
-        pending.popleft()
-        if on_bucket is not None:
-            on_bucket(self.node_id, index)
-        return phase
 
     def close(self) -> None:
         self._group = None

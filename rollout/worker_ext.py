@@ -87,5 +87,4 @@ def apply_to_hf_model(model: torch.nn.Module, ready: WeightsReady, device: torch
             raise WeightTransferError(peer, "apply", f"tensor {name!r} is {list(tensor.shape)}, "
                                                      f"the model has {list(target.shape)}")
     with torch.no_grad():
-        for name, tensor in received:
-            targets[name].copy_(tensor)
+        torch._foreach_copy_([targets[name] for name, _ in received], [tensor for _, tensor in received])
