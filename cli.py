@@ -116,9 +116,10 @@ def run(
     device: Annotated[Optional[str], typer.Option(help="auto, cpu or cuda.")] = None,
 ) -> None:
     """Everything on this machine: embedded Redis, a learner and N rollout nodes, with a live view."""
-    from streamrl.engine.run_local import run_local
+    from streamrl.engine.run_local import DEMO, run_local
 
-    sets = list(overrides or [])
+    builtin = config is None and not model and not data  # the built-in demo: its settings, then yours
+    sets = (DEMO if builtin else []) + list(overrides or [])
     sets += [f"model.path={model!r}"] if model else []
     sets += [f"data.path={data!r}"] if data else []
     sets += [f"reward.functions={list(reward)!r}"] if reward else []

@@ -13,6 +13,12 @@ from streamrl.engine.launcher import Launcher
 from streamrl.engine.telemetry import live_table, read_metrics
 
 
+# The built-in demo: the random-init tiny model learns to write the letter of the demo task's
+# `answer` column. Measured on 2 CPU cores with 2 nodes: mean reward 0.06 -> 1.0 in 30 steps.
+# A learning rate this high suits only a tiny random model; examples/demo.toml spells it out.
+DEMO = ["learner.lr=1e-2", "rollout.group_size=8", "rollout.max_tokens=24", "run.steps=30"]
+
+
 def fresh_name(cfg: Config, explicit: bool) -> Config:
     """A default-named run whose folder exists gets a timestamped name; an explicit name is kept."""
     if explicit or not cfg.run.path.exists():
@@ -66,6 +72,7 @@ def _watch(launcher: Launcher, cfg: Config, console: Console, started: float) ->
             time.sleep(0.5)
         nodes = {name: child.alive for name, child in launcher.nodes.items()}
         live.update(live_table(read_metrics(metrics), cfg.run.steps, nodes, time.monotonic() - started))
+    console.print()
     code = launcher.learner.process.returncode
     if code != 0:
         console.print(f"[red]the learner exited with code {code}[/]; its log {launcher.learner.log_path}:\n"

