@@ -22,7 +22,7 @@ import torch
 from streamrl.engine import messages
 from streamrl.engine.config import WeightsConfig
 from streamrl.engine.messages import Register
-from streamrl.engine.weights import WeightBroadcaster
+from streamrl.engine.weights import WeightBroadcaster, WeightSender, plan_buckets
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -172,6 +172,20 @@ def test_transfer_matches_learner_and_planted_token_dominates(cluster):
         reply = learner.nodes[node_id].request(op="generate", prompt=[5, 6, 7], n=2, max_tokens=12)
         assert reply["tokens"] == [[PLANTED] * 12] * 2 and reply["version"] == learner.version
     assert learner.broadcaster.applied == {"a": learner.version, "b": learner.version}
+
+
+def test_learner_that_never_sends_leaves_the_node_generating_on_its_weights(cluster):
+    learner, _ = cluster
+    node = learner.nodes["a"]
+    before = node.request(op="logprobs", seqs=SEQS)
+    silent = WeightSender("a", timeout_s=3.0)  # announces a transfer, then never joins the group
+    ready = silent.prepare(learner.version + 1, plan_buckets(learner.model.state_dict(), 1 << 20))
+    start = time.monotonic()
+    reply = node.request(op="weights", ready=messages.encode(ready))
+    applied = messages.decode_control(reply["applied"])
+    assert "rendezvous" in applied.error and time.monotonic() - start < 60
+    after = node.request(op="logprobs", seqs=SEQS)
+    assert after == before  # same version, same weights, engine alive
 
 
 def test_node_killed_mid_transfer_is_evicted_and_the_other_continues(cluster):
