@@ -207,6 +207,8 @@ class WeightsConfig(_Section):
     bucket_mb: Annotated[float, _doc("Flat bucket size in MiB.", gt=0.0)] = 256.0
     timeout_s: Annotated[float, _doc("Deadline of each phase (rendezvous, layout, bucket, apply); a node "
                                      "past it is evicted.", gt=0.0)] = 60.0
+    store_host: Annotated[str, _doc("Address of learner rank 0 that nodes reach its weight rendezvous "
+                                    "(TCPStore) at; loopback unless nodes run on other hosts.", min_length=1)] = "127.0.0.1"
 
 
 class CheckpointConfig(_Section):

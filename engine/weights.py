@@ -276,9 +276,8 @@ class WeightBroadcaster:
     `wait_applied(node_id, timeout_s)` returns that node's `WeightsApplied` (raising on timeout).
     """
 
-    def __init__(self, cfg: WeightsConfig = WeightsConfig(), *, host: str = "127.0.0.1",
-                 device: torch.device | str = "cpu"):
-        self.cfg, self.host, self.device = cfg, host, torch.device(device)
+    def __init__(self, cfg: WeightsConfig = WeightsConfig(), *, device: torch.device | str = "cpu"):
+        self.cfg, self.host, self.device = cfg, cfg.store_host, torch.device(device)
         self.backend = resolve_backend(cfg.backend, self.device)
         self.senders: dict[str, WeightSender] = {}
         self.applied: dict[str, int] = {}
@@ -340,9 +339,12 @@ class WeightBroadcaster:
             applied = self._wait_applied(node_id, wait_applied)
             results[node_id] = TransferResult(node_id, applied.version, True, time.perf_counter() - start,
                                               send_s, applied.seconds)
-        except WeightTransferError as e:
+        except Exception as e:  # anything else still evicts this node only, with the cause named
+            error = e if isinstance(e, WeightTransferError) else WeightTransferError(
+                node_id, "internal", f"{type(e).__name__}: {e}")
             sender.mark_broken()
-            results[node_id] = TransferResult(node_id, version, False, time.perf_counter() - start, send_s, error=e)
+            results[node_id] = TransferResult(node_id, version, False, time.perf_counter() - start, send_s,
+                                              error=error)
 
     def _wait_applied(self, node_id: str, wait_applied: WaitApplied) -> WeightsApplied:
         try:
