@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import pathlib
 import shutil
+import warnings
 from collections.abc import Mapping
 
 import torch
@@ -59,7 +60,9 @@ def load_checkpoint_weights(checkpoint: str | os.PathLike) -> dict[str, Tensor]:
     meta = read_meta(path)
     state = {name: torch.empty(shape, dtype=getattr(torch, meta.dtypes[name]))
              for name, shape in meta.params.items()}
-    dcp.load({"model": state}, checkpoint_id=str(path), no_dist=True)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
+        dcp.load({"model": state}, checkpoint_id=str(path), no_dist=True)
     return state
 
 
