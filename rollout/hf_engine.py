@@ -41,7 +41,15 @@ class HFEngine:
         self.policy_version = 0
         self.tokens_generated = 0
         self._queue: list[_Request] = []
-        self._lock = asyncio.Lock()  # one generate or weight update at a time
+        self._lock_and_loop: tuple[asyncio.Lock, asyncio.AbstractEventLoop] | None = None
+
+    @property
+    def _lock(self) -> asyncio.Lock:
+        """One generate or weight update at a time; a lock per event loop (asyncio locks are bound to one)."""
+        loop = asyncio.get_running_loop()
+        if self._lock_and_loop is None or self._lock_and_loop[1] is not loop:
+            self._lock_and_loop = (asyncio.Lock(), loop)
+        return self._lock_and_loop[0]
 
     async def generate(self, prompt_ids: list[int], n: int, max_tokens: int) -> list[Completion]:
         room = self.max_model_len - len(prompt_ids)
@@ -50,6 +58,7 @@ class HFEngine:
                              f"{self.max_model_len}; lower data.max_prompt_tokens")
         request = _Request(prompt_ids, n, min(max_tokens, room))
         self._queue.append(request)
+        await asyncio.sleep(0)  # let requests submitted in the same tick join this batch
         async with self._lock:
             batch = self._take_batch()
             if batch:

@@ -1,0 +1,114 @@
+"""Rollout throughput: tokens/s of the vllm backend vs the hf backend, same model, same prompts, same run.
+
+    python -m streamrl.bench.rollout_throughput [--prompts 32] [--group-size 4] [--max-tokens 64] [--size small]
+
+Prints one JSON line per backend and one for the ratio (vllm / hf). Each backend runs in its own
+child process and gets every group at once through the `GenerationEngine` interface (vLLM
+batches continuously; hf batches whatever is queued), after one untimed pass of the same shape
+(vLLM's first full batch is several times slower). Tokens counted are completion tokens returned.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
+
+SIZES = {  # Qwen2 shapes for make_tiny_model
+    "tiny": {},
+    "small": dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=64),
+    "medium": dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8,
+                   num_key_value_heads=2, head_dim=64),
+}
+
+
+def _prompts(count: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(rng.randint(8, 32))] for _ in range(count)]
+
+
+async def _measure(engine, prompts: list[list[int]], group_size: int, max_tokens: int, repeats: int) -> dict:
+    """Best of `repeats` timed passes over every prompt, after one untimed pass of the same shape."""
+    best = None
+    for i in range(repeats + 1):
+        start = time.perf_counter()
+        groups = await asyncio.gather(*(engine.generate(p, group_size, max_tokens) for p in prompts))
+        seconds = time.perf_counter() - start
+        tokens = sum(len(c.token_ids) for g in groups for c in g)
+        if i and (best is None or tokens / seconds > best["tokens_per_s"]):
+            best = {"tokens": tokens, "seconds": round(seconds, 3), "tokens_per_s": round(tokens / seconds, 1)}
+    return best
+
+
+async def _run_backend(backend: str, model: str, args) -> dict:
+    from streamrl.engine.config import ModelConfig, RolloutConfig
+    from streamrl.rollout.hf_engine import HFEngine
+    from streamrl.rollout.vllm_engine import VLLMEngine
+
+    model_cfg = ModelConfig(max_model_len=args.max_tokens + 64, dtype=args.dtype)
+    rollout = RolloutConfig(backend=backend, temperature=1.0, max_tokens=args.max_tokens)
+    engine = (VLLMEngine if backend == "vllm" else HFEngine)(model, model_cfg, rollout, seed=0)
+    try:
+        return await _measure(engine, _prompts(args.prompts, 400), args.group_size, args.max_tokens, args.repeats)
+    finally:
+        await engine.close()
+
+
+def _parse() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--prompts", type=int, default=32)
+    parser.add_argument("--group-size", type=int, default=4)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--size", choices=sorted(SIZES), default="small")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--repeats", type=int, default=2, help="timed passes per backend (best is reported)")
+    parser.add_argument("--model", default="", help="model folder (default: a random-init Qwen2 of --size)")
+    parser.add_argument("--only", choices=("vllm", "hf"), help=argparse.SUPPRESS)  # one backend, in a child
+    return parser.parse_args()
+
+
+def _child(backend: str, model: str, args: argparse.Namespace) -> dict:
+    """Measure one backend in a fresh process: vLLM changes thread settings of the process it runs in."""
+    cmd = [sys.executable, "-m", "streamrl.bench.rollout_throughput", "--prompts", str(args.prompts),
+           "--group-size", str(args.group_size), "--max-tokens", str(args.max_tokens), "--dtype", args.dtype,
+           "--repeats", str(args.repeats), "--model", model, "--only", backend]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
+    lines = [line for line in out.stdout.splitlines() if line.startswith("{")]
+    if out.returncode or not lines:
+        raise RuntimeError(f"{backend} benchmark failed ({out.returncode}):\n{out.stderr[-3000:]}")
+    return json.loads(lines[-1])
+
+
+def main() -> None:
+    args = _parse()
+    if args.only:
+        print(json.dumps(asyncio.run(_run_backend(args.only, args.model, args))), flush=True)
+        return
+    from streamrl.engine.models import make_tiny_model
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model = args.model or str(make_tiny_model(os.path.join(tmp, "model"), seed=0, **SIZES[args.size]))
+        shape = dict(model=args.model or f"random-qwen2-{args.size}", prompts=args.prompts,
+                     group_size=args.group_size, max_tokens=args.max_tokens, dtype=args.dtype,
+                     repeats=args.repeats)
+        results = {}
+        for backend in ("hf", "vllm"):
+            results[backend] = _child(backend, model, args)
+            print(json.dumps({"figure": "rollout_tokens_per_s", "backend": backend, **shape, **results[backend]}),
+                  flush=True)
+    ratio = results["vllm"]["tokens_per_s"] / results["hf"]["tokens_per_s"]
+    print(json.dumps({"figure": "rollout_speedup_vllm_over_hf", "ratio": round(ratio, 2), "goal": 3.0, **shape}))
+
+
+if __name__ == "__main__":
+    main()
