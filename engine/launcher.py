@@ -13,9 +13,11 @@ import dataclasses
 import json
 import os
 import pathlib
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 
 from streamrl.engine.config import Config, dump
@@ -42,10 +44,8 @@ class Child:
             return "(no output)"
 
 
-def child_env(cfg: Config, run_dir: pathlib.Path) -> dict[str, str]:
-    """In-process vLLM engines, no torch.compile on CPU, and vLLM's socket files kept in the run folder."""
-    tmp = run_dir / "tmp"
-    tmp.mkdir(parents=True, exist_ok=True)
+def child_env(cfg: Config, tmp: pathlib.Path) -> dict[str, str]:
+    """In-process vLLM engines, no torch.compile on CPU, and vLLM's socket files kept in `tmp`."""
     env = {**os.environ, "TMPDIR": str(tmp), "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
     env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     if cfg.run.device != "cuda":
@@ -65,6 +65,9 @@ class Launcher:
         self.learner: Child | None = None
         self.nodes: dict[str, Child] = {}
         self.config_path = self.run_dir / "config.toml"
+        # vLLM binds ipc:// sockets in TMPDIR, whose paths may not exceed 107 bytes: a short folder
+        # of our own under the system temp dir (not the run folder), removed when the run ends.
+        self.tmp = pathlib.Path(tempfile.mkdtemp(prefix="streamrl-"))
         self._next_node = 0
 
     def start(self, nodes: int, timeout_s: float = 300.0) -> None:
@@ -72,7 +75,8 @@ class Launcher:
             self.redis = RedisServer(self.run_dir / "redis")
             self.cfg = _with(self.cfg, "ledger", url=self.redis.start())
         self.config_path.write_text(dump(self.cfg))
-        self.learner = self._spawn("learner", self._learner_command())
+        self.gpus = _gpu_count() if self.cfg.run.device in ("auto", "cuda") else 0
+        self.learner = self._spawn("learner", self._learner_command(), self._learner_gpus())
         self.wait_for_learner(timeout_s)
         for _ in range(nodes):
             self.add_node()
@@ -83,6 +87,16 @@ class Launcher:
             return [sys.executable, "-m", "torch.distributed.run", "--standalone",
                     f"--nproc-per-node={self.cfg.learner.ranks}", *args[1:]]
         return [sys.executable, *args]
+
+    def _learner_gpus(self) -> list[int] | None:
+        return list(range(min(self.cfg.learner.ranks, self.gpus))) if self.gpus else None
+
+    def _node_gpu(self, index: int) -> list[int] | None:
+        """Nodes take the GPUs the learner leaves free, round robin; with none free they share GPU 0..."""
+        if not self.gpus:
+            return None
+        free = list(range(min(self.cfg.learner.ranks, self.gpus), self.gpus)) or list(range(self.gpus))
+        return [free[index % len(free)]]
 
     def wait_for_learner(self, timeout_s: float) -> dict:
         """The learner's addresses, once it wrote them; a clear error if it died or took too long."""
@@ -103,19 +117,22 @@ class Launcher:
         self._next_node += 1
         command = [sys.executable, "-m", "streamrl.rollout.service", "--config", str(self.config_path),
                    "--learner", str(self.run_dir), "--node-id", name]
-        self.nodes[name] = self._spawn(f"rollout-{name}", command)
+        self.nodes[name] = self._spawn(f"rollout-{name}", command, self._node_gpu(self._next_node - 1))
         return name
 
     def stop_node(self, name: str, timeout_s: float = STOP_GRACE_S) -> int | None:
         child = self.nodes.pop(name)
         return _stop(child.process, timeout_s)
 
-    def _spawn(self, name: str, command: list[str]) -> Child:
+    def _spawn(self, name: str, command: list[str], gpus: list[int] | None = None) -> Child:
         log_path = self.run_dir / "logs" / f"{name}.out"
+        env = child_env(self.cfg, self.tmp)
+        if gpus is not None:
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpus))
         with log_path.open("ab") as out:
             # Own process group: a terminal's Ctrl-C reaches the launcher, which stops children in order.
             process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                       env=child_env(self.cfg, self.run_dir), start_new_session=True)
+                                       env=env, start_new_session=True)
         return Child(name, process, log_path)
 
     @property
@@ -130,6 +147,11 @@ class Launcher:
             _stop(self.learner.process, STOP_GRACE_S)
         if not keep_redis:
             self.stop_redis()
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+    def failed_nodes(self) -> list[Child]:
+        """Nodes that exited with an error (a node stopped by SIGTERM exits 0)."""
+        return [c for c in self.nodes.values() if not c.alive and c.process.returncode not in (0, None)]
 
     def stop_redis(self) -> None:
         if self.redis is not None:
@@ -145,6 +167,12 @@ def _stop(process: subprocess.Popen, timeout_s: float) -> int | None:
             process.kill()
             process.wait(timeout=10)
     return process.returncode
+
+
+def _gpu_count() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
 def _with(cfg: Config, section: str, **fields) -> Config:

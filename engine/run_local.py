@@ -67,6 +67,11 @@ def _watch(launcher: Launcher, cfg: Config, console: Console, started: float) ->
     with Live(console=console, refresh_per_second=2, transient=False) as live:
         while launcher.learner.alive:
             nodes = {name: child.alive for name, child in launcher.nodes.items()}
+            failed = launcher.failed_nodes()
+            if nodes and not any(nodes.values()) and failed:
+                raise RuntimeError(f"every rollout node exited; {failed[-1].name} with code "
+                                   f"{failed[-1].process.returncode}, its log {failed[-1].log_path}:\n"
+                                   f"{failed[-1].log_tail()}")
             note = "" if any(nodes.values()) or not nodes else "no rollout node is running: the learner waits"
             live.update(live_table(read_metrics(metrics), cfg.run.steps, nodes, time.monotonic() - started, note))
             time.sleep(0.5)

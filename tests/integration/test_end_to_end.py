@@ -36,6 +36,8 @@ def _wait_for_step(launcher: Launcher, step: int, timeout_s: float) -> list[dict
         if records and records[-1]["step"] >= step:
             return records
         assert launcher.learner.alive, f"learner died:\n{launcher.learner.log_tail(40)}"
+        failed = launcher.failed_nodes()
+        assert not failed, f"{failed[0].name} exited {failed[0].process.returncode}:\n{failed[0].log_tail(40)}"
         time.sleep(0.5)
     raise AssertionError(f"step {step} not reached in {timeout_s} s; learner log:\n{launcher.learner.log_tail(40)}")
 
