@@ -80,6 +80,7 @@ class Learner:
         from transformers import AutoModelForCausalLM
 
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+        self.initial = {name: p.detach().clone() for name, p in self.model.named_parameters()}
         self.broadcaster = WeightBroadcaster(WeightsConfig(backend="gloo", bucket_mb=0.05, timeout_s=TIMEOUT_S))
         self.nodes: dict[str, NodeProc] = {}
         self.version = 0
@@ -114,10 +115,11 @@ class Learner:
             return out
 
     def perturb(self, seed: int) -> None:
+        """The initial weights plus seeded noise (whatever was planted before is gone)."""
         g = torch.Generator().manual_seed(seed)
         with torch.no_grad():
-            for p in self.model.parameters():  # tied embedding / lm_head listed once
-                p.add_(0.05 * torch.randn(p.shape, generator=g))
+            for name, p in self.model.named_parameters():  # tied embedding / lm_head listed once
+                p.copy_(self.initial[name] + 0.05 * torch.randn(p.shape, generator=g))
 
     def plant(self) -> None:
         """Residual stream = the token's embedding (attention and MLP outputs zeroed); every embedding row
@@ -172,6 +174,23 @@ def test_transfer_matches_learner_and_planted_token_dominates(cluster):
         reply = learner.nodes[node_id].request(op="generate", prompt=[5, 6, 7], n=2, max_tokens=12)
         assert reply["tokens"] == [[PLANTED] * 12] * 2 and reply["version"] == learner.version
     assert learner.broadcaster.applied == {"a": learner.version, "b": learner.version}
+
+
+def test_in_flight_request_continues_on_the_new_weights(cluster):
+    learner, _ = cluster
+    learner.perturb(seed=3)
+    learner.push(nodes=["a"])
+    node = learner.nodes["a"]
+    assert node.request(op="start_long", prompt=[5, 6, 7], max_tokens=230)["streamed"] >= 1
+    learner.plant()
+    assert learner.push(nodes=["a"])["a"].ok
+    reply = node.request(op="finish_long")
+    tokens, switch = reply["tokens"], reply["tokens_at_apply"]
+    assert len(tokens) == 230, "the paused request must complete"
+    assert 0 < switch < 220, f"the request ended before the transfer ({switch} tokens): nothing to observe"
+    assert tokens[0] != PLANTED  # sampled from the perturbed weights
+    # +2: a token or two from before the pause may still be on its way out of the engine when counted
+    assert tokens[switch + 2:] == [PLANTED] * (228 - switch)
 
 
 def test_learner_that_never_sends_leaves_the_node_generating_on_its_weights(cluster):

@@ -4,6 +4,7 @@ Driven by the test (the learner) over a socket given as an inherited fd, in msgp
 `{"op": "weights", "ready": <WeightsReady bytes>}` -> `{"applied": <WeightsApplied bytes>}`,
 `{"op": "logprobs", "seqs": [[ids]]}` -> `{"logprobs": [[per token after the first]], "version"}`,
 `{"op": "generate", "prompt": [ids], "n", "max_tokens"}` -> `{"tokens": [[ids]], "version"}`,
+`{"op": "start_long", "prompt", "max_tokens"}` (returns with the request in flight), `{"op": "finish_long"}`,
 `{"op": "stop"}`. It announces itself with a `Register` frame once its engine is up, and refuses
 to generate before its first weights arrived (a node generates only with the learner's weights).
 """
@@ -41,6 +42,8 @@ def make_engine(model: str):
 class Node:
     def __init__(self, engine, node_id: str):
         self.engine, self.node_id, self.version = engine, node_id, -1  # -1: no learner weights yet
+        self.long_tokens: list[int] = []  # the streaming request of start_long, as it grows
+        self.long_task, self.tokens_at_apply = None, -1
 
     async def run_one(self, prompt_ids: list[int], params) -> object:
         from vllm.inputs import TokensPrompt
@@ -58,6 +61,7 @@ class Node:
         try:
             await apply_to_async_llm(self.engine, ready)
             self.version = ready.version
+            self.tokens_at_apply = len(self.long_tokens)
             reply = WeightsApplied(node_id=self.node_id, version=self.version, seconds=time.perf_counter() - start)
         except Exception as e:
             reply = WeightsApplied(node_id=self.node_id, version=ready.version, seconds=0.0, error=str(e))
@@ -80,6 +84,30 @@ class Node:
         params = SamplingParams(max_tokens=req["max_tokens"], temperature=1.0, ignore_eos=True)
         outs = await asyncio.gather(*(self.run_one(req["prompt"], params) for _ in range(req["n"])))
         return {"tokens": [list(out.outputs[0].token_ids) for out in outs], "version": self.version}
+
+
+    async def start_long(self, req: dict) -> dict:
+        """Start one long request and return once its first tokens streamed in (it stays in flight)."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        params = SamplingParams(max_tokens=req["max_tokens"], temperature=1.0, ignore_eos=True)
+        first = asyncio.Event()
+
+        async def stream():
+            async for out in self.engine.generate(TokensPrompt(prompt_token_ids=req["prompt"]), params,
+                                                  uuid.uuid4().hex):
+                self.long_tokens[:] = out.outputs[0].token_ids
+                first.set()
+
+        self.long_tokens, self.tokens_at_apply = [], -1
+        self.long_task = asyncio.ensure_future(stream())
+        await first.wait()
+        return {"streamed": len(self.long_tokens)}
+
+    async def finish_long(self, req: dict) -> dict:
+        await self.long_task
+        return {"tokens": list(self.long_tokens), "tokens_at_apply": self.tokens_at_apply}
 
 
 def main() -> None:
