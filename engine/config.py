@@ -156,7 +156,7 @@ class LossConfig(_Section):
                                      ge=0.0)] = 0.0
     aggregation: Annotated[Literal["token", "sequence", "constant"],
                            _doc("token: mean over all tokens; sequence: mean of per-sequence means; "
-                                "constant: sum / norm_constant (Dr.GRPO).")] = "token"
+                                "constant: per-sequence sum / norm_constant, mean over sequences (Dr.GRPO).")] = "token"
     norm_constant: Annotated[float, _doc("Divisor for aggregation=constant (usually max_tokens).", gt=0.0)] = 1024.0
     importance: Annotated[Literal["decoupled", "truncated", "masked", "none"],
                           _doc("Off-policy correction between behavior (rollout) and learner policy.")] = "decoupled"
@@ -166,6 +166,13 @@ class LossConfig(_Section):
     kl_coef: Annotated[float, _doc("k3 KL penalty to a reference policy; 0 disables.", ge=0.0)] = 0.0
     advantage: Annotated[Literal["group_mean", "group_std", "leave_one_out"],
                          _doc("Group-relative advantage estimator.")] = "group_std"
+
+    def __post_init__(self) -> None:
+        if 0.0 < self.dual_clip <= 1.0:
+            raise ValueError(f"loss.dual_clip = {self.dual_clip} must be > 1 (a bound c on -c*A), or 0 to disable")
+        if self.is_mask_low >= self.is_mask_high:
+            raise ValueError(f"loss.is_mask_low = {self.is_mask_low} must be below loss.is_mask_high = "
+                             f"{self.is_mask_high}: masked IS keeps weights inside [low, high]")
 
 
 class LearnerConfig(_Section):

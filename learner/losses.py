@@ -27,6 +27,8 @@ Statistics come back as sums (and max/min) so they reduce exactly across micro-b
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
@@ -164,8 +166,8 @@ def summarize(stats: dict[str, float]) -> dict[str, float]:
            "is_masked_fraction": stats.get("is_masked_sum", 0.0) / tokens,
            "mismatch_kl": stats.get("mismatch_kl_sum", 0.0) / max(stats.get("mismatch_tokens", 0.0), 1.0)}
     for key in ("is_weight_max", "is_weight_min"):
-        if key in stats:
-            out[key] = stats[key]
+        if key in stats:  # +-inf when no token was kept: reported as 0 so metric sinks stay valid JSON
+            out[key] = stats[key] if math.isfinite(stats[key]) else 0.0
     for key in ("entropy", "ref_kl"):
         if f"{key}_sum" in stats:
             out[key] = stats[f"{key}_sum"] / tokens

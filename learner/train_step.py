@@ -27,14 +27,13 @@ def compute_logprobs(model: nn.Module, mb: MicroBatch) -> tuple[Tensor, Tensor]:
     return model(mb.input_ids, mb.position_ids, mb.targets, mb.cu_seqlens, mb.max_seqlen)
 
 
-def _filler(like: MicroBatch) -> MicroBatch:
+def _filler(device: torch.device) -> MicroBatch:
     """A one-position micro-batch with no loss token: keeps a rank with fewer micro-batches in step."""
-    z = like.input_ids[:1]
-    zero_i, zero_f = torch.zeros_like(z), torch.zeros(1, device=z.device)
+    zero_i, zero_f = torch.zeros(1, dtype=torch.int64, device=device), torch.zeros(1, device=device)
     return MicroBatch(input_ids=zero_i, position_ids=zero_i, targets=zero_i,
-                      loss_mask=torch.zeros(1, dtype=torch.bool, device=z.device), behavior_logprobs=zero_f,
+                      loss_mask=torch.zeros(1, dtype=torch.bool, device=device), behavior_logprobs=zero_f,
                       advantages=zero_f, versions=zero_i - 1, seq_ids=zero_i,
-                      cu_seqlens=torch.tensor([0, 1], dtype=torch.int32, device=z.device), max_seqlen=1)
+                      cu_seqlens=torch.tensor([0, 1], dtype=torch.int32, device=device), max_seqlen=1)
 
 
 class Trainer:
@@ -79,9 +78,7 @@ class Trainer:
         start = time.perf_counter()
         micro_batches = [mb.to(self.device) for mb in micro_batches]
         rounds = parallel.max_over_ranks(len(micro_batches), self.device)
-        if not micro_batches and rounds:
-            raise ValueError("this rank got no micro-batch while others did; give every rank at least one")
-        micro_batches += [_filler(micro_batches[0]) for _ in range(rounds - len(micro_batches))]
+        micro_batches += [_filler(self.device) for _ in range(rounds - len(micro_batches))]
         normalizer = self.global_normalizer(micro_batches, global_token_count)
         sums: dict[str, Tensor] = {}
         for mb in micro_batches:

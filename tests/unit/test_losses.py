@@ -175,3 +175,12 @@ def test_mismatch_kl_only_on_tokens_of_the_current_version():
     # k3 with pi / mu = exp(-0.1): 0.904837 - 1 + 0.1 = 0.004837 (token 1 is an older version)
     assert m["mismatch_kl"] == pytest.approx(0.004837, abs=1e-6)
     assert m["entropy"] == pytest.approx(3.0)
+
+
+@pytest.mark.parametrize("override, field", [("loss.dual_clip=0.5", "loss.dual_clip"),
+                                             ("loss.is_mask_low=3.0", "loss.is_mask_low")])
+def test_bad_loss_config_names_the_field(override, field):
+    from streamrl.engine.config import ConfigError, build
+
+    with pytest.raises(ConfigError, match=field):
+        build({}, [override])
