@@ -128,7 +128,7 @@ class Hub:
                                run_name=cfg.run.name, policy_version=version)
         self.control = _ControlThread(ControlServer(bind_address(t.host, t.control_port), t.send_timeout_s),
                                       self.welcome)
-        self.broadcaster = WeightBroadcaster(cfg.weights, host=t.host, device=device)
+        self.broadcaster = WeightBroadcaster(cfg.weights, device=device)
         self.groups: dict[str, _Group] = {}
         self.latest_state: Mapping[str, Tensor] | None = None
         self.counters = collections.Counter()
