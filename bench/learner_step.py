@@ -102,8 +102,9 @@ def streamrl(args):
                         activation_checkpointing=args.ac)
     trainer = Trainer(parallel.wrap_model(model, cfg, device, chunk=args.chunk), LossConfig(), cfg, device)
     trajs = trajectories(args.samples, seed=rank)
-    mbs = pack(trajs, [1.0 if t.reward else -1.0 for t in trajs], args.budget)[:args.micro_batches]
-    tokens = sum(mb.num_tokens for mb in mbs) * world
+    mbs = pack(trajs, [1.0 if t.reward else -1.0 for t in trajs], args.budget,
+               pad_to_budget=args.pad)[:args.micro_batches]
+    tokens = sum(int(mb.cu_seqlens[len(mb.sample_ids)]) for mb in mbs) * world  # padding not counted
     last = {}
 
     def step():
@@ -111,7 +112,8 @@ def streamrl(args):
 
     seconds = timed(step, args.warmup, args.steps)
     tps = tokens / seconds
-    name = f"learner_step_streamrl_{world}gpu" + ("_compile" if args.compile else "") + ("_ac" if args.ac else "")
+    name = (f"learner_step_streamrl_{world}gpu" + ("_compile" if args.compile else "") + ("_pad" if args.pad else "")
+            + ("_ac" if args.ac else ""))
     fields = dict(figure=name, tokens_per_s=round(tps), mfu=round(6 * params * tps / (PEAK_FLOPS * world), 4),
                   params=params, gpus=world, tokens_per_step=tokens, micro_batches_per_rank=len(mbs),
                   budget=args.budget, chunk=args.chunk, seconds_per_step=round(seconds, 4),
@@ -143,6 +145,7 @@ def main():
     ap.add_argument("--mode", choices=["baseline", "streamrl"], default="streamrl")
     ap.add_argument("--compile", action="store_true")
     ap.add_argument("--ac", action="store_true", help="activation checkpointing")
+    ap.add_argument("--pad", action="store_true", help="pad micro-batches to the budget (static shapes)")
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--seq", type=int, default=1024)
     ap.add_argument("--budget", type=int, default=16384, help="tokens per packed micro-batch")

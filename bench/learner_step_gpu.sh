@@ -10,7 +10,7 @@ CUDA_VISIBLE_DEVICES=0 timeout 120 python3 -m pytest -q -p no:cacheprovider test
 run() { echo "# $*" >> "$OUT/bench.log"; timeout "$@" 2>>"$OUT/bench.err" | tee -a "$OUT/figures.jsonl"; }
 run 90 env CUDA_VISIBLE_DEVICES=0 python3 $B --mode baseline
 BASE=$(python3 -c "import json;print([json.loads(l) for l in open('$OUT/figures.jsonl') if 'baseline' in l][-1]['tokens_per_s'])" 2>/dev/null || echo 0)
-run 100 env CUDA_VISIBLE_DEVICES=0 python3 $B --mode streamrl --baseline-tps "$BASE"
-run 160 env CUDA_VISIBLE_DEVICES=0 python3 $B --mode streamrl --compile --baseline-tps "$BASE" --profile "$OUT/profile_1gpu_compile.txt"
-run 200 python3 -m torch.distributed.run --standalone --nproc_per_node=2 $B --mode streamrl --compile --baseline-tps "$BASE"
+[ -n "${ALL_VARIANTS:-}" ] && run 160 env CUDA_VISIBLE_DEVICES=0 python3 $B --mode streamrl --compile --baseline-tps "$BASE"
+run 160 env CUDA_VISIBLE_DEVICES=0 python3 $B --mode streamrl --compile --pad --baseline-tps "$BASE" --profile "$OUT/profile_1gpu_compile_pad.txt"
+run 200 python3 -m torch.distributed.run --standalone --nproc_per_node=2 $B --mode streamrl --compile --pad --baseline-tps "$BASE"
 tail -c 4000 "$OUT/bench.err" > "$OUT/bench_err_tail.txt"

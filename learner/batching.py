@@ -87,9 +87,21 @@ def _tensors(trajectory: Trajectory, advantage: float) -> dict[str, Tensor]:
             "advantages": mask.to(torch.float32) * float(advantage)}
 
 
-def collate(trajectories: list[Trajectory], advantages: list[float]) -> MicroBatch:
-    """Pack the given trajectories end to end into one micro-batch."""
+def _padding(n: int) -> dict[str, Tensor]:
+    """A sequence of n positions with no loss token (fills a micro-batch up to a fixed size)."""
+    zeros = torch.zeros(n, dtype=torch.int64)
+    return {"input_ids": zeros, "targets": zeros, "position_ids": torch.arange(n),
+            "loss_mask": torch.zeros(n, dtype=torch.bool), "behavior_logprobs": torch.zeros(n),
+            "versions": zeros - 1, "advantages": torch.zeros(n)}
+
+
+def collate(trajectories: list[Trajectory], advantages: list[float], pad_to: int = 0) -> MicroBatch:
+    """Pack the given trajectories end to end into one micro-batch (padded with one loss-free
+    sequence up to `pad_to` positions, if given)."""
     parts = [_tensors(t, a) for t, a in zip(trajectories, advantages)]
+    used = sum(p["input_ids"].numel() for p in parts)
+    if pad_to > used:
+        parts.append(_padding(pad_to - used))
     lengths = [p["input_ids"].numel() for p in parts]
     cat = {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
     seq_ids = torch.repeat_interleave(torch.arange(len(parts)), torch.tensor(lengths))
@@ -99,8 +111,12 @@ def collate(trajectories: list[Trajectory], advantages: list[float]) -> MicroBat
                       sample_ids=[t.sample_id for t in trajectories], **cat)
 
 
-def pack(trajectories: list[Trajectory], advantages: list[float], token_budget: int) -> list[MicroBatch]:
+def pack(trajectories: list[Trajectory], advantages: list[float], token_budget: int,
+         pad_to_budget: bool = False) -> list[MicroBatch]:
     """Packed micro-batches of at most `token_budget` positions each; completion-less samples are skipped.
+
+    pad_to_budget: every micro-batch gets exactly `token_budget` positions (static shapes for
+    torch.compile), the rest filled by a loss-free padding sequence.
 
     Raises ValueError naming `learner.micro_batch_tokens` when one sequence alone exceeds the budget.
     """
@@ -113,5 +129,6 @@ def pack(trajectories: list[Trajectory], advantages: list[float], token_budget: 
             raise ValueError(f"sample {trajectories[i].sample_id} needs {cost} positions (prompt + completion - 1) "
                              f"but learner.micro_batch_tokens = {token_budget}; raise it to at least {cost} "
                              "or lower model.max_model_len")
-    return [collate([trajectories[keep[j]] for j in b], [advantages[keep[j]] for j in b])
+    pad_to = token_budget if pad_to_budget else 0
+    return [collate([trajectories[keep[j]] for j in b], [advantages[keep[j]] for j in b], pad_to)
             for b in plan(costs, token_budget)]

@@ -45,8 +45,8 @@ def _kernels(device: torch.device):
     if device.type != "cuda":
         return _head_forward, _head_backward
     if not _COMPILED:
-        _COMPILED["fwd"] = torch.compile(_head_forward, dynamic=True)
-        _COMPILED["bwd"] = torch.compile(_head_backward, dynamic=True)
+        _COMPILED["fwd"] = torch.compile(_head_forward)
+        _COMPILED["bwd"] = torch.compile(_head_backward)
     return _COMPILED["fwd"], _COMPILED["bwd"]
 
 

@@ -83,7 +83,7 @@ def wrap_model(model: nn.Module, cfg: LearnerConfig, device: torch.device, *, te
             layers[i] = checkpoint_wrapper(layer, preserve_rng_state=False)
     if cfg.compile:
         for layer in layers:
-            layer.compile(dynamic=True)
+            layer.compile()  # static shapes first; torch marks T dynamic if it varies
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
           if device.type == "cuda" else MixedPrecisionPolicy())
@@ -97,6 +97,15 @@ def wrap_model(model: nn.Module, cfg: LearnerConfig, device: torch.device, *, te
             module.set_gradient_divide_factor(1.0)
             module.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM
     return policy
+
+
+def set_grad_sync(model: nn.Module, enabled: bool) -> None:
+    """Whether the next backward reduces gradients across ranks; off for all but a step's last micro-batch
+    (gradients then accumulate unsharded, in fp32, and are reduced once)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if isinstance(model, FSDPModule):
+        model.set_requires_gradient_sync(enabled)
 
 
 def _hf_name(name: str) -> str:

@@ -81,7 +81,8 @@ class Trainer:
         micro_batches += [_filler(self.device) for _ in range(rounds - len(micro_batches))]
         normalizer = self.global_normalizer(micro_batches, global_token_count)
         sums: dict[str, Tensor] = {}
-        for mb in micro_batches:
+        for i, mb in enumerate(micro_batches):
+            parallel.set_grad_sync(self.model, i == len(micro_batches) - 1)
             for key, value in self._forward_backward(mb, normalizer).items():
                 sums[key] = _combine(key, sums.get(key), value.detach())
         grad_norm, bad = self._clip_and_check()

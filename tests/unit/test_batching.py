@@ -58,3 +58,12 @@ def test_plan_respects_budget_and_keeps_every_index():
     assert all(sum(costs[i] for i in b) <= 64 for b in bins)
     # first-fit decreasing stays within 11/9 OPT + 1 of the lower bound
     assert len(bins) <= 11 / 9 * (sum(costs) / 64) + 2
+
+
+def test_pad_to_budget_adds_one_loss_free_sequence():
+    (mb,) = pack([A, B], [1.5, -0.5], token_budget=10, pad_to_budget=True)
+    # 4 + 3 positions used, 3 of padding as a third sequence restarting its positions
+    assert mb.num_tokens == 10 and mb.num_loss_tokens == 5
+    assert mb.position_ids.tolist() == [0, 1, 2, 3, 0, 1, 2, 0, 1, 2]
+    assert mb.loss_mask[7:].tolist() == [False] * 3 and mb.cu_seqlens.tolist() == [0, 4, 7, 10]
+    assert mb.seq_ids[7:].tolist() == [2, 2, 2] and mb.sample_ids == ["a", "b"]
