@@ -290,6 +290,10 @@ class Hub:
         while self.control.nodes and time.monotonic() < deadline:
             self._drain(0.05)
             self.service()
+        buffered = [t.sample_id for group in self.groups.values() for t in group.fresh]
+        if buffered:  # received, never trained: resolved, so the books close
+            self.ledger.drop(buffered, "preempted")
+            self.groups.clear()
         self.control.stopping.set()
         self.control.join(timeout=5.0)
         for node_id in self.broadcaster.nodes:
