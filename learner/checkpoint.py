@@ -16,7 +16,6 @@ mid-save leaves no half checkpoint that `latest` could pick.
 
 from __future__ import annotations
 
-import json
 import os
 import pathlib
 import random
@@ -253,6 +252,60 @@ def load(path: str | os.PathLike, lm: nn.Module, optimizer, scheduler) -> Learne
     return meta.state
 
 
+# ---- the learner loop's handle ---------------------------------------------------------------
+
+class Keeper:
+    """When the learner saves, exports and resumes (`checkpoint.every`, `export_every`, `--resume`).
+
+    Built before training: an unwritable folder or a full disk fails the run at start, not at the
+    first save an hour in. `trainer` needs `.optimizer`, `.scheduler`, `.version`, `.skipped_steps`.
+    """
+
+    def __init__(self, cfg, run_dir: str | os.PathLike, lm: nn.Module, trainer, model_source: str,
+                 last_step: int):
+        self.cfg, self.lm, self.trainer, self.model_source = cfg, lm, trainer, model_source
+        self.root, self.exports = checkpoints_dir(run_dir), pathlib.Path(run_dir) / "exports"
+        self.last_step = last_step
+        if cfg.every:
+            _on_rank0_then_share(lambda: check_writable(self.root, estimate_bytes(lm)))
+        if cfg.export_every:
+            _on_rank0_then_share(lambda: check_writable(self.exports, estimate_bytes(lm) // 3))
+            if _rank() == 0:
+                write_hf_files(lm, model_source, self.exports / ".hf")
+
+    def resume(self, spec: str, run_dir: str | os.PathLike) -> LearnerState:
+        """Every rank: load the checkpoint `spec` names (`latest`, or a path) into the model and trainer."""
+        path = resolve(spec, run_dir)
+        state = load(path, self.lm, self.trainer.optimizer, self.trainer.scheduler)
+        self.trainer.version, self.trainer.skipped_steps = state.version, state.skipped_steps
+        return state
+
+    def after_step(self, step: int, full_state) -> None:
+        """Every rank: save and export when due (and at the last step); `full_state` is rank 0's."""
+        due = lambda every: every and (step % every == 0 or step == self.last_step)  # noqa: E731
+        if due(self.cfg.every):
+            state = LearnerState(step=step, version=self.trainer.version, skipped_steps=self.trainer.skipped_steps,
+                                 ledger_version=self.trainer.version)
+            save(self.root, self.lm, self.trainer.optimizer, self.trainer.scheduler, state, self.model_source,
+                 self.cfg.keep_last, self.cfg.keep_every)
+        if due(self.cfg.export_every) and _rank() == 0:
+            from streamrl.learner.export import export_state
+
+            export_state(full_state, self.exports / ".hf", self.exports / f"step_{step}", overwrite=True)
+
+
+def preempt_received(ledger) -> int:
+    """Samples a dead learner took in (`received`) but never trained: nobody will deliver them again,
+    so they are dropped as `preempted` (returning their credits). Scans the run's records once."""
+    keys = list(ledger.client.scan_iter(match=ledger.prefix + "s:*", count=1000))
+    pipe = ledger.client.pipeline(transaction=False)
+    for key in keys:
+        pipe.hget(key, "state")
+    states = pipe.execute() if keys else []
+    ids = [key.removeprefix(ledger.prefix + "s:") for key, state in zip(keys, states) if state == "received"]
+    return sum(ledger.drop(ids, "preempted")) if ids else 0
+
+
 # ---- ranks, RNG, files -----------------------------------------------------------------------
 
 def _rank() -> int:
@@ -332,8 +385,3 @@ def _fsync_dir(path: pathlib.Path) -> None:
     finally:
         os.close(fd)
 
-
-def describe(path: str | os.PathLike) -> str:
-    meta = read_meta(path)
-    return json.dumps({"path": str(path), "step": meta.state.step, "version": meta.state.version,
-                       "saved_by_ranks": meta.state.world_size})
