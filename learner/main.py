@@ -21,7 +21,7 @@ from streamrl.engine.config import Config, ConfigError, load
 from streamrl.engine.messages import Trajectory, decode_trajectory, encode
 from streamrl.engine.models import default_tiny_model, load_model
 from streamrl.engine.telemetry import MetricsSink, setup_logging
-from streamrl.learner import parallel
+from streamrl.learner import checkpoint, parallel
 from streamrl.learner.advantages import group_advantages
 from streamrl.learner.batching import pack
 from streamrl.learner.train_step import Trainer
@@ -35,9 +35,6 @@ def check_config(cfg: Config) -> None:
     if cfg.learner.ranks > samples:
         raise ConfigError(f"learner.ranks = {cfg.learner.ranks} exceeds the samples of a step "
                           f"(learner.groups_per_step × rollout.group_size = {samples}): some ranks would idle")
-    if cfg.checkpoint.every or cfg.checkpoint.export_every:
-        raise ConfigError("checkpoint.every / checkpoint.export_every: checkpoints are not available in this "
-                          "version yet; leave them at 0")
 
 
 def share_batch(groups: list[list[Trajectory]] | None, cfg: Config) -> tuple[list[Trajectory], list[float], int]:
@@ -71,7 +68,7 @@ def batch_metrics(groups: list[list[Trajectory]], version: int, seconds: float) 
             "staleness_max": max(lags)}
 
 
-def run_learner(cfg: Config) -> int:
+def run_learner(cfg: Config, resume: str = "") -> int:
     device = parallel.init_distributed()
     rank0 = parallel.is_rank0()
     setup_logging(cfg.run.path, f"learner-rank{parallel.rank()}", console=rank0, level=cfg.telemetry.log_level)
@@ -80,9 +77,12 @@ def run_learner(cfg: Config) -> int:
     model = load_model(model_path, "float32", "cpu", cfg.model.trust_remote_code)
     policy = parallel.wrap_model(model, cfg.learner, device, temperature=cfg.rollout.temperature)
     trainer = Trainer(policy, cfg.loss, cfg.learner, device)
-    side = RankZero(cfg, device) if rank0 else None
+    keeper = checkpoint.Keeper(cfg.checkpoint, cfg.run.path, policy.lm, trainer, model_path, cfg.run.steps)
+    first = keeper.resume(resume, cfg.run.path).step + 1 if resume else 1
+    side = RankZero(cfg, device, resumed=bool(resume)) if rank0 else None
+    align_version(trainer, policy, side, device, resumed=bool(resume))
     try:
-        for step in range(1, cfg.run.steps + 1):
+        for step in range(first, cfg.run.steps + 1):
             started = time.monotonic()
             groups = side.collect() if rank0 else None                                   # receive → admit
             samples, advantages, total_tokens = share_batch(groups, cfg)
@@ -90,6 +90,7 @@ def run_learner(cfg: Config) -> int:
             state = parallel.full_state_dict(policy)
             if rank0:
                 side.publish(groups, state, trainer.version, step, metrics, started)    # commit → broadcast
+            keeper.after_step(step, state)                                               # checkpoint
     finally:
         if side is not None:
             side.close()
@@ -97,16 +98,32 @@ def run_learner(cfg: Config) -> int:
     return 0
 
 
+def align_version(trainer: Trainer, policy, side: RankZero | None, device: torch.device, resumed: bool) -> None:
+    """Continue at the ledger's version when it is ahead (steps trained after the checkpoint were
+    lost with the learner, their samples stay trained); a resumed learner hands joining nodes its
+    restored weights first."""
+    mine = max(trainer.version, side.hub.version) if side is not None else trainer.version
+    trainer.version = parallel.max_over_ranks(mine, device)
+    weights = parallel.full_state_dict(policy) if resumed else None
+    if side is not None:
+        side.hub.version = side.hub.welcome.policy_version = trainer.version
+        if resumed:
+            side.hub.latest_state = weights
+
+
 class RankZero:
     """What only rank 0 does each step: the hub (sockets, ledger, weights) and the metrics."""
 
-    def __init__(self, cfg: Config, device: torch.device):
+    def __init__(self, cfg: Config, device: torch.device, resumed: bool = False):
         from streamrl.engine.ledger import open_ledger
         from streamrl.learner.hub import Hub
 
         self.cfg = cfg
         self.ledger, self.redis = open_ledger(cfg.ledger, cfg.run.name, cfg.run.path)
         self.ledger.init_run(cfg.learner.groups_per_step)
+        if resumed:  # what the previous learner took in but never trained will not come again
+            log.info("resuming: %d samples received but not trained before are dropped as preempted",
+                     checkpoint.preempt_received(self.ledger))
         url = cfg.ledger.url or self.redis.url
         self.hub = Hub(cfg, self.ledger, url, device, version=self.ledger.current_version())
         self.hub.write_address_file(cfg.run.path)
@@ -156,6 +173,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m streamrl.learner.main", description=__doc__.splitlines()[0])
     parser.add_argument("--config", help="TOML config file (defaults when omitted)")
     parser.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE", help="override")
+    parser.add_argument("--resume", default="", metavar="PATH|latest",
+                        help="continue from a checkpoint (a step folder, or latest in the run folder)")
     args = parser.parse_args(argv)
     try:
         cfg = load(args.config, args.set)
@@ -165,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     signal.signal(signal.SIGTERM, _terminate_gracefully)
     try:
-        return run_learner(cfg)
+        return run_learner(cfg, args.resume)
     except KeyboardInterrupt:
         log.warning("learner stopped by a signal")
         return 130
