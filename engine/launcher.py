@@ -56,8 +56,9 @@ def child_env(cfg: Config, tmp: pathlib.Path) -> dict[str, str]:
 class Launcher:
     """Owns the run's processes; everything it starts, it stops."""
 
-    def __init__(self, cfg: Config):
+    def __init__(self, cfg: Config, resume: str = ""):
         self.cfg = cfg
+        self.resume = resume  # the learner's --resume: a checkpoint folder or "latest"
         self.run_dir = cfg.run.path
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "logs").mkdir(exist_ok=True)
@@ -83,10 +84,19 @@ class Launcher:
 
     def _learner_command(self) -> list[str]:
         args = ["-m", "streamrl.learner.main", "--config", str(self.config_path)]
+        args += ["--resume", self.resume] if self.resume else []
         if self.cfg.learner.ranks > 1:
             return [sys.executable, "-m", "torch.distributed.run", "--standalone",
                     f"--nproc-per-node={self.cfg.learner.ranks}", *args[1:]]
         return [sys.executable, *args]
+
+    def restart_learner(self, resume: str = "latest", timeout_s: float = 300.0) -> None:
+        """A new learner for this run after the last one died, continuing from checkpoint `resume`."""
+        if self.learner is not None and self.learner.alive:
+            raise RuntimeError("the learner is still running: stop it before starting another")
+        self.resume = resume
+        self.learner = self._spawn("learner", self._learner_command(), self._learner_gpus())
+        self.wait_for_learner(timeout_s)
 
     def _learner_gpus(self) -> list[int] | None:
         return list(range(min(self.cfg.learner.ranks, self.gpus))) if self.gpus else None
