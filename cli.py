@@ -129,6 +129,25 @@ def run(
         s.startswith("run.name") for s in sets) or _names_run(config)))
 
 
+BENCHMARKS = ("pipeline", "rollout_throughput", "learner_step", "weight_transfer", "ledger_ops", "rewards_pool")
+
+
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def bench(
+    ctx: typer.Context,
+    name: Annotated[str, typer.Argument(help=f"One of: {', '.join(BENCHMARKS)}.")],
+) -> None:
+    """Run a benchmark; it prints one JSON line per figure (extra arguments go to the benchmark)."""
+    import runpy
+    import sys
+
+    if name not in BENCHMARKS:
+        typer.secho(f"error: unknown benchmark {name!r}; choose one of {', '.join(BENCHMARKS)}", fg="red", err=True)
+        raise typer.Exit(2)
+    sys.argv = [f"streamrl bench {name}", *ctx.args]
+    runpy.run_module(f"streamrl.bench.{name}", run_name="__main__")
+
+
 def _names_run(config: pathlib.Path | None) -> bool:
     import tomllib
 

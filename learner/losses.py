@@ -151,6 +151,7 @@ def _stats(mask: Tensor, keep: Tensor, was_clipped: Tensor, weight: Tensor, neg_
         "is_weight_min": torch.where(kept, weight, inf).min(),
         "is_masked_sum": (mask & ~keep).sum().to(torch.float32),
         "mismatch_kl_sum": (mismatch * at_version).sum(),
+        "behavior_kl_sum": (mismatch * m).sum(),
         "mismatch_tokens": at_version.sum().to(torch.float32),
     }
 
@@ -164,7 +165,12 @@ def summarize(stats: dict[str, float]) -> dict[str, float]:
            "ppo_kl": stats.get("ppo_kl_sum", 0.0) / tokens,
            "is_weight_mean": stats.get("is_weight_sum", 0.0) / kept,
            "is_masked_fraction": stats.get("is_masked_sum", 0.0) / tokens,
-           "mismatch_kl": stats.get("mismatch_kl_sum", 0.0) / max(stats.get("mismatch_tokens", 0.0), 1.0)}
+           # Trainer-inference mismatch is only defined on tokens sampled by the weights the learner
+           # holds; a step with none (every sample a version behind) has no measurement, not a zero.
+           "mismatch_kl": (stats.get("mismatch_kl_sum", 0.0) / stats["mismatch_tokens"]
+                           if stats.get("mismatch_tokens", 0.0) > 0 else float("nan")),
+           # The whole off-policy gap (staleness + mismatch): k3 between pi_prox and the behavior policy.
+           "behavior_kl": stats.get("behavior_kl_sum", 0.0) / tokens}
     for key in ("is_weight_max", "is_weight_min"):
         if key in stats:  # +-inf when no token was kept: reported as 0 so metric sinks stay valid JSON
             out[key] = stats[key] if math.isfinite(stats[key]) else 0.0

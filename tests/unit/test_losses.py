@@ -184,3 +184,23 @@ def test_bad_loss_config_names_the_field(override, field):
 
     with pytest.raises(ConfigError, match=field):
         build({}, [override])
+
+
+def test_mismatch_is_unmeasured_without_same_version_tokens_and_behavior_kl_covers_all():
+    import math
+
+    from streamrl.learner.losses import summarize
+
+    # one token sampled from mu: pi_prox = 0.5, mu = 0.25; k3 estimate of KL(mu || pi) with r = pi / mu = 2:
+    # r - 1 - log r = 2 - 1 - 0.6931 = 0.3069
+    logp = torch.tensor([math.log(0.5)])
+    mu = torch.tensor([math.log(0.25)])
+    cfg = LossConfig()
+    for same, expect_mismatch in ((torch.tensor([False]), None), (torch.tensor([True]), 0.3069)):
+        _, stats = policy_loss(logp, mu, torch.tensor([1.0]), torch.tensor([True]), cfg, same_version=same)
+        out = summarize({k: float(v) for k, v in stats.items()})
+        assert out["behavior_kl"] == pytest.approx(0.3069, abs=1e-4)
+        if expect_mismatch is None:
+            assert math.isnan(out["mismatch_kl"])
+        else:
+            assert out["mismatch_kl"] == pytest.approx(expect_mismatch, abs=1e-4)
