@@ -2,10 +2,14 @@
 
     python -m streamrl.bench.rollout_throughput [--prompts 32] [--group-size 4] [--max-tokens 64] [--size small]
 
-Prints one JSON line per backend and one for the ratio (vllm / hf). Each backend runs in its own
+Prints one JSON line per backend and round, then the ratio (vllm / hf): the median of the
+rounds' ratios, each round measuring both backends back to back (on a shared machine the load
+of others swings either figure several-fold between minutes). Each backend runs in its own
 child process and gets every group at once through the `GenerationEngine` interface (vLLM
 batches continuously; hf batches whatever is queued), after one untimed pass of the same shape
 (vLLM's first full batch is several times slower). Tokens counted are completion tokens returned.
+Besides wall-clock tokens/s, tokens per CPU-second (this process and its children, so vLLM's
+engine core counts) is reported: it moves less with other people's load.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import asyncio
 import json
 import os
 import random
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -37,16 +42,25 @@ def _prompts(count: int, vocab: int, seed: int = 0) -> list[list[int]]:
     return [[rng.randrange(3, vocab) for _ in range(rng.randint(8, 32))] for _ in range(count)]
 
 
+def _cpu_seconds() -> float:
+    """User + system CPU of this process and its children (vLLM's engine core is one)."""
+    import psutil
+
+    me = psutil.Process()
+    return sum(sum(p.cpu_times()[:2]) for p in [me, *me.children(recursive=True)])
+
+
 async def _measure(engine, prompts: list[list[int]], group_size: int, max_tokens: int, repeats: int) -> dict:
     """Best of `repeats` timed passes over every prompt, after one untimed pass of the same shape."""
     best = None
     for i in range(repeats + 1):
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), _cpu_seconds()
         groups = await asyncio.gather(*(engine.generate(p, group_size, max_tokens) for p in prompts))
-        seconds = time.perf_counter() - start
+        seconds, cpu = time.perf_counter() - start, _cpu_seconds() - cpu
         tokens = sum(len(c.token_ids) for g in groups for c in g)
         if i and (best is None or tokens / seconds > best["tokens_per_s"]):
-            best = {"tokens": tokens, "seconds": round(seconds, 3), "tokens_per_s": round(tokens / seconds, 1)}
+            best = {"tokens": tokens, "seconds": round(seconds, 3), "tokens_per_s": round(tokens / seconds, 1),
+                    "cpu_seconds": round(cpu, 3), "tokens_per_cpu_s": round(tokens / max(cpu, 1e-9), 1)}
     return best
 
 
@@ -73,6 +87,8 @@ def _parse() -> argparse.Namespace:
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--repeats", type=int, default=2, help="timed passes per backend (best is reported)")
     parser.add_argument("--model", default="", help="model folder (default: a random-init Qwen2 of --size)")
+    parser.add_argument("--rounds", type=int, default=2,
+                        help="hf-then-vllm rounds; the ratio is the median over rounds (shared machines are noisy)")
     parser.add_argument("--only", choices=("vllm", "hf"), help=argparse.SUPPRESS)  # one backend, in a child
     return parser.parse_args()
 
@@ -101,13 +117,19 @@ def main() -> None:
         shape = dict(model=args.model or f"random-qwen2-{args.size}", prompts=args.prompts,
                      group_size=args.group_size, max_tokens=args.max_tokens, dtype=args.dtype,
                      repeats=args.repeats)
-        results = {}
-        for backend in ("hf", "vllm"):
-            results[backend] = _child(backend, model, args)
-            print(json.dumps({"figure": "rollout_tokens_per_s", "backend": backend, **shape, **results[backend]}),
-                  flush=True)
-    ratio = results["vllm"]["tokens_per_s"] / results["hf"]["tokens_per_s"]
-    print(json.dumps({"figure": "rollout_speedup_vllm_over_hf", "ratio": round(ratio, 2), "goal": 3.0, **shape}))
+        ratios = []
+        for round_ in range(args.rounds):
+            results = {}
+            for backend in ("hf", "vllm"):
+                results[backend] = _child(backend, model, args)
+                print(json.dumps({"figure": "rollout_tokens_per_s", "backend": backend, "round": round_, **shape,
+                                  **results[backend]}), flush=True)
+            ratios.append({k: results["vllm"][k] / results["hf"][k] for k in ("tokens_per_s", "tokens_per_cpu_s")})
+    figures = {"tokens_per_s": "rollout_speedup_vllm_over_hf", "tokens_per_cpu_s": "rollout_cpu_efficiency_vllm_over_hf"}
+    for key, name in figures.items():
+        per_round = [r[key] for r in ratios]
+        print(json.dumps({"figure": name, "ratio": round(statistics.median(per_round), 2),
+                          "ratio_per_round": [round(r, 2) for r in per_round], "goal": 3.0, **shape}))
 
 
 if __name__ == "__main__":
