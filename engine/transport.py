@@ -82,7 +82,11 @@ class TrajectorySender:
         self._sock.setsockopt(zmq.IMMEDIATE, 1)
         self._sock.setsockopt(zmq.SNDTIMEO, _ms(send_timeout_s))
         self._monitor: zmq.Socket | None = self._sock.get_monitor_socket(zmq.EVENT_CONNECTED)
-        _connect(self._sock, addr)
+        try:
+            self._sock.connect(addr)
+        except zmq.ZMQError as e:
+            self.close()
+            raise TransportError(f"cannot connect to {addr}: {e} (expected tcp://HOST:PORT)") from None
 
     def wait_connected(self, timeout_s: float) -> None:
         """Return once the TCP connection to the receiver is up; TransportError naming it after `timeout_s`."""
