@@ -144,6 +144,7 @@ class RolloutNode:
             finished = time.time()
             rewards = await asyncio.to_thread(self._score, prompt, completions)
         except asyncio.CancelledError:
+            self.stats.abandoned.append(group_id)
             await self.credits.release(group_id, sample_ids, "abandoned")
             raise
         except Exception as e:
@@ -201,6 +202,12 @@ class RolloutNode:
             log.info("node %s stopping (%s) with %d groups in flight", self.node_id, reason, len(self.in_flight))
             self._stopping.set()
 
+    def abandon(self, reason: str = "abandon") -> None:
+        """Stop now: cancel every group in flight (reported in `stats.abandoned`, credits released)."""
+        self.stop(reason)
+        for task in list(self.in_flight.values()):
+            task.cancel()
+
     async def _drain(self, grace_s: float) -> None:
         """Wait for in-flight groups: all of them at a normal end, `grace_s` once stopping."""
         tasks = list(self.in_flight.values())
@@ -208,7 +215,6 @@ class RolloutNode:
             return
         _, pending = await asyncio.wait(tasks, timeout=grace_s if self._stopping.is_set() else None)
         for task in pending:
-            self.stats.abandoned.append(task.get_name())
             task.cancel()
         if pending:
             await asyncio.wait(pending, timeout=grace_s)

@@ -165,3 +165,18 @@ def test_a_failed_send_stops_the_node_and_raises():
     with pytest.raises(ConnectionError, match="learner gone"):
         asyncio.run(node.run())
     assert node.stats.groups_started < 50 and node.stats.samples_sent == 0
+
+
+def test_abandon_cancels_at_once():
+    credits = CountingCredits()
+    node, sink = _node(FakeEngine(tokens=3, step_s=5.0), _prompts(10), credits, concurrent=3)
+
+    async def scenario():
+        run = asyncio.create_task(node.run(grace_s=60))
+        await asyncio.sleep(0.1)
+        node.abandon("learner said stop")
+        return await asyncio.wait_for(run, 30)
+
+    stats = asyncio.run(scenario())
+    assert sorted(stats.abandoned) == ["n0-g0", "n0-g1", "n0-g2"] and sink.sent == []
+    assert len(credits.released) == 3 and stats.groups_sent == 0
