@@ -1,0 +1,100 @@
+"""`kill -9` the learner of a running `streamrl run`, restart it with `--resume latest`.
+
+The run continues from the newest checkpoint to its last step, nothing is trained twice, and the
+books balance: what the dead learner had received but not trained is dropped as `preempted`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+
+import pytest
+
+from streamrl.engine.config import build
+from streamrl.engine.launcher import Launcher
+from streamrl.engine.ledger import Ledger
+from streamrl.engine.redis_server import connect
+from streamrl.engine.run_local import DEMO
+from streamrl.engine.telemetry import read_metrics
+from streamrl.learner import checkpoint
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+STEPS = 6
+
+
+def _wait(launcher: Launcher, done, what: str, timeout_s: float):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        result = done()
+        if result:
+            return result
+        assert launcher.learner.alive, f"learner died:\n{launcher.learner.log_tail(40)}"
+        time.sleep(0.5)
+    raise AssertionError(f"{what} not reached in {timeout_s} s; learner log:\n{launcher.learner.log_tail(40)}")
+
+
+def _states(ledger: Ledger) -> dict[str, str]:
+    keys = list(ledger.client.scan_iter(match=ledger.prefix + "s:*", count=1000))
+    pipe = ledger.client.pipeline()
+    for key in keys:
+        pipe.hget(key, "state")
+    return {k.removeprefix(ledger.prefix + "s:"): s for k, s in zip(keys, pipe.execute())}
+
+
+@pytest.fixture
+def launcher(tmp_path):
+    cfg = build({}, [*DEMO, f"run.dir='{tmp_path}'", "run.name='resume'", f"run.steps={STEPS}", "run.device='cpu'",
+                     "telemetry.tensorboard=false", "checkpoint.every=2", "checkpoint.export_every=3",
+                     "ledger.heartbeat_ttl_s=4.0"])
+    launcher = Launcher(cfg)
+    yield launcher
+    launcher.stop_all()
+
+
+def test_learner_killed_and_resumed(launcher):
+    from transformers import AutoModelForCausalLM
+
+    launcher.start(nodes=1)
+    metrics = launcher.run_dir / "metrics.jsonl"
+    root = checkpoint.checkpoints_dir(launcher.run_dir)
+    _wait(launcher, lambda: checkpoint.list_checkpoints(root) and read_metrics(metrics)[-1]["step"] >= 3,
+          "a checkpoint and step 3", 600)
+    os.kill(launcher.learner.process.pid, signal.SIGKILL)
+    launcher.learner.process.wait(timeout=30)
+    ledger = Ledger(connect(launcher.ledger_url), launcher.cfg.run.name)
+    received_at_death = {s for s, state in _states(ledger).items() if state == "received"}
+    died_at = read_metrics(metrics)[-1]
+    for name in list(launcher.nodes):  # the old nodes cannot reach a new learner: they leave the ledger
+        launcher.stop_node(name, timeout_s=60)
+    resumed_from = checkpoint.list_checkpoints(root)[-1][0]
+
+    launcher.restart_learner("latest")
+    launcher.add_node()
+    launcher.learner.process.wait(timeout=600)
+    assert launcher.learner.process.returncode == 0, launcher.learner.log_tail(40)
+    for child in launcher.nodes.values():
+        child.process.wait(timeout=60)
+
+    records = read_metrics(metrics)
+    after = [r for r in records if r["version"] > died_at["version"]]
+    assert [r["step"] for r in after] == list(range(resumed_from + 1, STEPS + 1)), records
+    assert after[0]["version"] == died_at["version"] + 1  # the version continues at the ledger's
+    assert all(r["skipped"] == 0 for r in records)
+    counts = ledger.counts()
+    assert ledger.check(deep=True) == [] and counts.in_flight == 0, (ledger.check(deep=True), counts)
+    # every step's samples were trained once: the steps' sample counts add up to the ledger's trained
+    assert sum(r["samples"] for r in records) == counts.trained, (counts, [r["samples"] for r in records])
+    states = _states(ledger)
+    assert all(states[s] == "dropped:preempted" for s in received_at_death), received_at_death
+    print(json.dumps({"resumed_from": resumed_from, "died_at_step": died_at["step"], "trained": counts.trained,
+                      "dropped": counts.dropped_by_reason, "received_at_death": len(received_at_death)}))
+
+    assert [s for s, _ in checkpoint.list_checkpoints(root)][-1] == STEPS
+    exported = AutoModelForCausalLM.from_pretrained(launcher.run_dir / "exports" / f"step_{STEPS}")
+    from streamrl.learner.export import load_checkpoint_weights
+
+    final = load_checkpoint_weights(root / f"step_{STEPS}")
+    assert all((v == final[k]).all() for k, v in exported.state_dict().items())
