@@ -11,6 +11,8 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_
                   help="Asynchronous off-policy RL for LLM post-training.")
 
 ConfigOpt = Annotated[Optional[pathlib.Path], typer.Option("--config", "-c", help="TOML config file.")]
+ResumeOpt = Annotated[str, typer.Option("--resume", metavar="PATH|latest", help="Continue from a checkpoint: "
+                                        "a step folder, or latest in the run folder.")]
 SetOpt = Annotated[Optional[list[str]], typer.Option("--set", "-s", help="Override: section.field=value (repeatable).")]
 
 
@@ -52,13 +54,14 @@ def make_tiny_model(
 
 
 @app.command()
-def learner(config: ConfigOpt = None, overrides: SetOpt = None) -> None:
+def learner(config: ConfigOpt = None, overrides: SetOpt = None, resume: ResumeOpt = "") -> None:
     """Run the learner (rank 0 binds the sockets); more ranks: learner.ranks under torchrun."""
     import sys
 
     from streamrl.learner.main import main as learner_main
 
     args = (["--config", str(config)] if config else []) + [a for o in overrides or [] for a in ("--set", o)]
+    args += ["--resume", resume] if resume else []
     if _load(config, overrides).learner.ranks > 1:
         import subprocess
 
@@ -114,6 +117,7 @@ def run(
     reward: Annotated[Optional[list[str]], typer.Option(help="Reward function(s) by name or module:function.")] = None,
     steps: Annotated[Optional[int], typer.Option(min=1, help="Optimizer steps.")] = None,
     device: Annotated[Optional[str], typer.Option(help="auto, cpu or cuda.")] = None,
+    resume: ResumeOpt = "",
 ) -> None:
     """Everything on this machine: embedded Redis, a learner and N rollout nodes, with a live view."""
     from streamrl.engine.run_local import DEMO, run_local
@@ -126,7 +130,28 @@ def run(
     sets += [f"run.steps={steps}"] if steps else []
     sets += [f"run.device={device!r}"] if device else []
     raise typer.Exit(run_local(_load(config, sets), rollout_nodes, explicit_name=any(
-        s.startswith("run.name") for s in sets) or _names_run(config)))
+        s.startswith("run.name") for s in sets) or _names_run(config), resume=resume))
+
+
+@app.command()
+def export(
+    checkpoint: Annotated[pathlib.Path, typer.Argument(help="A checkpoint (RUN/checkpoints/step_N), or a run or "
+                                                            "checkpoints folder: its newest.")],
+    out: Annotated[pathlib.Path, typer.Argument(help="Folder to write the HF model to.")],
+    max_shard_size: Annotated[str, typer.Option(help="Largest safetensors shard, e.g. 2GB, 500MB.")] = "2GB",
+    overwrite: Annotated[bool, typer.Option(help="Replace a non-empty OUT.")] = False,
+) -> None:
+    """Write a checkpoint as an HF model folder (sharded safetensors, config, tokenizer) that
+    transformers and vLLM load without streamrl."""
+    from streamrl.learner.checkpoint import CheckpointError
+    from streamrl.learner.export import export_checkpoint
+
+    try:
+        folder = export_checkpoint(checkpoint, out, max_shard_size, overwrite)
+    except CheckpointError as e:
+        typer.secho(f"error: {e}", fg="red", err=True)
+        raise typer.Exit(2) from None
+    typer.echo(f"exported to {folder}")
 
 
 BENCHMARKS = ("pipeline", "rollout_throughput", "learner_step", "weight_transfer", "ledger_ops", "rewards_pool")

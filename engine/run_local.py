@@ -38,11 +38,13 @@ def summary(records: list[dict], wall_s: float) -> str:
             f"(last {k}); {tokens} completion tokens trained, {tokens / wall_s:.0f} tokens/s overall")
 
 
-def run_local(cfg: Config, nodes: int, explicit_name: bool = False, console: Console | None = None) -> int:
-    """Run to the configured number of steps (or Ctrl-C); the exit status."""
+def run_local(cfg: Config, nodes: int, explicit_name: bool = False, console: Console | None = None,
+              resume: str = "") -> int:
+    """Run to the configured number of steps (or Ctrl-C); the exit status. `resume` (a checkpoint
+    folder, or "latest") continues the run of that name in its folder."""
     console = console or Console()
-    cfg = fresh_name(cfg, explicit_name)
-    launcher = Launcher(cfg)
+    cfg = fresh_name(cfg, explicit_name or bool(resume))
+    launcher = Launcher(cfg, resume=resume)
     console.print(f"run [bold]{cfg.run.name}[/]: folder {launcher.run_dir}, logs in {launcher.run_dir / 'logs'}")
     started, code = time.monotonic(), 1
     try:
