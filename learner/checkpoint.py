@@ -102,7 +102,7 @@ def resolve(spec: str | os.PathLike, run_dir: str | os.PathLike | None = None) -
     a run folder (both: their newest checkpoint)."""
     if str(spec) == "latest":
         if run_dir is None:
-            raise CheckpointError("--resume latest needs the run folder (run.dir / run.name)")
+            raise CheckpointError("'latest' needs the run folder (run.dir / run.name); or give a checkpoint path")
         spec = checkpoints_dir(run_dir)
     path = pathlib.Path(spec)
     if (path / META).is_file():
