@@ -87,7 +87,7 @@ class Launcher:
         args += ["--resume", self.resume] if self.resume else []
         if self.cfg.learner.ranks > 1:
             return [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                    f"--nproc-per-node={self.cfg.learner.ranks}", *args[1:]]
+                    f"--nproc-per-node={self.cfg.learner.ranks}", *args]
         return [sys.executable, *args]
 
     def restart_learner(self, resume: str = "latest", timeout_s: float = 300.0) -> None:
