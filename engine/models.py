@@ -163,14 +163,19 @@ def tiny_config(vocab_size: int, **overrides):
 
 
 def make_tiny_model(path: str | os.PathLike, seed: int = 0, vocab_size: int = 512, **config_overrides) -> pathlib.Path:
-    """Write a random-init Qwen2 + BPE tokenizer to `path`; the same seed gives byte-identical files."""
+    """Write a random-init Qwen2 + BPE tokenizer to `path`; the same seed gives byte-identical files.
+
+    `config_overrides` go to the Qwen2 config (e.g. the Qwen2-0.5B body: hidden_size=896, ...);
+    `model_vocab_size` makes the embedding larger than the tokenizer's vocabulary.
+    """
     import torch
     from transformers import AutoModelForCausalLM, GenerationConfig
 
     folder = pathlib.Path(path)
     folder.mkdir(parents=True, exist_ok=True)
     tokenizer = make_tokenizer(seed, vocab_size)
-    config = tiny_config(len(tokenizer), bos_token_id=tokenizer.eos_token_id,
+    model_vocab = config_overrides.pop("model_vocab_size", len(tokenizer))  # may exceed the tokenizer's
+    config = tiny_config(model_vocab, bos_token_id=tokenizer.eos_token_id,
                          eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
                          **config_overrides)
     fork_devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []

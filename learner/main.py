@@ -127,12 +127,14 @@ class RankZero:
         url = cfg.ledger.url or self.redis.url
         self.hub = Hub(cfg, self.ledger, url, device, version=self.ledger.current_version())
         self.hub.write_address_file(cfg.run.path)
+        self.pending: list[list[Trajectory]] = []  # the step's groups until committed
         self.sink = MetricsSink(cfg.run.path, cfg.telemetry.tensorboard, cfg.telemetry.prometheus_port)
         log.info("learner up: control %s, trajectories %s, ledger %s", self.hub.control_addr,
                  self.hub.receiver.addr, url.split("@")[-1])
 
     def collect(self) -> list[list[Trajectory]]:
-        return self.hub.collect(self.cfg.learner.groups_per_step)
+        self.pending = self.hub.collect(self.cfg.learner.groups_per_step)
+        return self.pending
 
     def publish(self, groups, state, version: int, step: int, metrics: dict, started: float) -> None:
         from streamrl.rewards.stats import batch_stats, warn_if_flat
@@ -143,6 +145,7 @@ class RankZero:
             self.ledger.drop([t.sample_id for t in flat], "nonfinite_step")
         else:
             self.hub.commit(groups, version, step)
+        self.pending = []
         results = self.hub.broadcast(state, version) if not metrics["skipped"] else {}
         warn_if_flat(batch_stats([t.reward for t in flat], [t.group_id for t in flat]), step)
         record = {**metrics, **batch_metrics(groups, trained_by, time.monotonic() - started),
@@ -156,6 +159,8 @@ class RankZero:
                  record.get("mismatch_kl", float("nan")), record["staleness_mean"], record["nodes"])
 
     def close(self) -> None:
+        if self.pending:  # a step cut short (a signal mid-step): its samples were never trained
+            self.ledger.drop([t.sample_id for group in self.pending for t in group], "preempted")
         self.hub.close()
         self.sink.close()
         errors = self.ledger.check()

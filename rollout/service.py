@@ -62,12 +62,15 @@ class LedgerSink:
 
 
 class ControlLoop(threading.Thread):
-    """Heartbeats out; WeightsReady and Stop in. Weights are applied on the node's event loop."""
+    """Heartbeats to the learner out; WeightsReady and Stop in. Weights are applied on the node's
+    event loop; `first_weights` is set once a transfer was applied (a node joining past version 0
+    waits for it before generating)."""
 
-    def __init__(self, client: ControlClient, ledger: Ledger, node, loop: asyncio.AbstractEventLoop):
+    def __init__(self, client: ControlClient, node, loop: asyncio.AbstractEventLoop):
         super().__init__(name="control", daemon=True)
-        self.client, self.ledger, self.node, self.loop = client, ledger, node, loop
+        self.client, self.node, self.loop = client, node, loop
         self.stopping = threading.Event()
+        self.first_weights = threading.Event()
         self.stop_reason = ""
 
     def run(self) -> None:
@@ -83,16 +86,16 @@ class ControlLoop(threading.Thread):
                 self.stop_reason = msg.reason
                 log.info("the learner asked this node to stop: %s", msg.reason)
                 self.loop.call_soon_threadsafe(abandon, self.node, msg.reason)
+                self.first_weights.set()  # nothing more will come; let a waiting start-up end
                 return
 
     def _beat(self) -> None:
         try:
-            self.ledger.heartbeat(self.node.node_id)
             self.client.send(Heartbeat(node_id=self.node.node_id, policy_version=self.node.policy_version,
                                        in_flight=len(self.node.in_flight), tokens_generated=self.node.stats.tokens_sent),
                              timeout_s=1.0)
-        except Exception as e:  # noqa: BLE001 - a missed beat is logged; the ledger's TTL judges
-            log.warning("heartbeat failed: %s", e)
+        except TransportError as e:
+            log.warning("heartbeat to the learner failed: %s", e)
 
     def _apply(self, ready: WeightsReady) -> None:
         error, seconds = "", 0.0
@@ -102,6 +105,26 @@ class ControlLoop(threading.Thread):
             error = f"{type(e).__name__}: {e}"
             log.error("weights version %d failed: %s", ready.version, error)
         self.client.send(WeightsApplied(node_id=self.node.node_id, version=ready.version, seconds=seconds, error=error))
+        if not error:
+            self.first_weights.set()
+
+
+class LedgerHeartbeat(threading.Thread):
+    """Keeps the node alive in the ledger, apart from the control thread (which may be busy applying
+    weights for longer than a heartbeat period)."""
+
+    def __init__(self, ledger: Ledger, node_id: str):
+        super().__init__(name="ledger-heartbeat", daemon=True)
+        self.ledger, self.node_id = ledger, node_id
+        self.period_s = ledger.config.heartbeat_ttl_s / 4
+        self.stopping = threading.Event()
+
+    def run(self) -> None:
+        while not self.stopping.wait(self.period_s):
+            try:
+                self.ledger.heartbeat(self.node_id)
+            except Exception as e:  # noqa: BLE001 - a missed beat is logged; the ledger's TTL judges
+                log.warning("ledger heartbeat failed: %s", e)
 
 
 def abandon(node, reason: str) -> None:
@@ -153,52 +176,45 @@ async def serve(cfg: Config, learner_addr: str, node_id: str) -> int:
         welcome = register(client, node_id, cfg.rollout.backend, device, cfg.transport.recv_timeout_s)
         ledger = Ledger(connect(welcome.redis_url, cfg.ledger.connect_retries), welcome.run_name, cfg.ledger)
         ledger.heartbeat(node_id)
-        with TrajectorySender(welcome.trajectory_addr, node_id, cfg.transport.hwm, cfg.transport.send_timeout_s) as tx:
-            node = RolloutNode(cfg, node_id, engine, PromptSource(cfg.data, tokenizer, seed=cfg.run.seed + hash(node_id) % 997),
-                               scorer, LedgerSink(ledger, tx), tokenizer, credits=LedgerCredits(ledger, node_id))
-            await _first_weights(client, node, welcome, cfg.weights.timeout_s * 3)
-            return await _generate(cfg, client, ledger, node, node_id)
+        beat = LedgerHeartbeat(ledger, node_id)
+        beat.start()
+        try:
+            with TrajectorySender(welcome.trajectory_addr, node_id, cfg.transport.hwm,
+                                  cfg.transport.send_timeout_s) as tx:
+                seed = cfg.run.seed + sum(node_id.encode()) % 997  # nodes draw prompts in different orders
+                node = RolloutNode(cfg, node_id, engine, PromptSource(cfg.data, tokenizer, seed=seed),
+                                   scorer, LedgerSink(ledger, tx), tokenizer, credits=LedgerCredits(ledger, node_id))
+                return await _generate(cfg, client, ledger, node, welcome)
+        finally:
+            beat.stopping.set()
     finally:
         await engine.close()
         scorer.close()
         client.close()
 
 
-async def _first_weights(client: ControlClient, node, welcome: Welcome, timeout_s: float) -> None:
-    """A node joining past version 0 takes the current weights before it generates anything."""
-    if welcome.policy_version == 0:
-        return
-    msg = client.recv(timeout_s)
-    if not isinstance(msg, WeightsReady):
-        raise TransportError(f"expected the current weights (version {welcome.policy_version}) from the learner "
-                             f"within {timeout_s:g} s, got {type(msg).__name__ if msg else 'nothing'}")
-    error, seconds = "", 0.0
-    try:
-        seconds = await node.apply_weights(msg)
-    except Exception as e:  # noqa: BLE001 - reported, then raised
-        error = f"{type(e).__name__}: {e}"
-    client.send(WeightsApplied(node_id=node.node_id, version=msg.version, seconds=seconds, error=error))
-    if error:
-        raise TransportError(f"could not apply the learner's weights: {error}")
-
-
-async def _generate(cfg: Config, client: ControlClient, ledger: Ledger, node, node_id: str) -> int:
+async def _generate(cfg: Config, client: ControlClient, ledger: Ledger, node, welcome: Welcome) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, node.stop, signal.Signals(sig).name)
-    control = ControlLoop(client, ledger, node, loop)
+    control = ControlLoop(client, node, loop)
     control.start()
     try:
-        stats = await node.run()
+        if welcome.policy_version > 0:  # joining mid-run: the current weights before any generation
+            timeout_s = cfg.weights.timeout_s * 3
+            if not await asyncio.to_thread(control.first_weights.wait, timeout_s):
+                raise TransportError(f"no weights (version {welcome.policy_version}) from the learner within "
+                                     f"{timeout_s:g} s of joining")
+        stats = await node.run() if not control.stop_reason else node.stats
     finally:
         control.stopping.set()
         await asyncio.to_thread(control.join, 5.0)
-        left = ledger.leave(node_id, "preempted")
+        left = ledger.leave(node.node_id, "preempted")
         try:
-            client.send(Goodbye(node_id=node_id, reason=control.stop_reason or "stopped"), timeout_s=1.0)
+            client.send(Goodbye(node_id=node.node_id, reason=control.stop_reason or "stopped"), timeout_s=1.0)
         except TransportError:
             pass  # the learner is gone already
-    log.info("node %s done: %d groups sent, %d samples resolved on leaving", node_id, stats.groups_sent, left)
+    log.info("node %s done: %d groups sent, %d samples resolved on leaving", node.node_id, stats.groups_sent, left)
     return 0
 
 
