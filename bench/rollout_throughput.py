@@ -8,7 +8,10 @@ of others swings either figure several-fold between minutes). Each backend runs 
 child process and gets every group at once through the `GenerationEngine` interface (vLLM
 batches continuously; hf batches whatever is queued), after one untimed pass of the same shape
 (vLLM's first full batch is several times slower). Tokens counted are completion tokens returned.
-Besides wall-clock tokens/s, tokens per CPU-second (this process and its children, so vLLM's
+With --min-tokens, each group gets its own max_tokens (a random model never stops early, so
+this is how completions of varied length are emulated): vLLM frees a finished sequence's slot
+at once, the hf backend runs each batch to its longest request. Besides wall-clock tokens/s,
+tokens per CPU-second (this process and its children, so vLLM's
 engine core counts) is reported: it moves less with other people's load.
 """
 
@@ -50,12 +53,12 @@ def _cpu_seconds() -> float:
     return sum(sum(p.cpu_times()[:2]) for p in [me, *me.children(recursive=True)])
 
 
-async def _measure(engine, prompts: list[list[int]], group_size: int, max_tokens: int, repeats: int) -> dict:
+async def _measure(engine, prompts: list[list[int]], group_size: int, lengths: list[int], repeats: int) -> dict:
     """Best of `repeats` timed passes over every prompt, after one untimed pass of the same shape."""
     best = None
     for i in range(repeats + 1):
         start, cpu = time.perf_counter(), _cpu_seconds()
-        groups = await asyncio.gather(*(engine.generate(p, group_size, max_tokens) for p in prompts))
+        groups = await asyncio.gather(*(engine.generate(p, group_size, n) for p, n in zip(prompts, lengths)))
         seconds, cpu = time.perf_counter() - start, _cpu_seconds() - cpu
         tokens = sum(len(c.token_ids) for g in groups for c in g)
         if i and (best is None or tokens / seconds > best["tokens_per_s"]):
@@ -73,7 +76,9 @@ async def _run_backend(backend: str, model: str, args) -> dict:
     rollout = RolloutConfig(backend=backend, temperature=1.0, max_tokens=args.max_tokens)
     engine = (VLLMEngine if backend == "vllm" else HFEngine)(model, model_cfg, rollout, seed=0)
     try:
-        return await _measure(engine, _prompts(args.prompts, 400), args.group_size, args.max_tokens, args.repeats)
+        rng = random.Random(1)
+        lengths = [rng.randint(args.min_tokens or args.max_tokens, args.max_tokens) for _ in range(args.prompts)]
+        return await _measure(engine, _prompts(args.prompts, 400), args.group_size, lengths, args.repeats)
     finally:
         await engine.close()
 
@@ -83,6 +88,9 @@ def _parse() -> argparse.Namespace:
     parser.add_argument("--prompts", type=int, default=32)
     parser.add_argument("--group-size", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--min-tokens", type=int, default=0,
+                        help="per-group max_tokens drawn from [min, max] (RL completions vary in length); "
+                             "0: all groups get --max-tokens")
     parser.add_argument("--size", choices=sorted(SIZES), default="small")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--repeats", type=int, default=2, help="timed passes per backend (best is reported)")
@@ -97,6 +105,7 @@ def _child(backend: str, model: str, args: argparse.Namespace) -> dict:
     """Measure one backend in a fresh process: vLLM changes thread settings of the process it runs in."""
     cmd = [sys.executable, "-m", "streamrl.bench.rollout_throughput", "--prompts", str(args.prompts),
            "--group-size", str(args.group_size), "--max-tokens", str(args.max_tokens), "--dtype", args.dtype,
+           "--min-tokens", str(args.min_tokens),
            "--repeats", str(args.repeats), "--model", model, "--only", backend]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
     lines = [line for line in out.stdout.splitlines() if line.startswith("{")]
@@ -115,7 +124,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         model = args.model or str(make_tiny_model(os.path.join(tmp, "model"), seed=0, **SIZES[args.size]))
         shape = dict(model=args.model or f"random-qwen2-{args.size}", prompts=args.prompts,
-                     group_size=args.group_size, max_tokens=args.max_tokens, dtype=args.dtype,
+                     group_size=args.group_size, max_tokens=args.max_tokens, min_tokens=args.min_tokens,
+                     dtype=args.dtype,
                      repeats=args.repeats)
         ratios = []
         for round_ in range(args.rounds):
@@ -125,7 +135,8 @@ def main() -> None:
                 print(json.dumps({"figure": "rollout_tokens_per_s", "backend": backend, "round": round_, **shape,
                                   **results[backend]}), flush=True)
             ratios.append({k: results["vllm"][k] / results["hf"][k] for k in ("tokens_per_s", "tokens_per_cpu_s")})
-    figures = {"tokens_per_s": "rollout_speedup_vllm_over_hf", "tokens_per_cpu_s": "rollout_cpu_efficiency_vllm_over_hf"}
+    figures = {"tokens_per_s": "rollout_speedup_vllm_over_hf",
+               "tokens_per_cpu_s": "rollout_cpu_efficiency_vllm_over_hf"}
     for key, name in figures.items():
         per_round = [r[key] for r in ratios]
         print(json.dumps({"figure": name, "ratio": round(statistics.median(per_round), 2),
