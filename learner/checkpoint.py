@@ -16,6 +16,7 @@ mid-save leaves no half checkpoint that `latest` could pick.
 
 from __future__ import annotations
 
+import logging
 import os
 import pathlib
 import random
@@ -278,6 +279,10 @@ class Keeper:
         path = resolve(spec, run_dir)
         state = load(path, self.lm, self.trainer.optimizer, self.trainer.scheduler)
         self.trainer.version, self.trainer.skipped_steps = state.version, state.skipped_steps
+        if _rank() == 0:
+            logging.getLogger("streamrl.learner").info(
+                "resumed from %s: step %d, version %d, saved by %d ranks, loaded on %d", path, state.step,
+                state.version, state.world_size, _world())
         return state
 
     def after_step(self, step: int, full_state) -> None:
