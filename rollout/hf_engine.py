@@ -10,6 +10,7 @@ at the sampled token — the same definition as the vLLM backend (rollout/engine
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import time
 
 from streamrl.engine.config import ModelConfig, RolloutConfig
@@ -42,6 +43,9 @@ class HFEngine:
         self.tokens_generated = 0
         self._queue: list[_Request] = []
         self._lock_and_loop: tuple[asyncio.Lock, asyncio.AbstractEventLoop] | None = None
+        # Every generate on one thread: on CUDA the static cache runs compiled CUDA graphs, whose
+        # state is thread-local (another thread fails in cudagraph_trees with an AssertionError).
+        self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="hf-generate")
 
     @property
     def _lock(self) -> asyncio.Lock:
@@ -76,7 +80,7 @@ class HFEngine:
     async def _run(self, batch: list[_Request]) -> None:
         version = self.policy_version
         try:
-            results = await asyncio.to_thread(self._generate_batch, batch)
+            results = await asyncio.get_running_loop().run_in_executor(self._thread, self._generate_batch, batch)
         except Exception as e:  # every waiter learns why
             for request in batch:
                 request.future.set_exception(e)
@@ -147,4 +151,5 @@ class HFEngine:
         return time.perf_counter() - start
 
     async def close(self) -> None:
+        self._thread.shutdown(wait=False)
         self.model = None

@@ -27,6 +27,7 @@ from streamrl.rollout.sources import Prompt, prompt_text
 log = logging.getLogger(__name__)
 
 CREDIT_RETRY_S = 0.05
+MAX_FAILURES_IN_A_ROW = 5
 
 
 class Credits(Protocol):
@@ -73,6 +74,7 @@ class RolloutNode:
         self.source, self.scorer, self.sink, self.tokenizer = source, scorer, sink, tokenizer
         self.credits = credits or UnlimitedCredits()
         self.stats = NodeStats()
+        self._failures_in_a_row = 0
         self.in_flight: dict[str, asyncio.Task] = {}
         self._stopping: asyncio.Event | None = None
         self._fatal: BaseException | None = None
@@ -150,8 +152,15 @@ class RolloutNode:
         except Exception as e:
             log.exception("group %s failed before sending; its credit is released", group_id)
             self.stats.groups_failed += 1
+            self._failures_in_a_row += 1
             await self.credits.release(group_id, sample_ids, f"error: {type(e).__name__}")
+            if self._failures_in_a_row >= MAX_FAILURES_IN_A_ROW and self._fatal is None:
+                # A broken engine fails every group: stop loudly instead of spinning on credits.
+                self._fatal = RuntimeError(f"{self._failures_in_a_row} groups in a row failed; the last: "
+                                           f"{type(e).__name__}: {e}")
+                self.stop("every group fails")
             return
+        self._failures_in_a_row = 0
         timings = Timings(submitted=submitted, finished=finished, rewarded=time.time())
         trajectories = [self._trajectory(sid, group_id, prompt, c, r, timings)
                         for sid, c, r in zip(sample_ids, completions, rewards, strict=True)]

@@ -85,7 +85,7 @@ class ControlLoop(threading.Thread):
             elif isinstance(msg, Stop):
                 self.stop_reason = msg.reason
                 log.info("the learner asked this node to stop: %s", msg.reason)
-                self.loop.call_soon_threadsafe(abandon, self.node, msg.reason)
+                self.loop.call_soon_threadsafe(self.node.abandon, msg.reason)  # no learner to send to
                 self.first_weights.set()  # nothing more will come; let a waiting start-up end
                 return
 
@@ -125,14 +125,6 @@ class LedgerHeartbeat(threading.Thread):
                 self.ledger.heartbeat(self.node_id)
             except Exception as e:  # noqa: BLE001 - a missed beat is logged; the ledger's TTL judges
                 log.warning("ledger heartbeat failed: %s", e)
-
-
-def abandon(node, reason: str) -> None:
-    """Stop now: the learner takes no more samples, so groups in flight are cancelled, not finished
-    (their credits come back through the ledger as `preempted`)."""
-    node.stop(reason)
-    for task in list(node.in_flight.values()):
-        task.cancel()
 
 
 def resolve_learner(learner: str, cfg: Config) -> str:
