@@ -11,6 +11,7 @@ only ever talk to it through queues.
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import dataclasses
 import json
 import logging
@@ -68,7 +69,7 @@ class _ControlThread(threading.Thread):
         self.nodes: dict[str, NodeInfo] = {}
         self.events: queue.Queue[tuple[str, str]] = queue.Queue()  # ("joined" | "left", node_id)
         self.applied: dict[str, queue.Queue[WeightsApplied]] = collections.defaultdict(queue.Queue)
-        self.outbox: queue.Queue[tuple[str, object]] = queue.Queue()
+        self.outbox: queue.Queue[tuple[str, object, concurrent.futures.Future]] = queue.Queue()
         self.stopping = threading.Event()
         self.lock = threading.Lock()
 
@@ -82,7 +83,7 @@ class _ControlThread(threading.Thread):
     def _flush_outbox(self) -> None:
         while True:
             try:
-                node_id, msg = self.outbox.get_nowait()
+                node_id, msg, done = self.outbox.get_nowait()
             except queue.Empty:
                 return
             info = self.nodes.get(node_id)
@@ -90,8 +91,10 @@ class _ControlThread(threading.Thread):
                 if info is None:
                     raise TransportError(f"node {node_id!r} is not registered")
                 self.server.send(info.peer, msg)
+                done.set_result(None)
             except TransportError as e:
                 log.warning("control message %s to %s not delivered: %s", type(msg).__name__, node_id, e)
+                done.set_exception(e)
 
     def _handle(self, peer: bytes, msg) -> None:
         now = time.time()
@@ -109,8 +112,11 @@ class _ControlThread(threading.Thread):
             log.info("node %s left: %s", msg.node_id, msg.reason)
             self.events.put(("left", msg.node_id))
 
-    def send(self, node_id: str, msg) -> None:
-        self.outbox.put((node_id, msg))
+    def send(self, node_id: str, msg) -> concurrent.futures.Future:
+        """Queue `msg` for the node; the future fails when it could not be delivered (node gone)."""
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        self.outbox.put((node_id, msg, done))
+        return done
 
     def forget(self, node_id: str) -> None:
         with self.lock:
@@ -260,7 +266,7 @@ class Hub:
         self.latest_state = state
         if not self.broadcaster.nodes:
             return {}
-        results = self.broadcaster.broadcast(state, version, self.control.send, self._wait_applied, nodes=nodes)
+        results = self.broadcaster.broadcast(state, version, self._send_layout, self._wait_applied, nodes=nodes)
         for node_id, result in results.items():
             if not result.ok:
                 log.error("evicted node %s: %s", node_id, result.error)
@@ -268,14 +274,16 @@ class Hub:
                 self.control.forget(node_id)
         return results
 
+    def _send_layout(self, node_id: str, ready: WeightsReady) -> None:
+        """Deliver the layout or raise at once: a node that is gone fails its transfer now, not at the
+        rendezvous deadline."""
+        self.control.send(node_id, ready).result(timeout=self.cfg.transport.send_timeout_s + 5.0)
+
     def _wait_applied(self, node_id: str, timeout_s: float) -> WeightsApplied | None:
         try:
             return self.control.applied[node_id].get(timeout=timeout_s)
         except queue.Empty:
             return None
-
-    def send_ready(self, node_id: str, ready: WeightsReady) -> None:
-        self.control.send(node_id, ready)
 
     def nodes_alive(self) -> int:
         return len(self.broadcaster.nodes)
