@@ -72,3 +72,37 @@ def ledger_run(request) -> str:
     import re
 
     return re.sub(r"[^A-Za-z0-9_.-]", "_", request.node.name)[:80]
+
+
+# ---- learner fixtures ----
+def _torchrun(ranks: int, script, *args, timeout_s: float = 300.0) -> str:
+    """Run `script args...` on `ranks` CPU ranks under torchrun; its output, or a failed test that
+    shows it. The whole process group is stopped on timeout (by its own pid)."""
+    import signal
+    import subprocess
+    import sys
+
+    env = dict(os.environ, OMP_NUM_THREADS="1", TORCHDYNAMO_DISABLE="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}",
+           str(script), *map(str, args)]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    label = f"torchrun {' '.join(map(str, args[-2:]))} on {ranks} ranks"
+    try:
+        output, _ = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            os.killpg(proc.pid, sig)
+            try:
+                output, _ = proc.communicate(timeout=20)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+        pytest.fail(f"{label} timed out:\n{output[-3000:]}")
+    assert proc.returncode == 0, f"{label} failed (rc {proc.returncode}):\n{output[-3000:]}"
+    return output
+
+
+@pytest.fixture
+def torchrun():
+    return _torchrun

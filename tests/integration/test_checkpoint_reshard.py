@@ -2,8 +2,6 @@
 
 import os
 import pathlib
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -12,23 +10,8 @@ WORKER = pathlib.Path(__file__).with_name("checkpoint_reshard_worker.py")
 pytestmark = pytest.mark.slow
 
 
-def torchrun(ranks: int, model_dir: str, run_dir: pathlib.Path, mode: str, out: pathlib.Path) -> dict:
-    env = dict(os.environ, OMP_NUM_THREADS="1", TORCHDYNAMO_DISABLE="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}",
-           str(WORKER), model_dir, str(run_dir), mode, str(out)]
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-    try:
-        output, _ = proc.communicate(timeout=300)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, 15)
-        try:
-            output, _ = proc.communicate(timeout=20)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, 9)
-            output, _ = proc.communicate(timeout=20)
-        pytest.fail(f"torchrun {mode} on {ranks} ranks timed out:\n{output[-3000:]}")
-    assert proc.returncode == 0, f"torchrun {mode} on {ranks} ranks failed (rc {proc.returncode}):\n{output[-3000:]}"
+def run_ranks(torchrun, ranks: int, model_dir: str, run_dir: pathlib.Path, mode: str, out: pathlib.Path) -> dict:
+    torchrun(ranks, WORKER, model_dir, run_dir, mode, out)
     return torch.load(out, weights_only=False)
 
 
@@ -39,11 +22,11 @@ def assert_equal(a: dict, b: dict) -> None:
 
 
 @pytest.mark.parametrize("save_ranks,resume_ranks", [(2, 1), (1, 2)])
-def test_save_on_n_ranks_resume_on_m(tiny_model, tmp_path, save_ranks, resume_ranks):
-    saved = torchrun(save_ranks, tiny_model, tmp_path, "save", tmp_path / "saved.pt")
+def test_save_on_n_ranks_resume_on_m(tiny_model, tmp_path, save_ranks, resume_ranks, torchrun):
+    saved = run_ranks(torchrun, save_ranks, tiny_model, tmp_path, "save", tmp_path / "saved.pt")
     files = os.listdir(tmp_path / "checkpoints" / "step_2")
     assert sum(f.endswith(".distcp") for f in files) == save_ranks  # each rank wrote its shards, once
-    loaded = torchrun(resume_ranks, tiny_model, tmp_path, "resume", tmp_path / "loaded.pt")
+    loaded = run_ranks(torchrun, resume_ranks, tiny_model, tmp_path, "resume", tmp_path / "loaded.pt")
     assert loaded["state"] == (2, 2, save_ranks)
     # resharded on load: the same parameters and AdamW moments, to the bit
     assert_equal(saved["saved"][0], loaded["loaded"][0])
