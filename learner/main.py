@@ -120,6 +120,12 @@ class RankZero:
 
         self.cfg = cfg
         self.ledger, self.redis = open_ledger(cfg.ledger, cfg.run.name, cfg.run.path)
+        if not resumed and self.ledger.current_version() > 0:
+            version = self.ledger.current_version()
+            if self.redis is not None:
+                self.redis.stop()
+            raise ConfigError(f"run {cfg.run.name!r} already trained to version {version} (its ledger says so): "
+                              "pass --resume latest to continue it, or set run.name to start a new run")
         self.ledger.init_run(cfg.learner.groups_per_step)
         if resumed:  # what the previous learner took in but never trained will not come again
             log.info("resuming: %d samples received but not trained before are dropped as preempted",
@@ -193,6 +199,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         log.warning("learner stopped by a signal")
         return 130
+    except (ConfigError, checkpoint.CheckpointError) as e:
+        log.error("%s", e)
+        return 2
 
 
 if __name__ == "__main__":
