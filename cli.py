@@ -62,12 +62,12 @@ def learner(config: ConfigOpt = None, overrides: SetOpt = None, resume: ResumeOp
 
     args = (["--config", str(config)] if config else []) + [a for o in overrides or [] for a in ("--set", o)]
     args += ["--resume", resume] if resume else []
-    if _load(config, overrides).learner.ranks > 1:
-        import subprocess
+    ranks = _load(config, overrides).learner.ranks
+    if ranks > 1:  # become torchrun: Ctrl-C and SIGTERM then reach it (and so its workers) directly
+        import os
 
-        ranks = _load(config, overrides).learner.ranks
-        raise typer.Exit(subprocess.call([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                                          f"--nproc-per-node={ranks}", "-m", "streamrl.learner.main", *args]))
+        os.execv(sys.executable, [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                  f"--nproc-per-node={ranks}", "-m", "streamrl.learner.main", *args])
     raise typer.Exit(learner_main(args))
 
 

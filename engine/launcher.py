@@ -150,9 +150,15 @@ class Launcher:
         return self.cfg.ledger.url or None
 
     def stop_all(self, keep_redis: bool = False) -> None:
-        """Nodes first (they resolve their samples while the ledger is up), then the learner, then Redis."""
-        for name in list(self.nodes):
-            self.stop_node(name)
+        """Nodes first (they resolve their samples while the ledger is up), then the learner, then Redis.
+
+        Every node is signalled before any is waited for, so they wind down together."""
+        nodes = [self.nodes.pop(name).process for name in list(self.nodes)]
+        for process in nodes:
+            if process.poll() is None:
+                process.send_signal(signal.SIGTERM)
+        for process in nodes:
+            _stop(process, STOP_GRACE_S)
         if self.learner is not None:
             _stop(self.learner.process, STOP_GRACE_S)
         if not keep_redis:

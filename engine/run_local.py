@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 import time
 
 import msgspec
@@ -47,6 +48,7 @@ def run_local(cfg: Config, nodes: int, explicit_name: bool = False, console: Con
     launcher = Launcher(cfg, resume=resume)
     console.print(f"run [bold]{cfg.run.name}[/]: folder {launcher.run_dir}, logs in {launcher.run_dir / 'logs'}")
     started, code = time.monotonic(), 1
+    signal.signal(signal.SIGTERM, _interrupt)  # a SIGTERM stops the run as cleanly as Ctrl-C
     try:
         launcher.start(nodes)
         code = _watch(launcher, cfg, console, started)
@@ -56,12 +58,22 @@ def run_local(cfg: Config, nodes: int, explicit_name: bool = False, console: Con
     except RuntimeError as e:
         console.print(f"[red]error:[/] {e}")
     finally:
-        launcher.stop_all(keep_redis=True)
-        records = read_metrics(launcher.run_dir / "metrics.jsonl")
-        console.print(summary(records, time.monotonic() - started))
-        code = _books(launcher, cfg, console) or code
-        launcher.stop_redis()
+        # A second Ctrl-C or a SIGTERM must not cut the clean-up short and leave children running.
+        previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            launcher.stop_all(keep_redis=True)
+            records = read_metrics(launcher.run_dir / "metrics.jsonl")
+            console.print(summary(records, time.monotonic() - started))
+            code = _books(launcher, cfg, console) or code
+        finally:
+            launcher.stop_redis()
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
     return code
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum}")
 
 
 def _watch(launcher: Launcher, cfg: Config, console: Console, started: float) -> int:
@@ -69,13 +81,18 @@ def _watch(launcher: Launcher, cfg: Config, console: Console, started: float) ->
     with Live(console=console, refresh_per_second=2, transient=False) as live:
         while launcher.learner.alive:
             nodes = {name: child.alive for name, child in launcher.nodes.items()}
-            failed = launcher.failed_nodes()
-            if nodes and not any(nodes.values()) and failed:
+            records = read_metrics(metrics)
+            finishing = bool(records) and records[-1]["step"] >= cfg.run.steps  # nodes were told to stop
+            if nodes and not any(nodes.values()) and not finishing:
+                failed = launcher.failed_nodes()
+                if not failed:
+                    raise RuntimeError("every rollout node finished (their prompt source ended: data.loop = "
+                                       "false?) before the learner's last step")
                 raise RuntimeError(f"every rollout node exited; {failed[-1].name} with code "
                                    f"{failed[-1].process.returncode}, its log {failed[-1].log_path}:\n"
                                    f"{failed[-1].log_tail()}")
             note = "" if any(nodes.values()) or not nodes else "no rollout node is running: the learner waits"
-            live.update(live_table(read_metrics(metrics), cfg.run.steps, nodes, time.monotonic() - started, note))
+            live.update(live_table(records, cfg.run.steps, nodes, time.monotonic() - started, note))
             time.sleep(0.5)
         nodes = {name: child.alive for name, child in launcher.nodes.items()}
         live.update(live_table(read_metrics(metrics), cfg.run.steps, nodes, time.monotonic() - started))

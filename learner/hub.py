@@ -77,8 +77,12 @@ class _ControlThread(threading.Thread):
         while not self.stopping.is_set():
             self._flush_outbox()
             got = self.server.recv(0.02)
-            if got is not None:
+            if got is None:
+                continue
+            try:
                 self._handle(*got)
+            except TransportError as e:  # one node gone mid-handshake must not end this thread
+                log.warning("control message %s from %r not answered: %s", type(got[1]).__name__, got[0], e)
 
     def _flush_outbox(self) -> None:
         while True:
@@ -242,6 +246,10 @@ class Hub:
     def _join(self, node_id: str) -> None:
         if node_id in self.broadcaster.senders:
             self.broadcaster.remove_node(node_id)  # a node that re-registers gets a fresh weight group
+        # A restarted node numbers its messages from 0 again, and an old process's late WeightsApplied
+        # must not be taken for the new one's answer.
+        self.receiver.next_seq.pop(node_id, None)
+        self.control.applied.pop(node_id, None)
         self.broadcaster.add_node(node_id)
         log.info("node %s joined (%d nodes)", node_id, len(self.broadcaster.nodes))
         if self.version > 0 and self.latest_state is not None:
@@ -270,7 +278,11 @@ class Hub:
         for node_id, result in results.items():
             if not result.ok:
                 log.error("evicted node %s: %s", node_id, result.error)
-                self.control.send(node_id, Stop(reason=f"evicted: {result.error}"))
+                told = self.control.send(node_id, Stop(reason=f"evicted: {result.error}"))
+                try:  # forget the node only once the Stop left (or could not), or it is never sent
+                    told.result(timeout=self.cfg.transport.send_timeout_s + 5.0)
+                except Exception:  # noqa: BLE001 - gone already: nothing more to tell it
+                    pass
                 self.control.forget(node_id)
         return results
 

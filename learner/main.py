@@ -31,6 +31,9 @@ log = logging.getLogger("streamrl.learner")
 
 def check_config(cfg: Config) -> None:
     """Refuse combinations the learner cannot run, naming the fields."""
+    if cfg.ledger.on_node_lost == "readmit":
+        raise ConfigError("ledger.on_node_lost = 'readmit': rollout nodes do not yet re-generate a lost node's "
+                          "groups, so their credits would never return; use 'drop'")
     samples = cfg.learner.groups_per_step * cfg.rollout.group_size
     if cfg.learner.ranks > samples:
         raise ConfigError(f"learner.ranks = {cfg.learner.ranks} exceeds the samples of a step "

@@ -15,6 +15,7 @@ import dataclasses
 import itertools
 import logging
 import time
+import uuid
 from collections.abc import Iterable
 from typing import Protocol
 
@@ -79,6 +80,7 @@ class RolloutNode:
         self._stopping: asyncio.Event | None = None
         self._fatal: BaseException | None = None
         self._groups = itertools.count()
+        self._incarnation = uuid.uuid4().hex[:6]  # a restarted node with the same id never reuses a group id
         self._weights_lock = asyncio.Lock()
         self._send_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="trajectory-send")
 
@@ -121,7 +123,7 @@ class RolloutNode:
 
     async def _admit(self, prompt: Prompt, limit: asyncio.Semaphore) -> bool:
         """Take a credit for a new group (retrying while none is free) and start it; False when stopping."""
-        group_id = f"{self.node_id}-g{next(self._groups)}"
+        group_id = f"{self.node_id}-{self._incarnation}-g{next(self._groups)}"
         sample_ids = ledger_sample_ids(group_id, self.cfg.rollout.group_size)  # the ids the ledger admits
         while not await self.credits.acquire(group_id, sample_ids):
             if self._stopping.is_set():

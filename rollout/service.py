@@ -57,7 +57,11 @@ class LedgerSink:
         self.ledger, self.sender = ledger, sender
 
     def send(self, traj: Trajectory) -> int:
-        self.ledger.mark_generated([traj])
+        if not self.ledger.mark_generated([traj])[0]:
+            # Not ours any more (reaped as lost while generating, or resolved already): the learner
+            # would refuse it, so it is not sent.
+            log.warning("sample %s is no longer this node's in the ledger; not sent", traj.sample_id)
+            return -1
         return self.sender.send(traj)
 
 
@@ -104,7 +108,11 @@ class ControlLoop(threading.Thread):
         except Exception as e:  # noqa: BLE001 - reported to the learner, which evicts the node
             error = f"{type(e).__name__}: {e}"
             log.error("weights version %d failed: %s", ready.version, error)
-        self.client.send(WeightsApplied(node_id=self.node.node_id, version=ready.version, seconds=seconds, error=error))
+        try:
+            self.client.send(WeightsApplied(node_id=self.node.node_id, version=ready.version, seconds=seconds,
+                                            error=error))
+        except TransportError as e:  # the learner times the transfer out and evicts; keep serving
+            log.warning("could not confirm weights version %d: %s", ready.version, e)
         if not error:
             self.first_weights.set()
 
@@ -176,7 +184,7 @@ async def serve(cfg: Config, learner_addr: str, node_id: str) -> int:
                 seed = cfg.run.seed + sum(node_id.encode()) % 997  # nodes draw prompts in different orders
                 node = RolloutNode(cfg, node_id, engine, PromptSource(cfg.data, tokenizer, seed=seed),
                                    scorer, LedgerSink(ledger, tx), tokenizer, credits=LedgerCredits(ledger, node_id))
-                return await _generate(cfg, client, ledger, node, welcome)
+                return await _generate(cfg, client, ledger, node, welcome, beat)
         finally:
             beat.stopping.set()
     finally:
@@ -185,11 +193,19 @@ async def serve(cfg: Config, learner_addr: str, node_id: str) -> int:
         client.close()
 
 
-async def _generate(cfg: Config, client: ControlClient, ledger: Ledger, node, welcome: Welcome) -> int:
+async def _generate(cfg: Config, client: ControlClient, ledger: Ledger, node, welcome: Welcome,
+                    beat: LedgerHeartbeat) -> int:
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, node.stop, signal.Signals(sig).name)
     control = ControlLoop(client, node, loop)
+    signalled: list[str] = []
+
+    def on_signal(name: str) -> None:  # also before generation starts (node.stop alone would be lost then)
+        signalled.append(name)
+        node.stop(name)
+        control.first_weights.set()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, on_signal, signal.Signals(sig).name)
     control.start()
     try:
         if welcome.policy_version > 0:  # joining mid-run: the current weights before any generation
@@ -197,15 +213,17 @@ async def _generate(cfg: Config, client: ControlClient, ledger: Ledger, node, we
             if not await asyncio.to_thread(control.first_weights.wait, timeout_s):
                 raise TransportError(f"no weights (version {welcome.policy_version}) from the learner within "
                                      f"{timeout_s:g} s of joining")
-        stats = await node.run() if not control.stop_reason else node.stats
+        stats = node.stats if control.stop_reason or signalled else await node.run()
     finally:
         control.stopping.set()
         await asyncio.to_thread(control.join, 5.0)
+        beat.stopping.set()  # no beat after leaving, or the node would be reaped again later
         left = ledger.leave(node.node_id, "preempted")
-        try:
-            client.send(Goodbye(node_id=node.node_id, reason=control.stop_reason or "stopped"), timeout_s=1.0)
-        except TransportError:
-            pass  # the learner is gone already
+        if not control.is_alive():  # the socket is the control thread's while it lives
+            try:
+                client.send(Goodbye(node_id=node.node_id, reason=control.stop_reason or "stopped"), timeout_s=1.0)
+            except TransportError:
+                pass  # the learner is gone already
     log.info("node %s done: %d groups sent, %d samples resolved on leaving", node.node_id, stats.groups_sent, left)
     return 0
 
