@@ -95,7 +95,10 @@ def new_group(store: dist.Store, prefix: str, rank: int, world_size: int, backen
     options._timeout = timeout
     with _nccl_errors_raise():
         group = dist.ProcessGroupNCCL(prefixed, rank, world_size, options)
-    group.eager_connect_single_device(torch.device(device))
+    device = torch.device(device)
+    if device.index is None:  # "cuda" alone: name the device, as the learner's side ("cuda:0") does
+        device = torch.device("cuda", torch.cuda.current_device())
+    group.eager_connect_single_device(device)
     return group
 
 
