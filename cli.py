@@ -154,7 +154,8 @@ def export(
     typer.echo(f"exported to {folder}")
 
 
-BENCHMARKS = ("pipeline", "rollout_throughput", "learner_step", "weight_transfer", "ledger_ops", "rewards_pool")
+BENCHMARKS = ("pipeline", "elastic_run", "rollout_throughput", "learner_step", "weight_transfer", "ledger_ops",
+              "rewards_pool", "checkpoint")
 
 
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
