@@ -25,6 +25,7 @@ from streamrl.learner import checkpoint, parallel
 from streamrl.learner.advantages import group_advantages
 from streamrl.learner.batching import pack
 from streamrl.learner.train_step import Trainer
+from streamrl.rewards.stats import RewardStats, batch_stats, warn_if_flat
 
 log = logging.getLogger("streamrl.learner")
 
@@ -59,13 +60,10 @@ def share_batch(groups: list[list[Trajectory]] | None, cfg: Config) -> tuple[lis
     return [decode_trajectory(f) for f in frames[rank::world]], advantages[rank::world], total_tokens
 
 
-def batch_metrics(groups: list[list[Trajectory]], version: int, seconds: float) -> dict[str, float]:
-    from streamrl.rewards.stats import batch_stats
-
-    flat = [t for group in groups for t in group]
+def batch_metrics(flat: list[Trajectory], stats: RewardStats, version: int, seconds: float) -> dict[str, float]:
+    """The step's batch figures: reward statistics, tokens, throughput and staleness against `version`."""
     tokens = sum(len(t.completion_ids) for t in flat)
     lags = [version - t.min_version for t in flat]
-    stats = batch_stats([t.reward for t in flat], [t.group_id for t in flat])
     return {**stats.as_metrics(), "samples": len(flat), "completion_tokens": tokens,
             "tokens_per_s": tokens / max(seconds, 1e-9), "staleness_mean": sum(lags) / len(lags),
             "staleness_max": max(lags)}
@@ -146,8 +144,6 @@ class RankZero:
         return self.pending
 
     def publish(self, groups, state, version: int, step: int, metrics: dict, started: float) -> None:
-        from streamrl.rewards.stats import batch_stats, warn_if_flat
-
         flat = [t for group in groups for t in group]
         trained_by = self.hub.version  # the policy the step started from: staleness is measured against it
         if metrics["skipped"]:
@@ -156,8 +152,9 @@ class RankZero:
             self.hub.commit(groups, version, step)
         self.pending = []
         results = self.hub.broadcast(state, version) if not metrics["skipped"] else {}
-        warn_if_flat(batch_stats([t.reward for t in flat], [t.group_id for t in flat]), step)
-        record = {**metrics, **batch_metrics(groups, trained_by, time.monotonic() - started),
+        rewards = batch_stats([t.reward for t in flat], [t.group_id for t in flat])
+        warn_if_flat(rewards, step)
+        record = {**metrics, **batch_metrics(flat, rewards, trained_by, time.monotonic() - started),
                   "nodes": self.hub.nodes_alive(), "weights_s": max((r.seconds for r in results.values()), default=0.0),
                   "evicted": sum(not r.ok for r in results.values()),
                   **{f"samples_{k}": v for k, v in self.hub.counters.items()},
