@@ -6,7 +6,8 @@ from streamrl.learner.batching import pack
 from streamrl.learner.logprobs import PolicyModel, chunked_logprobs
 
 
-def test_chunked_logprobs_match_log_softmax_and_its_gradient():
+@pytest.mark.parametrize("keep_logits_bytes", [0, 2**20], ids=["recompute", "keep"])
+def test_chunked_logprobs_match_log_softmax_and_its_gradient(keep_logits_bytes):
     torch.manual_seed(0)
     hidden = torch.randn(10, 8, dtype=torch.float64, requires_grad=True)
     weight = torch.randn(50, 8, dtype=torch.float64, requires_grad=True)
@@ -19,7 +20,8 @@ def test_chunked_logprobs_match_log_softmax_and_its_gradient():
     ref_entropy = -(p * torch.log_softmax(logits, -1)).sum(-1)
     ref_grads = torch.autograd.grad((ref * g).sum(), (hidden, weight))
 
-    lp, entropy = chunked_logprobs(hidden, weight, targets, chunk=3, temperature=0.7)  # chunks 3+3+3+1
+    lp, entropy = chunked_logprobs(hidden, weight, targets, chunk=3, temperature=0.7,  # chunks 3+3+3+1
+                                   keep_logits_bytes=keep_logits_bytes)
     grads = torch.autograd.grad((lp * g).sum(), (hidden, weight))
     assert torch.allclose(lp.double(), ref, atol=1e-5)
     assert torch.allclose(entropy.double(), ref_entropy, atol=1e-5)
@@ -51,3 +53,22 @@ def test_packed_forward_equals_each_sequence_alone(tiny_model):
         hf_b = torch.log_softmax(logits, -1).gather(1, torch.tensor([[21], [22], [23], [24]])).squeeze(1)
     assert torch.allclose(lp_packed, torch.cat(alone), atol=1e-5)
     assert torch.allclose(alone[1], hf_b, atol=1e-5)
+
+
+def test_kept_logits_save_the_backward_head_matmul():
+    from torch.utils.flop_counter import FlopCounterMode
+
+    hidden = torch.randn(12, 8, requires_grad=True)
+    weight = torch.randn(40, 8, requires_grad=True)
+    targets = torch.randint(0, 40, (12,))
+
+    def backward_flops(keep_logits_bytes):
+        lp, _ = chunked_logprobs(hidden, weight, targets, chunk=5, keep_logits_bytes=keep_logits_bytes)
+        with FlopCounterMode(display=False) as counter:
+            lp.sum().backward()
+        return counter.get_total_flops()
+
+    # recompute: logits, d_hidden, d_weight = 3 x (2 * 12 * 8 * 40) FLOPs; kept: the last two only
+    assert backward_flops(0) == 3 * 2 * 12 * 8 * 40
+    assert backward_flops(12 * 40 * 4) == 2 * 2 * 12 * 8 * 40
+    assert backward_flops(12 * 40 * 4 - 1) == 3 * 2 * 12 * 8 * 40  # one byte short of fitting: recompute
