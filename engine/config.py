@@ -186,6 +186,12 @@ class LearnerConfig(_Section):
     ranks: Annotated[int, _doc("Learner processes (FSDP2 ranks); >1 runs under torchrun.", ge=1)] = 1
     activation_checkpointing: Annotated[bool, _doc("Recompute activations in backward to save memory.")] = False
     compile: Annotated[bool, _doc("torch.compile the model (GPU).")] = False
+    fsdp_unit_params: Annotated[int, _doc("Decoder layers are sharded in FSDP units of at least this many parameters; "
+                                          "a model under it is one unit (one all-gather per step, no per-layer "
+                                          "hooks). Lower it when a whole model does not fit one GPU.", ge=1)] = 1_000_000_000
+    head_logits_gib: Annotated[float, _doc("LM-head logits (one micro-batch, model dtype) kept from forward for "
+                                           "backward, in GiB; past it they are recomputed (one more head matmul). "
+                                           "0 always recomputes.", ge=0.0)] = 16.0
 
 
 class LedgerConfig(_Section):

@@ -42,10 +42,15 @@ def k3(log_p: Tensor, log_q: Tensor) -> Tensor:
 
 
 def sequence_lengths(mask: Tensor, seq_ids: Tensor | None) -> Tensor:
-    """Loss tokens of each sequence, indexed by `seq_ids` ([T] ints from 0); all one sequence if None."""
+    """Loss tokens of each sequence, indexed by `seq_ids` ([T] ints from 0); all one sequence if None.
+
+    Sized T (sequence ids < positions), zeros past the last sequence: sizing it by max(seq_ids), as
+    bincount does, is a host sync per micro-batch on CUDA.
+    """
     if seq_ids is None:
         return mask.sum().reshape(1).to(torch.float32)
-    return torch.bincount(seq_ids, weights=mask.to(torch.float32), minlength=int(seq_ids.max()) + 1 if seq_ids.numel() else 0)
+    weights = mask.to(torch.float32)
+    return torch.zeros_like(weights).scatter_add_(0, seq_ids, weights)
 
 
 def token_weights(mask: Tensor, seq_ids: Tensor | None, cfg: LossConfig) -> Tensor:

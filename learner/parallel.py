@@ -61,12 +61,35 @@ def rank0_logger(name: str) -> logging.Logger:
     return logger
 
 
+def layer_units(sizes: list[int], unit_params: int) -> list[list[int]]:
+    """Consecutive layer indices grouped into FSDP units of at least `unit_params` parameters
+    (a remainder joins the last unit); [] when one unit would hold every layer: the root then holds them."""
+    units: list[list[int]] = [[]]
+    held = 0
+    for i, size in enumerate(sizes):
+        units[-1].append(i)
+        held += size
+        if held >= unit_params:
+            units.append([])
+            held = 0
+    if not units[-1]:
+        units.pop()
+    elif len(units) > 1:
+        tail = units.pop()
+        units[-1] += tail
+    return units if len(units) > 1 else []
+
+
 def wrap_model(model: nn.Module, cfg: LearnerConfig, device: torch.device, *, temperature: float = 1.0,
-               chunk: int = 1024) -> PolicyModel:
-    """Shard a HF causal LM with FSDP2 (each decoder layer, then the root) over all ranks.
+               chunk: int = 0) -> PolicyModel:
+    """Shard a HF causal LM with FSDP2 over all ranks: decoder layers in units of `cfg.fsdp_unit_params`
+    parameters, the rest (or, for a model under one unit, everything) at the root.
 
     On CUDA: bf16 compute with fp32 reductions and master weights, varlen attention for packed
-    sequences. Optional activation checkpointing and per-layer torch.compile (cfg).
+    sequences. Optional activation checkpointing and per-layer torch.compile (cfg). Fewer, larger
+    units mean fewer hooks and collectives per micro-batch: a 0.5B model on H200s stepped at 34.4%
+    MFU as one unit vs 32.8% as 24 layer units (1 GPU), 35.0% vs 25.3% per GPU (2 GPUs); layer
+    units pay off when the gathered model would not fit (bench/RESULTS.md).
     """
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
@@ -87,11 +110,12 @@ def wrap_model(model: nn.Module, cfg: LearnerConfig, device: torch.device, *, te
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
           if device.type == "cuda" else MixedPrecisionPolicy())
-    policy = PolicyModel(model, chunk=chunk, temperature=temperature)
+    policy = PolicyModel(model, chunk=chunk, temperature=temperature,
+                         keep_logits_bytes=int(cfg.head_logits_gib * 2**30))
     reshard = dist.get_world_size() > 1  # one rank: nothing to save by freeing the gathered weights
-    for layer in layers:
-        fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
-    fully_shard(policy, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
+    for unit in layer_units([sum(p.numel() for p in layer.parameters()) for layer in layers], cfg.fsdp_unit_params):
+        fully_shard([layers[i] for i in unit], mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
+    fully_shard(policy, mesh=mesh, mp_policy=mp, reshard_after_forward=False)  # backward needs it at once
     for module in policy.modules():
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)
@@ -101,11 +125,13 @@ def wrap_model(model: nn.Module, cfg: LearnerConfig, device: torch.device, *, te
 
 def set_grad_sync(model: nn.Module, enabled: bool) -> None:
     """Whether the next backward reduces gradients across ranks; off for all but a step's last micro-batch
-    (gradients then accumulate unsharded, in fp32, and are reduced once)."""
+    (gradients then accumulate unsharded, in fp32, and are reduced once). Off, the root unit also stays
+    gathered after backward, so the next micro-batch does not gather it again."""
     from torch.distributed.fsdp import FSDPModule
 
     if isinstance(model, FSDPModule):
         model.set_requires_gradient_sync(enabled)
+        model.set_reshard_after_backward(enabled, recurse=False)
 
 
 def _hf_name(name: str) -> str:
@@ -121,19 +147,20 @@ def full_state_dict(model: nn.Module) -> dict[str, Tensor]:
     return {_hf_name(k): v for k, v in state.items()} if is_rank0() else {}
 
 
-def all_reduce_sum(value: Tensor) -> Tensor:
-    """Sum over ranks (a copy; the input is left alone)."""
-    out = value.detach().clone()
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(out, op=dist.ReduceOp.SUM)
-    return out
-
-
 def max_over_ranks(value: int, device: torch.device) -> int:
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return value  # one rank: no device round trip (each is a host sync)
     out = torch.tensor([value], dtype=torch.int64, device=device)
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(out, op=dist.ReduceOp.MAX)
+    dist.all_reduce(out, op=dist.ReduceOp.MAX)
     return int(out.item())
+
+
+def sum_over_ranks(value: float, device: torch.device) -> float:
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return value
+    out = torch.tensor([value], dtype=torch.float64, device=device)
+    dist.all_reduce(out, op=dist.ReduceOp.SUM)
+    return float(out.item())
 
 
 def reduce_metrics(metrics: dict[str, float | Tensor], device: torch.device | None = None) -> dict[str, float]:
@@ -142,17 +169,16 @@ def reduce_metrics(metrics: dict[str, float | Tensor], device: torch.device | No
     Every rank must pass the same keys. Means are formed afterwards from reduced sums (see
     losses.summarize), so no rank's share is weighted wrongly.
     """
-    device = device or torch.device("cpu")
     keys = sorted(metrics)
-    values = torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64, device=device)
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        for suffix, op in (("_max", dist.ReduceOp.MAX), ("_min", dist.ReduceOp.MIN), ("", dist.ReduceOp.SUM)):
-            idx = [i for i, k in enumerate(keys) if k.endswith(suffix) and
-                   (suffix or not k.endswith(("_max", "_min")))]
-            if idx:
-                part = values[idx].clone()
-                dist.all_reduce(part, op=op)
-                values[idx] = part
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return {k: float(metrics[k]) for k in keys}
+    values = torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64, device=device or torch.device("cpu"))
+    for suffix, op in (("_max", dist.ReduceOp.MAX), ("_min", dist.ReduceOp.MIN), ("", dist.ReduceOp.SUM)):
+        idx = [i for i, k in enumerate(keys) if k.endswith(suffix) and (suffix or not k.endswith(("_max", "_min")))]
+        if idx:
+            part = values[idx].clone()
+            dist.all_reduce(part, op=op)
+            values[idx] = part
     return dict(zip(keys, values.tolist()))
 
 

@@ -1,9 +1,14 @@
 """One safe optimizer step over packed micro-batches.
 
 micro-batches -> forward (logprobs + entropy, chunked over the vocabulary) -> loss (divided by the
-global normaliser) -> backward -> clip -> non-finite check -> optimizer step. A non-finite gradient
-norm skips the step: gradients are zeroed, the skip is counted and logged with the offending
-parameter names, and neither the weights nor the optimizer state move.
+global normaliser) -> backward -> clip -> optimizer step. A non-finite gradient norm skips the
+step: gradients are zeroed, the skip is counted and logged with the offending parameter names,
+and neither the weights nor the optimizer state move.
+
+The skip is decided on the device: the fused AdamW kernel reads a `found_inf` flag and leaves
+parameters, moments and step counts alone when it is set. So the host never waits for backward
+to end before it queues the optimizer, and the step's one host sync comes after the update, when
+the metrics are read.
 """
 
 from __future__ import annotations
@@ -44,20 +49,23 @@ class Trainer:
         self.model, self.loss_cfg, self.cfg, self.device = model, loss_cfg, cfg, device
         self.ref_model = ref_model
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=cfg.betas,
-                                           weight_decay=cfg.weight_decay, fused=device.type == "cuda")
+                                           weight_decay=cfg.weight_decay, fused=True)
         warmup = max(cfg.warmup_steps, 0)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda s: min(1.0, (s + 1) / warmup) if warmup else 1.0)
         self.version = 0
         self.skipped_steps = 0
+        self.last_nonfinite: list[str] = []  # parameters named by the last skipped step
 
     def global_normalizer(self, micro_batches: list[MicroBatch], global_token_count: float | None) -> float:
-        """Loss tokens (or sequences) of the whole step over all ranks: one all-reduce."""
+        """Loss tokens (or sequences) of the whole step over all ranks: one all-reduce.
+
+        Counted where the micro-batches are (on the host before they move), so one rank never
+        waits on its device for it."""
         if global_token_count is not None and self.loss_cfg.aggregation == "token":
             return float(global_token_count)
-        local = sum((local_normalizer(mb.loss_mask, mb.seq_ids, self.loss_cfg) for mb in micro_batches),
-                    torch.zeros((), device=self.device))
-        return float(parallel.all_reduce_sum(torch.as_tensor(local, device=self.device)))
+        local = sum(float(local_normalizer(mb.loss_mask, mb.seq_ids, self.loss_cfg)) for mb in micro_batches)
+        return parallel.sum_over_ranks(local, self.device)
 
     def _forward_backward(self, mb: MicroBatch, normalizer: float) -> dict[str, Tensor]:
         logprobs, entropy = compute_logprobs(self.model, mb)
@@ -76,50 +84,70 @@ class Trainer:
     def step(self, micro_batches: list[MicroBatch], global_token_count: float | None = None) -> dict[str, float]:
         """Train on this rank's micro-batches; metrics are reduced over ranks (same dict on every rank)."""
         start = time.perf_counter()
-        micro_batches = [mb.to(self.device) for mb in micro_batches]
-        rounds = parallel.max_over_ranks(len(micro_batches), self.device)
-        micro_batches += [_filler(self.device) for _ in range(rounds - len(micro_batches))]
         normalizer = self.global_normalizer(micro_batches, global_token_count)
+        rounds = parallel.max_over_ranks(len(micro_batches), self.device)
+        micro_batches = [mb.to(self.device) for mb in micro_batches]
+        micro_batches += [_filler(self.device) for _ in range(rounds - len(micro_batches))]
         sums: dict[str, Tensor] = {}
         for i, mb in enumerate(micro_batches):
             parallel.set_grad_sync(self.model, i == len(micro_batches) - 1)
             for key, value in self._forward_backward(mb, normalizer).items():
                 sums[key] = _combine(key, sums.get(key), value.detach())
-        grad_norm, bad = self._clip_and_check()
+        grad_norm = self._clip()
+        self.optimizer.found_inf = (~torch.isfinite(grad_norm)).float()  # the fused kernel skips on it
+        self.optimizer.step()
+        sums["grad_norm"] = grad_norm
+        values = _to_host(sums)  # the step's host sync: everything above is queued by now
+        norm = values.pop("grad_norm")
+        bad = [] if math.isfinite(norm) else self._nonfinite_names()
         if bad:
-            self._skip(bad, grad_norm)
+            self._skip(bad, norm)
         else:
-            self.optimizer.step()
             self.scheduler.step()
             self.version += 1
         self.optimizer.zero_grad(set_to_none=True)
-        sums["positions"] = torch.tensor(float(sum(mb.num_tokens for mb in micro_batches)))
-        reduced = parallel.reduce_metrics({k: float(v) for k, v in sums.items()}, self.device)
+        values["positions"] = float(sum(mb.num_tokens for mb in micro_batches))
+        reduced = parallel.reduce_metrics(values, self.device)
         metrics = summarize(reduced)
         metrics.update(loss=reduced["loss_sum"] / max(normalizer, 1.0), positions=reduced["positions"],
-                       grad_norm=grad_norm, skipped=float(bool(bad)), skipped_steps=float(self.skipped_steps),
+                       grad_norm=norm, skipped=float(bool(bad)), skipped_steps=float(self.skipped_steps),
                        version=float(self.version), normalizer=normalizer, lr=self.scheduler.get_last_lr()[0],
                        step_seconds=time.perf_counter() - start)
         return metrics
 
-    def _clip_and_check(self) -> tuple[float, list[str]]:
-        """Clip to max_grad_norm; the norm, and the names of parameters with non-finite gradients."""
+    def _clip(self) -> Tensor:
+        """The global gradient norm (a device tensor); gradients clipped to max_grad_norm when it is finite.
+
+        A non-finite norm leaves the gradients as they are, so the parameters that carry the bad
+        values can still be named.
+        """
         params = [p for p in self.model.parameters() if p.grad is not None]
-        norm = torch.nn.utils.clip_grad_norm_(params, self.cfg.max_grad_norm, foreach=True)
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
         if hasattr(norm, "full_tensor"):
             norm = norm.full_tensor()
-        norm = float(norm)
-        if math.isfinite(norm):
-            return norm, []
+        finite = torch.isfinite(norm)
+        torch.nn.utils.clip_grads_with_norm_(params, self.cfg.max_grad_norm, torch.where(finite, norm, 0.0),
+                                             foreach=True)
+        return norm
+
+    def _nonfinite_names(self) -> list[str]:
         local = [name for name, p in self.model.named_parameters()
                  if p.grad is not None and not bool(torch.isfinite(_local(p.grad)).all())]
-        return norm, parallel.gather_names([parallel._hf_name(n.removeprefix("lm.")) for n in local]) or ["?"]
+        return parallel.gather_names([parallel._hf_name(n.removeprefix("lm.")) for n in local]) or ["?"]
 
     def _skip(self, names: list[str], grad_norm: float) -> None:
         self.skipped_steps += 1
+        self.last_nonfinite = names
         shown = ", ".join(names[:8]) + (f" (+{len(names) - 8} more)" if len(names) > 8 else "")
         log.warning("step skipped at version %d: gradient norm %s; non-finite gradients in %s (%d skipped so far)",
                     self.version, grad_norm, shown, self.skipped_steps)
+
+
+def _to_host(values: dict[str, Tensor]) -> dict[str, float]:
+    """Device scalars to floats with one transfer."""
+    keys = list(values)
+    stacked = torch.stack([values[k].detach().to(torch.float64).reshape(()) for k in keys])
+    return dict(zip(keys, stacked.tolist()))
 
 
 def _local(t: Tensor) -> Tensor:

@@ -1,6 +1,6 @@
 """Run under torchrun: two learner steps on a fixed batch, rank 0 saves loss, metrics and weights.
 
-usage: torchrun --nproc_per_node N fsdp_parity_worker.py MODEL_DIR OUT_FILE
+usage: torchrun --nproc_per_node N fsdp_parity_worker.py MODEL_DIR OUT_FILE [FSDP_UNIT_PARAMS]
 Micro-batches are dealt round-robin to the ranks, so with 2 ranks one rank gets fewer.
 """
 
@@ -29,14 +29,14 @@ def fixed_batch() -> tuple[list[Trajectory], list[float]]:
     return trajs, advantages
 
 
-def main(model_dir: str, out_file: str) -> None:
+def main(model_dir: str, out_file: str, unit_params: str = "") -> None:
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
     device = parallel.init_distributed(timeout_s=120)
     try:
         lm = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa")
-        cfg = LearnerConfig(lr=1e-3, max_grad_norm=1.0)
+        cfg = LearnerConfig(lr=1e-3, max_grad_norm=1.0, fsdp_unit_params=int(unit_params or 10**9))
         trainer = Trainer(parallel.wrap_model(lm, cfg, device), LossConfig(aggregation="sequence"), cfg, device)
         micro_batches = pack(*fixed_batch(), token_budget=32)
         world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
@@ -44,10 +44,12 @@ def main(model_dir: str, out_file: str) -> None:
         metrics = [trainer.step(mine), trainer.step(mine)]
         state = parallel.full_state_dict(trainer.model)
         if parallel.is_rank0():
-            torch.save({"metrics": metrics, "state": state, "micro_batches": len(micro_batches)}, out_file)
+            units = [m for m in trainer.model.modules() if isinstance(m, torch.distributed.fsdp.FSDPModule)]
+            torch.save({"metrics": metrics, "state": state, "micro_batches": len(micro_batches),
+                        "fsdp_units": len(units)}, out_file)
     finally:
         parallel.shutdown()
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    main(*sys.argv[1:4])

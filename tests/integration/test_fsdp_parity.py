@@ -8,16 +8,19 @@ import torch
 WORKER = pathlib.Path(__file__).with_name("fsdp_parity_worker.py")
 
 
-def run_ranks(torchrun, ranks: int, model_dir: str, out: pathlib.Path) -> dict:
-    output = torchrun(ranks, WORKER, model_dir, out)
+def run_ranks(torchrun, ranks: int, model_dir: str, out: pathlib.Path, unit_params: int | None = None) -> dict:
+    output = torchrun(ranks, WORKER, model_dir, out, *([unit_params] if unit_params else []))
     assert "terminate called" not in output
     return torch.load(out, weights_only=False)
 
 
 @pytest.mark.slow
-def test_one_and_two_ranks_agree(tiny_model, tmp_path, torchrun):
-    one = run_ranks(torchrun, 1, tiny_model, tmp_path / "one.pt")
-    two = run_ranks(torchrun, 2, tiny_model, tmp_path / "two.pt")
+@pytest.mark.parametrize("unit_params, units", [(None, 1), (1, 3)], ids=["one-unit", "unit-per-layer"])
+def test_one_and_two_ranks_agree(tiny_model, tmp_path, torchrun, unit_params, units):
+    """The tiny model as one FSDP unit (the default) and with a unit per decoder layer (as large models shard)."""
+    one = run_ranks(torchrun, 1, tiny_model, tmp_path / "one.pt", unit_params)
+    two = run_ranks(torchrun, 2, tiny_model, tmp_path / "two.pt", unit_params)
+    assert one["fsdp_units"] == two["fsdp_units"] == units
     assert one["micro_batches"] >= 3  # dealt 2 + 1: the rank with fewer runs a filler micro-batch
     for m1, m2 in zip(one["metrics"], two["metrics"]):
         assert m1["skipped"] == m2["skipped"] == 0.0

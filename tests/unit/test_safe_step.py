@@ -70,3 +70,31 @@ def test_first_step_on_own_logprobs_has_ratio_one_and_tiny_kl(trainer):
     # ratio 1 everywhere: loss = -mean advantage over the 12 loss tokens = -(3 - 3 + 1.5 - 1.5) / 12 = 0
     assert metrics["loss"] == pytest.approx(0.0, abs=1e-6)
     assert metrics["grad_norm"] > 0.0
+
+
+def test_skip_names_only_the_parameters_whose_gradients_are_not_finite(trainer, caplog):
+    """A NaN planted in the first layer's MLP backward reaches layer 0 and the embedding, nothing later;
+    the norm is not used to clip (that would spread NaN to every gradient before they are named)."""
+    mlp = trainer.model.lm.model.layers[0].mlp
+    handle = mlp.register_full_backward_pre_hook(lambda module, grad_out: (torch.full_like(grad_out[0], math.nan),))
+    before = weights(trainer.model)
+    try:
+        with caplog.at_level("WARNING", logger="streamrl.learner"):
+            metrics = trainer.step(batch([1.0, -1.0, 1.0, -1.0]))
+    finally:
+        handle.remove()
+    assert metrics["skipped"] == 1.0
+    assert all(torch.equal(before[k], v) for k, v in weights(trainer.model).items())
+    layer0 = {k for k in before if k.startswith("model.layers.0.")}
+    assert set(trainer.last_nonfinite) == layer0 | {"model.embed_tokens.weight"}
+    assert "model.layers.0.input_layernorm.weight" in caplog.text
+
+
+def test_layer_units_group_consecutive_layers_by_parameter_count():
+    from streamrl.learner.parallel import layer_units
+
+    assert layer_units([10] * 6, 25) == [[0, 1, 2], [3, 4, 5]]
+    assert layer_units([10] * 6, 20) == [[0, 1], [2, 3], [4, 5]]
+    assert layer_units([10] * 7, 20) == [[0, 1], [2, 3], [4, 5, 6]]  # the remainder joins the last unit
+    assert layer_units([10] * 6, 1) == [[i] for i in range(6)]
+    assert layer_units([10] * 6, 60) == [] and layer_units([10] * 6, 10**9) == []  # one unit: the root holds all
