@@ -3,6 +3,14 @@
     python bench/learner_step.py --mode baseline            # eager HF, padded [16, 1024], bf16
     python bench/learner_step.py --mode streamrl [--compile] # packed + varlen + chunked head, FSDP2
     torchrun --nproc_per_node 2 bench/learner_step.py --mode streamrl   # 2 GPUs, FSDP2
+    python bench/learner_step.py --shape tiny --samples 8 --budget 512   # a CPU smoke run of the same code
+
+--head-logits-gib 0 recomputes the LM-head logits in backward (the pre-kept-logits path), for a
+before/after in one session. --profile writes the top kernels of one step and prints where the
+step's GPU time went (matmul, attention, fused, elementwise, optimizer, comms) and how much of
+the step the GPU was busy. --unit-params 1 shards a FSDP unit per decoder layer (how large models
+shard); --compile-model compiles the decoder as one region instead of layer by layer.
+Measured figures and the commands behind them: bench/RESULTS.md.
 
 MFU = 6 * params * tokens/s / peak (989 TFLOP/s dense bf16). The streamrl figures carry
 `vs_baseline` when --baseline-tps (from a baseline line of the same run) is given.
@@ -13,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import re
 import time
 
 import torch
@@ -30,12 +39,17 @@ def qwen2_05b_config(**overrides):
     return Qwen2Config(**fields)
 
 
-def make_model(device, dtype, attn="sdpa"):
+TINY = dict(vocab_size=4096, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16)
+
+
+def make_model(device, dtype, attn="sdpa", shape="0.5b"):
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
+    config = qwen2_05b_config(**(TINY if shape == "tiny" else {}))
     with torch.device(device):
-        model = AutoModelForCausalLM.from_config(qwen2_05b_config(), dtype=dtype, attn_implementation=attn)
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn)
     return model, sum(p.numel() for p in model.parameters())
 
 
@@ -43,14 +57,19 @@ def emit(**fields):
     print(json.dumps(fields), flush=True)
 
 
+def sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 def timed(fn, warmup: int, steps: int) -> float:
     for _ in range(warmup):
         fn()
-    torch.cuda.synchronize()
+    sync()
     start = time.perf_counter()
     for _ in range(steps):
         fn()
-    torch.cuda.synchronize()
+    sync()
     return (time.perf_counter() - start) / steps
 
 
@@ -72,15 +91,15 @@ def baseline(args):
          peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 1))
 
 
-def trajectories(n: int, seed: int):
+def trajectories(n: int, seed: int, vocab: int, longest: int):
     from streamrl.engine.messages import Trajectory
 
     rng = random.Random(seed)
     out = []
     for i in range(n):
-        total = rng.randint(1024, 2048)
-        prompt = [rng.randrange(151936) for _ in range(256)]
-        completion = [rng.randrange(151936) for _ in range(total - 256)]
+        total = rng.randint(longest // 2, longest)
+        prompt = [rng.randrange(vocab) for _ in range(total // 8)]
+        completion = [rng.randrange(vocab) for _ in range(total - total // 8)]
         out.append(Trajectory(sample_id=f"s{i}", group_id=f"g{i // 8}", node_id="bench", seq=i, prompt_ids=prompt,
                               completion_ids=completion, behavior_logprobs=[-11.9] * len(completion),
                               reward=float(i % 2), policy_version=0))
@@ -89,6 +108,7 @@ def trajectories(n: int, seed: int):
 
 def streamrl(args):
     import torch.distributed as dist
+    from torch.distributed.fsdp import FSDPModule
 
     from streamrl.engine.config import LearnerConfig, LossConfig
     from streamrl.learner import parallel
@@ -97,11 +117,17 @@ def streamrl(args):
 
     device = parallel.init_distributed()
     world, rank = dist.get_world_size(), dist.get_rank()
-    model, params = make_model("cuda", torch.float32)
-    cfg = LearnerConfig(lr=1e-6, micro_batch_tokens=args.budget, compile=args.compile,
-                        activation_checkpointing=args.ac)
-    trainer = Trainer(parallel.wrap_model(model, cfg, device, chunk=args.chunk), LossConfig(), cfg, device)
-    trajs = trajectories(args.samples, seed=rank)
+    model, params = make_model(device, torch.float32, shape=args.shape)
+    cfg = LearnerConfig(lr=1e-6, micro_batch_tokens=args.budget, compile=args.compile and not args.compile_model,
+                        activation_checkpointing=args.ac, head_logits_gib=args.head_logits_gib,
+                        fsdp_unit_params=args.unit_params)
+    policy = parallel.wrap_model(model, cfg, device, chunk=args.chunk)
+    if args.compile_model:
+        policy.lm.model.compile()
+    trainer = Trainer(policy, LossConfig(), cfg, device)
+    units = sum(isinstance(m, FSDPModule) for m in policy.modules())
+    trajs = trajectories(args.samples, seed=rank, vocab=model.config.vocab_size,
+                         longest=min(2048, args.budget))
     mbs = pack(trajs, [1.0 if t.reward else -1.0 for t in trajs], args.budget,
                pad_to_budget=args.pad)[:args.micro_batches]
     tokens = sum(int(mb.cu_seqlens[len(mb.sample_ids)]) for mb in mbs) * world  # padding not counted
@@ -112,32 +138,64 @@ def streamrl(args):
 
     seconds = timed(step, args.warmup, args.steps)
     tps = tokens / seconds
-    name = (f"learner_step_streamrl_{world}gpu" + ("_compile" if args.compile else "") + ("_pad" if args.pad else "")
-            + ("_ac" if args.ac else ""))
+    name = (f"learner_step_streamrl_{world}{device.type}" + ("_compile" if args.compile else "")
+            + ("_pad" if args.pad else "") + ("_ac" if args.ac else "") + ("_recompute" if not args.head_logits_gib else "")
+            + ("_model" if args.compile_model else "") + (f"_{units}units" if units > 1 else "")
+            + (f"_{args.shape}" if args.shape != "0.5b" else ""))
     fields = dict(figure=name, tokens_per_s=round(tps), mfu=round(6 * params * tps / (PEAK_FLOPS * world), 4),
                   params=params, gpus=world, tokens_per_step=tokens, micro_batches_per_rank=len(mbs),
-                  budget=args.budget, chunk=args.chunk, seconds_per_step=round(seconds, 4),
+                  budget=args.budget, chunk=policy.chunk, seconds_per_step=round(seconds, 4),
                   attn=model.config._attn_implementation, loss=round(last["loss"], 5),
-                  skipped=last["skipped"], peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 1))
+                  skipped=last["skipped"],
+                  peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 1) if device.type == "cuda" else None)
     if args.baseline_tps:
         fields["vs_baseline"] = round(tps / world / args.baseline_tps, 3)
+    if args.profile:
+        fields.update(profile(step, args.profile if rank == 0 else None))
     if rank == 0:
         emit(**fields)
-    if args.profile:
-        profile(step, args.profile if rank == 0 else None)
     parallel.shutdown()
 
 
-def profile(step, path: str | None) -> None:
-    """One step under the profiler; the kernels that took the most GPU time, to `path`."""
+KERNEL_KINDS = [("attention", re.compile(r"flash|fmha|attn|varlen", re.I)),
+                ("matmul", re.compile(r"gemm|nvjet|cutlass|xmma|cublas|wgmma|sm90_", re.I)),
+                ("comms", re.compile(r"nccl", re.I)),
+                ("optimizer", re.compile(r"adam", re.I)),
+                ("fused (triton)", re.compile(r"triton", re.I)),
+                ("copy", re.compile(r"memcpy|memset|copy", re.I))]
+
+
+def kernel_kind(name: str) -> str:
+    return next((kind for kind, pattern in KERNEL_KINDS if pattern.search(name)), "elementwise/other")
+
+
+def profile(step, path: str | None) -> dict:
+    """One step under the profiler: GPU time per kernel kind, how busy the GPU was; top kernels to `path`."""
     from torch.profiler import ProfilerActivity, profile as torch_profile
 
+    sync()
+    start = time.perf_counter()
     with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         step()
-        torch.cuda.synchronize()
+        sync()
+    wall_ms = (time.perf_counter() - start) * 1e3
+    kernels = [(e.name, e.time_range.start, e.time_range.end) for e in prof.events()
+               if e.device_type == torch.autograd.DeviceType.CUDA]
+    by_kind: dict[str, float] = {}
+    for name, begin, end in kernels:
+        by_kind[kernel_kind(name)] = by_kind.get(kernel_kind(name), 0.0) + (end - begin) / 1e3
+    busy_ms, reach = 0.0, float("-inf")  # union of kernel intervals (comms overlap compute)
+    for _, begin, end in sorted(kernels, key=lambda k: k[1]):
+        busy_ms += max(0.0, end - max(begin, reach)) / 1e3
+        reach = max(reach, end)
     if path:
         with open(path, "w") as f:
-            f.write(prof.key_averages().table(sort_by="cuda_time_total", row_limit=40, max_name_column_width=70))
+            f.write(prof.key_averages().table(sort_by="cuda_time_total", row_limit=60, max_name_column_width=90))
+            f.write("\n\n" + prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=40,
+                                                         max_name_column_width=90))
+    return {"profiled_step_ms": round(wall_ms, 1), "gpu_busy_ms": round(busy_ms, 1),
+            "gpu_busy_fraction": round(busy_ms / wall_ms, 3),
+            "gpu_ms_by_kind": {k: round(v, 1) for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])}}
 
 
 def main():
@@ -151,7 +209,11 @@ def main():
     ap.add_argument("--budget", type=int, default=16384, help="tokens per packed micro-batch")
     ap.add_argument("--micro-batches", type=int, default=4, help="micro-batches per rank per step")
     ap.add_argument("--samples", type=int, default=64)
-    ap.add_argument("--chunk", type=int, default=4096, help="LM-head chunk (positions)")
+    ap.add_argument("--chunk", type=int, default=0, help="LM-head chunk (positions); 0: the learner's choice")
+    ap.add_argument("--head-logits-gib", type=float, default=16.0, help="learner.head_logits_gib (0: recompute)")
+    ap.add_argument("--unit-params", type=int, default=10**9, help="learner.fsdp_unit_params (1: a unit per layer)")
+    ap.add_argument("--compile-model", action="store_true", help="compile the whole decoder, not layer by layer")
+    ap.add_argument("--shape", choices=["0.5b", "tiny"], default="0.5b", help="tiny: a CPU smoke run")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--baseline-tps", type=float, default=0.0)

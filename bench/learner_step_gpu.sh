@@ -1,16 +1,43 @@
 #!/usr/bin/env bash
-# The learner GPU session: gpu tests, then the learner_step figures (1 GPU, then 2 GPUs under torchrun).
-# Run from the repo root on a 2-GPU H200 machine, after installing the carried wheels; logs go to $OUT.
+# The learner GPU session on a 2-GPU H200 machine: gpu tests beside the eager baseline, then 1-GPU
+# streamrl variants two at a time (one per GPU; the first is profiled), then 2-GPU runs under torchrun.
+# Figures (JSON lines) go to $OUT/figures.jsonl; a table is printed last.
+#   VARIANTS="|--unit-params 1|--budget 32768 --micro-batches 2"   1-GPU variants, '|'-separated ('' = defaults)
+#   TWO_GPU="|--budget 32768 --micro-batches 2"                    2-GPU variants, likewise
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 B=bench/learner_step.py
-python3 -c "import torch, transformers, inspect; from torch.nn.attention.varlen import varlen_attn; print(torch.__version__, transformers.__version__, torch.cuda.device_count(), inspect.signature(varlen_attn))" 2>&1 | tee "$OUT/env.txt"
-CUDA_VISIBLE_DEVICES=0 timeout 120 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_learner_gpu.py 2>&1 | tail -25 > "$OUT/gpu_tests.txt"; cat "$OUT/gpu_tests.txt"
-run() { echo "# $*" >> "$OUT/bench.log"; timeout "$@" 2>>"$OUT/bench.err" | tee -a "$OUT/figures.jsonl"; }
-run 90 env CUDA_VISIBLE_DEVICES=0 python3 $B --mode baseline
+STREAMRL="--mode streamrl --compile --pad"
+on() { local gpu=$1 limit=$2; shift 2; echo "# gpu$gpu $*" >> "$OUT/bench.log"
+       CUDA_VISIBLE_DEVICES=$gpu timeout "$limit" python3 "$@" 2>>"$OUT/bench_gpu$gpu.err" >> "$OUT/figures.jsonl"; }
+python3 -c "import torch, transformers; print(torch.__version__, transformers.__version__, torch.cuda.device_count())" | tee "$OUT/env.txt"
+CUDA_VISIBLE_DEVICES=0 timeout 150 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_learner_gpu.py > "$OUT/gpu_tests.txt" 2>&1 &
+on 1 90 $B --mode baseline
+wait; tail -3 "$OUT/gpu_tests.txt"
 BASE=$(python3 -c "import json;print([json.loads(l) for l in open('$OUT/figures.jsonl') if 'baseline' in l][-1]['tokens_per_s'])" 2>/dev/null || echo 0)
-[ -n "${ALL_VARIANTS:-}" ] && run 160 env CUDA_VISIBLE_DEVICES=0 python3 $B --mode streamrl --compile --baseline-tps "$BASE"
-run 160 env CUDA_VISIBLE_DEVICES=0 python3 $B --mode streamrl --compile --pad --baseline-tps "$BASE" --profile "$OUT/profile_1gpu_compile_pad.txt"
-run 200 python3 -m torch.distributed.run --standalone --nproc_per_node=2 $B --mode streamrl --compile --pad --baseline-tps "$BASE"
-tail -c 4000 "$OUT/bench.err" > "$OUT/bench_err_tail.txt"
+IFS='|' read -ra ONE <<< "${VARIANTS-|--unit-params 1}"
+for ((i = 0; i < ${#ONE[@]}; i += 2)); do
+  prof=(); [ "$i" = 0 ] && prof=(--profile "$OUT/profile_1gpu.txt")
+  on 0 170 $B $STREAMRL --baseline-tps "$BASE" ${ONE[i]} "${prof[@]}" &
+  [ $((i + 1)) -lt ${#ONE[@]} ] && on 1 170 $B $STREAMRL --baseline-tps "$BASE" ${ONE[i+1]} &
+  wait
+done
+IFS='|' read -ra TWO <<< "${TWO_GPU-}"
+[ ${#TWO[@]} = 0 ] && TWO=("")
+for v in "${TWO[@]}"; do
+  echo "# torchrun 2 gpus $v" >> "$OUT/bench.log"
+  timeout 200 python3 -m torch.distributed.run --standalone --nproc_per_node=2 $B $STREAMRL --baseline-tps "$BASE" $v \
+    2>>"$OUT/bench_2gpu.err" >> "$OUT/figures.jsonl"
+done
+for f in "$OUT"/*.err; do tail -c 3000 "$f" > "$f.tail"; rm "$f"; done
+python3 - "$OUT/figures.jsonl" <<'PY'
+import json, sys
+for line in open(sys.argv[1]):
+    try: f = json.loads(line)
+    except ValueError: continue
+    print(f"{f['figure']:<52} {f['tokens_per_s']:>7} tok/s MFU {f['mfu']:.3f} vs_base {f.get('vs_baseline', '-')} "
+          f"{f.get('seconds_per_step')} s/step budget {f.get('budget', '-')} peak {f.get('peak_gib')} GiB "
+          f"busy {f.get('gpu_busy_fraction', '-')}")
+    if "gpu_ms_by_kind" in f: print("   ", f["gpu_ms_by_kind"])
+PY
