@@ -7,8 +7,8 @@
 
 --head-logits-gib 0 recomputes the LM-head logits in backward (the pre-kept-logits path), for a
 before/after in one session. --profile writes the top kernels of one step and prints where the
-step's GPU time went (matmul, attention, fused, elementwise, optimizer, comms) and how much of
-the step the GPU was busy. --unit-params 1 shards a FSDP unit per decoder layer (how large models
+step's GPU time went (matmul, attention, fused, elementwise, optimizer, comms), how much of
+the step the GPU was busy, and its longest idle stretches with the host ops that ran meanwhile. --unit-params 1 shards a FSDP unit per decoder layer (how large models
 shard); --compile-model compiles the decoder as one region instead of layer by layer.
 Measured figures and the commands behind them: bench/RESULTS.md.
 
@@ -169,6 +169,23 @@ def kernel_kind(name: str) -> str:
     return next((kind for kind, pattern in KERNEL_KINDS if pattern.search(name)), "elementwise/other")
 
 
+def idle_gaps(kernels: list[tuple[str, float, float]], host: list[tuple[str, float, float]], top: int = 6,
+              min_us: float = 300.0) -> list[dict]:
+    """The longest stretches (us clock) with no kernel running, longest first, each with the most specific
+    host ops that covered at least half of it: what the GPU was waiting for."""
+    gaps, reach = [], None
+    for _, begin, end in sorted(kernels, key=lambda k: k[1]):
+        if reach is not None and begin - reach >= min_us:
+            gaps.append((reach, begin))
+        reach = end if reach is None else max(reach, end)
+    out = []
+    for a, b in sorted(gaps, key=lambda g: g[0] - g[1])[:top]:
+        covering = [(end - begin, name) for name, begin, end in host if min(b, end) - max(a, begin) >= (b - a) / 2]
+        names = list(dict.fromkeys(name for _, name in sorted(covering)))[:3]
+        out.append({"ms": round((b - a) / 1e3, 2), "host": names})
+    return out
+
+
 def profile(step, path: str | None) -> dict:
     """One step under the profiler: GPU time per kernel kind, how busy the GPU was; top kernels to `path`."""
     from torch.profiler import ProfilerActivity, profile as torch_profile
@@ -181,6 +198,8 @@ def profile(step, path: str | None) -> dict:
     wall_ms = (time.perf_counter() - start) * 1e3
     kernels = [(e.name, e.time_range.start, e.time_range.end) for e in prof.events()
                if e.device_type == torch.autograd.DeviceType.CUDA]
+    host = [(e.name, e.time_range.start, e.time_range.end) for e in prof.events()
+            if e.device_type == torch.autograd.DeviceType.CPU]
     by_kind: dict[str, float] = {}
     for name, begin, end in kernels:
         by_kind[kernel_kind(name)] = by_kind.get(kernel_kind(name), 0.0) + (end - begin) / 1e3
@@ -195,7 +214,8 @@ def profile(step, path: str | None) -> dict:
                                                          max_name_column_width=90))
     return {"profiled_step_ms": round(wall_ms, 1), "gpu_busy_ms": round(busy_ms, 1),
             "gpu_busy_fraction": round(busy_ms / wall_ms, 3),
-            "gpu_ms_by_kind": {k: round(v, 1) for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])}}
+            "gpu_ms_by_kind": {k: round(v, 1) for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])},
+            "gpu_idle_gaps": idle_gaps(kernels, host)}
 
 
 def main():

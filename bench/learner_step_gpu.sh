@@ -40,4 +40,5 @@ for line in open(sys.argv[1]):
           f"{f.get('seconds_per_step')} s/step budget {f.get('budget', '-')} peak {f.get('peak_gib')} GiB "
           f"busy {f.get('gpu_busy_fraction', '-')}")
     if "gpu_ms_by_kind" in f: print("   ", f["gpu_ms_by_kind"])
+    for gap in f.get("gpu_idle_gaps", []): print("    idle", gap["ms"], "ms during", ", ".join(gap["host"]))
 PY

@@ -21,3 +21,14 @@ def test_learner_step_bench_smoke(tmp_path, extra, suffix):
     assert figure["figure"] == "learner_step_streamrl" + suffix
     assert figure["tokens_per_s"] > 0 and figure["skipped"] == 0.0 and figure["tokens_per_step"] > 512
     assert figure["profiled_step_ms"] > 0 and "aten::" in profile.read_text()
+
+
+def test_idle_gaps_name_what_the_host_did_while_the_gpu_waited():
+    from streamrl.bench.learner_step import idle_gaps
+
+    kernels = [("k1", 0, 100), ("k2", 50, 1000), ("k3", 3000, 3100), ("k4", 3500, 4000), ("k5", 4100, 4200)]
+    host = [("step", 0, 5000), ("Optimizer.step", 900, 3050), ("cat", 1200, 1300), ("to", 3050, 3600)]
+    gaps = idle_gaps(kernels, host, min_us=300)
+    # 1000..3000 (2 ms) under the optimizer (the whole step covers it too, less specifically);
+    # 3100..3500 (0.4 ms) under `to`; the 100 us gap at 4000 is under the threshold
+    assert gaps == [{"ms": 2.0, "host": ["Optimizer.step", "step"]}, {"ms": 0.4, "host": ["to", "step"]}]
