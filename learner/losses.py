@@ -146,14 +146,14 @@ def _stats(mask: Tensor, keep: Tensor, was_clipped: Tensor, weight: Tensor, neg_
     m = mask.to(torch.float32)
     kept = mask & keep
     at_version = mask if same_version is None else mask & same_version.to(torch.bool)
-    inf = torch.tensor(float("inf"), device=weight.device)
     return {
         "tokens": m.sum(),
         "clipped_sum": (was_clipped & kept).sum().to(torch.float32),
         "ppo_kl_sum": (neg_log_ratio * m).sum(),
         "is_weight_sum": (weight * kept).sum(),
-        "is_weight_max": torch.where(kept, weight, -inf).max(),  # no `if kept.any()`: a host sync per batch
-        "is_weight_min": torch.where(kept, weight, inf).min(),
+        # no `if kept.any()` and no host-made inf tensor: each is a host sync per micro-batch on CUDA
+        "is_weight_max": torch.where(kept, weight, -math.inf).max(),
+        "is_weight_min": torch.where(kept, weight, math.inf).min(),
         "is_masked_sum": (mask & ~keep).sum().to(torch.float32),
         "mismatch_kl_sum": (mismatch * at_version).sum(),
         "behavior_kl_sum": (mismatch * m).sum(),
