@@ -8,7 +8,8 @@
 --head-logits-gib 0 recomputes the LM-head logits in backward (the pre-kept-logits path), for a
 before/after in one session. --profile writes the top kernels of one step and prints where the
 step's GPU time went (matmul, attention, fused, elementwise, optimizer, comms), how much of
-the step the GPU was busy, and its longest idle stretches with the host ops that ran meanwhile. --unit-params 1 shards a FSDP unit per decoder layer (how large models
+the step the GPU was busy, its longest idle stretches with the host ops that ran meanwhile, and
+the source lines where the step made the host wait for the GPU. --unit-params 1 shards a FSDP unit per decoder layer (how large models
 shard); --compile-model compiles the decoder as one region instead of layer by layer.
 Measured figures and the commands behind them: bench/RESULTS.md.
 
@@ -186,6 +187,24 @@ def idle_gaps(kernels: list[tuple[str, float, float]], host: list[tuple[str, flo
     return out
 
 
+def host_syncs(step) -> list[str]:
+    """Where one step makes the host wait for the GPU (torch's sync debug mode): file:line, deduplicated.
+    The step means one, at its end (the metrics); any other costs the host its lead over the GPU."""
+    if not torch.cuda.is_available():
+        return []
+    import warnings
+
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    return sorted({f"{w.filename.rsplit('/', 2)[-1] if '/' in w.filename else w.filename}:{w.lineno}"
+                   for w in caught if "synchroniz" in str(w.message)})
+
+
 def profile(step, path: str | None) -> dict:
     """One step under the profiler: GPU time per kernel kind, how busy the GPU was; top kernels to `path`."""
     from torch.profiler import ProfilerActivity, profile as torch_profile
@@ -215,7 +234,7 @@ def profile(step, path: str | None) -> dict:
     return {"profiled_step_ms": round(wall_ms, 1), "gpu_busy_ms": round(busy_ms, 1),
             "gpu_busy_fraction": round(busy_ms / wall_ms, 3),
             "gpu_ms_by_kind": {k: round(v, 1) for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])},
-            "gpu_idle_gaps": idle_gaps(kernels, host)}
+            "gpu_idle_gaps": idle_gaps(kernels, host), "host_syncs": host_syncs(step)}
 
 
 def main():

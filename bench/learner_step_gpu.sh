@@ -41,4 +41,5 @@ for line in open(sys.argv[1]):
           f"busy {f.get('gpu_busy_fraction', '-')}")
     if "gpu_ms_by_kind" in f: print("   ", f["gpu_ms_by_kind"])
     for gap in f.get("gpu_idle_gaps", []): print("    idle", gap["ms"], "ms during", ", ".join(gap["host"]))
+    if f.get("host_syncs"): print("    host syncs at", ", ".join(f["host_syncs"]))
 PY
