@@ -160,7 +160,10 @@ class PolicyModel(nn.Module):
                  keep_logits_bytes: int = DEFAULT_KEEP_LOGITS_BYTES):
         super().__init__()
         self.lm, self.temperature = lm, temperature
-        self.chunk = chunk or head_chunk(lm.get_output_embeddings().weight.shape[0])  # 0: the widest that fits
+        head = lm.get_output_embeddings().weight
+        # 0: the widest chunk that fits 32-bit indexing on CUDA; 1024 on CPU, where the eager row math
+        # materialises several fp32 [chunk, vocab] temporaries
+        self.chunk = chunk or head_chunk(head.shape[0], MAX_CHUNK if head.is_cuda else 1024)
         self.keep_logits_bytes = keep_logits_bytes
 
     @property
