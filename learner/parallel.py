@@ -47,6 +47,10 @@ def rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
+def world_size() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
 def is_rank0() -> bool:
     return rank() == 0
 
@@ -148,19 +152,19 @@ def full_state_dict(model: nn.Module) -> dict[str, Tensor]:
 
 
 def max_over_ranks(value: int, device: torch.device) -> int:
-    if not (dist.is_initialized() and dist.get_world_size() > 1):
-        return value  # one rank: no device round trip (each is a host sync)
-    out = torch.tensor([value], dtype=torch.int64, device=device)
-    dist.all_reduce(out, op=dist.ReduceOp.MAX)
-    return int(out.item())
+    return int(_reduce_scalar(value, dist.ReduceOp.MAX, torch.int64, device))
 
 
 def sum_over_ranks(value: float, device: torch.device) -> float:
-    if not (dist.is_initialized() and dist.get_world_size() > 1):
-        return value
-    out = torch.tensor([value], dtype=torch.float64, device=device)
-    dist.all_reduce(out, op=dist.ReduceOp.SUM)
-    return float(out.item())
+    return float(_reduce_scalar(value, dist.ReduceOp.SUM, torch.float64, device))
+
+
+def _reduce_scalar(value: int | float, op, dtype: torch.dtype, device: torch.device) -> int | float:
+    if world_size() == 1:
+        return value  # one rank: no device round trip (each is a host sync)
+    out = torch.tensor([value], dtype=dtype, device=device)
+    dist.all_reduce(out, op=op)
+    return out.item()
 
 
 def reduce_metrics(metrics: dict[str, float | Tensor], device: torch.device | None = None) -> dict[str, float]:
@@ -170,7 +174,7 @@ def reduce_metrics(metrics: dict[str, float | Tensor], device: torch.device | No
     losses.summarize), so no rank's share is weighted wrongly.
     """
     keys = sorted(metrics)
-    if not (dist.is_initialized() and dist.get_world_size() > 1):
+    if world_size() == 1:
         return {k: float(metrics[k]) for k in keys}
     values = torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64, device=device or torch.device("cpu"))
     for suffix, op in (("_max", dist.ReduceOp.MAX), ("_min", dist.ReduceOp.MIN), ("", dist.ReduceOp.SUM)):
@@ -184,7 +188,7 @@ def reduce_metrics(metrics: dict[str, float | Tensor], device: torch.device | No
 
 def gather_names(names: list[str]) -> list[str]:
     """Union of a list of names from every rank (used on the rare non-finite step)."""
-    if not (dist.is_initialized() and dist.get_world_size() > 1):
+    if world_size() == 1:
         return sorted(set(names))
     everyone: list[list[str] | None] = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, names)
