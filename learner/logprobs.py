@@ -9,13 +9,11 @@ logprob is differentiated; the entropy is a metric.
 
 `PolicyModel` wraps a HF causal LM so that the module FSDP2 shards at the root is the one whose
 forward runs the head: its hooks gather the embedding/head parameters around the whole pass.
-On CUDA, packed sequences go to a variable-length flash kernel (`streamrl_varlen`), never to a
-dense [T, T] mask.
+On CUDA, packed sequences go to a variable-length attention kernel (`streamrl_varlen`, attention.py),
+never to a dense [T, T] mask.
 """
 
 from __future__ import annotations
-
-import inspect
 
 import torch
 from torch import Tensor, nn
@@ -91,9 +89,17 @@ class _ChunkedLogprobs(torch.autograd.Function):
             logits = kept[i] if kept else h @ weight.t()
             d_logits = backward(logits, targets[s:s + chunk], lse[s:s + chunk],
                                 grad_logprobs[s:s + chunk].float(), ctx.inv_temp)
-            grad_hidden[s:s + chunk] = d_logits @ weight
-            grad_weight.add_(d_logits.t() @ h)
+            torch.mm(d_logits, weight, out=grad_hidden[s:s + chunk])  # rows of grad_hidden: no copy
+            grad_weight = _accumulate(grad_weight, d_logits.t(), h)
         return grad_hidden, grad_weight.to(weight.dtype), None, None, None, None
+
+
+def _accumulate(total: Tensor, a: Tensor, b: Tensor) -> Tensor:
+    """total + a @ b with total fp32 and a, b in the model's dtype: on CUDA one matmul whose epilogue adds
+    into fp32 (no [V, H] product in bf16 written, read back and added by a second kernel)."""
+    if total.is_cuda and a.dtype != total.dtype:
+        return torch.addmm(total, a, b, out_dtype=total.dtype)
+    return total.add_(a @ b)
 
 
 DEFAULT_KEEP_LOGITS_BYTES = 16 * 2**30
@@ -119,38 +125,6 @@ def chunked_logprobs(hidden: Tensor, weight: Tensor, targets: Tensor, chunk: int
     """
     keep = hidden.shape[0] * weight.shape[0] * hidden.element_size() <= keep_logits_bytes
     return _ChunkedLogprobs.apply(hidden, weight, targets, chunk, 1.0 / temperature, keep)
-
-
-_VARLEN: dict = {}
-
-
-def _varlen_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None,
-                      **kwargs):
-    """transformers attention over packed sequences with torch's varlen flash kernel ([1, H, T, D] in)."""
-    cu, max_len = kwargs["cu_seq_lens_q"], kwargs["max_length_q"]
-    q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # [T, H, D]
-    if not _VARLEN["gqa"] and k.shape[1] != q.shape[1]:
-        k, v = (x.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for x in (k, v))
-    out = _VARLEN["fn"](q, k, v, cu, cu, max_len, max_len, scale=scaling, **_VARLEN["extra"])
-    return out[None], None  # [1, T, H, D]
-
-
-def register_varlen_attention() -> bool:
-    """Make attn_implementation="streamrl_varlen" available; False where torch has no varlen kernel."""
-    try:
-        from torch.nn.attention.varlen import varlen_attn
-        from transformers import AttentionInterface
-        from transformers.masking_utils import AttentionMaskInterface
-    except ImportError:
-        return False
-    params = inspect.signature(varlen_attn).parameters  # the signature moved between torch releases
-    extra = {"is_causal": True} if "is_causal" in params else {"window_size": (-1, 0)}
-    if "enable_gqa" in params:
-        extra["enable_gqa"] = True
-    _VARLEN.update(fn=varlen_attn, extra=extra, gqa="enable_gqa" in params)
-    AttentionInterface.register("streamrl_varlen", _varlen_attention)
-    AttentionMaskInterface.register("streamrl_varlen", lambda *args, **kwargs: None)
-    return True
 
 
 class PolicyModel(nn.Module):
