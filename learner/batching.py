@@ -33,6 +33,9 @@ class MicroBatch:
     cu_seqlens: Tensor  # [S + 1] int32, cumulative sequence lengths (varlen attention)
     max_seqlen: int
     sample_ids: list[str] = field(default_factory=list)  # [S]
+    # counted on the host when packed, so the step's normaliser needs no tensor op (None: count the mask)
+    loss_tokens: int | None = None
+    loss_sequences: int | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -108,7 +111,9 @@ def collate(trajectories: list[Trajectory], advantages: list[float], pad_to: int
     cu = torch.zeros(len(parts) + 1, dtype=torch.int32)
     cu[1:] = torch.cumsum(torch.tensor(lengths), 0)
     return MicroBatch(seq_ids=seq_ids, cu_seqlens=cu, max_seqlen=max(lengths),
-                      sample_ids=[t.sample_id for t in trajectories], **cat)
+                      sample_ids=[t.sample_id for t in trajectories],
+                      loss_tokens=sum(len(t.completion_ids) for t in trajectories),
+                      loss_sequences=sum(1 for t in trajectories if t.completion_ids), **cat)
 
 
 def pack(trajectories: list[Trajectory], advantages: list[float], token_budget: int,

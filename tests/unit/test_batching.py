@@ -31,6 +31,16 @@ def test_pack_aligns_completion_tokens_with_their_logprobs():
     assert mb.seq_ids.tolist() == [0, 0, 0, 0, 1, 1, 1]
     assert mb.cu_seqlens.tolist() == [0, 4, 7] and mb.max_seqlen == 4
     assert mb.sample_ids == ["a", "b"] and mb.num_loss_tokens == 5
+    assert mb.loss_tokens == 5 and mb.loss_sequences == 2  # counted from the lists, agreeing with the mask
+
+
+def test_host_counts_agree_with_the_mask_when_padded():
+    from streamrl.engine.config import LossConfig
+    from streamrl.learner.losses import local_normalizer
+
+    (mb,) = pack([A, B], [1.0, 1.0], token_budget=12, pad_to_budget=True)
+    for aggregation, counted in (("token", mb.loss_tokens), ("sequence", mb.loss_sequences)):
+        assert counted == float(local_normalizer(mb.loss_mask, mb.seq_ids, LossConfig(aggregation=aggregation)))
 
 
 def test_budget_splits_into_micro_batches():
