@@ -175,8 +175,8 @@ def save(root: str | os.PathLike, lm: nn.Module, optimizer, scheduler, state: Le
 
     root = pathlib.Path(root)
     final, tmp = step_dir(root, state.step), root / f".tmp-step_{state.step}"
+    model_sd, optim_sd = get_state_dict(lm, optimizer)  # first: FSDP2's hook shows the sharded fp32 parameters
     _on_rank0_then_share(lambda: _prepare(root, tmp, estimate_bytes(lm)))
-    model_sd, optim_sd = get_state_dict(lm, optimizer)
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
     rngs = _gather(_rng_state())
     if _rank() == 0:

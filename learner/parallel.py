@@ -17,7 +17,8 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from streamrl.engine.config import LearnerConfig
-from streamrl.learner.logprobs import PolicyModel, register_varlen_attention
+from streamrl.learner import attention
+from streamrl.learner.logprobs import PolicyModel
 
 DEFAULT_TIMEOUT_S = 300.0
 
@@ -99,7 +100,7 @@ def wrap_model(model: nn.Module, cfg: LearnerConfig, device: torch.device, *, te
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
     init_distributed()
-    if device.type == "cuda" and register_varlen_attention():
+    if device.type == "cuda" and attention.register_varlen_attention():
         model.config._attn_implementation = "streamrl_varlen"
     model = model.to(device=device, dtype=torch.float32).train()
     layers = model.model.layers
@@ -136,6 +137,20 @@ def set_grad_sync(model: nn.Module, enabled: bool) -> None:
     if isinstance(model, FSDPModule):
         model.set_requires_gradient_sync(enabled)
         model.set_reshard_after_backward(enabled, recurse=False)
+
+
+def gather_for_next_forward(model: nn.Module) -> None:
+    """Gather the root unit's parameters now, right after an optimizer step, instead of in the next forward.
+
+    Everything here is queued on CUDA streams, so the host does the gather's per-parameter work (about
+    11 ms for a 0.5B model's 290 parameters) while the GPU still runs this step, not while it idles at
+    the start of the next one. A state dict taken in between is still the sharded fp32 one: FSDP2's
+    state-dict hook reshards first.
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    if isinstance(model, FSDPModule):
+        model.unshard()
 
 
 def _hf_name(name: str) -> str:

@@ -48,7 +48,10 @@ class Trainer:
                  ref_model: nn.Module | None = None):
         self.model, self.loss_cfg, self.cfg, self.device = model, loss_cfg, cfg, device
         self.ref_model = ref_model
-        self.optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=cfg.betas,
+        # the sharded parameters, which hold the gradients: between a step and the next forward the module
+        # shows its gathered copies instead (gather_for_next_forward)
+        self.named_params = list(model.named_parameters())
+        self.optimizer = torch.optim.AdamW([p for _, p in self.named_params], lr=cfg.lr, betas=cfg.betas,
                                            weight_decay=cfg.weight_decay, fused=True)
         warmup = max(cfg.warmup_steps, 0)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -60,12 +63,18 @@ class Trainer:
     def global_normalizer(self, micro_batches: list[MicroBatch], global_token_count: float | None) -> float:
         """Loss tokens (or sequences) of the whole step over all ranks: one all-reduce.
 
-        Counted where the micro-batches are (on the host before they move), so one rank never
-        waits on its device for it."""
+        From the counts taken when the micro-batches were packed: no device round trip, and no CPU tensor
+        op either (a CPU sum of the loss mask stalled the host for about 10 ms per step on an H200 host,
+        with the GPU idle; bench/RESULTS.md)."""
         if global_token_count is not None and self.loss_cfg.aggregation == "token":
             return float(global_token_count)
-        local = sum(float(local_normalizer(mb.loss_mask, mb.seq_ids, self.loss_cfg)) for mb in micro_batches)
-        return parallel.sum_over_ranks(local, self.device)
+        return parallel.sum_over_ranks(sum(self._local_normalizer(mb) for mb in micro_batches), self.device)
+
+    def _local_normalizer(self, mb: MicroBatch) -> float:
+        counted = mb.loss_tokens if self.loss_cfg.aggregation == "token" else mb.loss_sequences
+        if counted is not None:
+            return float(counted)
+        return float(local_normalizer(mb.loss_mask, mb.seq_ids, self.loss_cfg))
 
     def _forward_backward(self, mb: MicroBatch, normalizer: float) -> dict[str, Tensor]:
         logprobs, entropy = compute_logprobs(self.model, mb)
@@ -96,6 +105,7 @@ class Trainer:
         grad_norm = self._clip()
         self.optimizer.found_inf = (~torch.isfinite(grad_norm)).float()  # the fused kernel skips on it
         self.optimizer.step()
+        parallel.gather_for_next_forward(self.model)
         sums["grad_norm"] = grad_norm
         values = _to_host(sums)  # the step's host sync: everything above is queued by now
         norm = values.pop("grad_norm")
@@ -121,7 +131,7 @@ class Trainer:
         A non-finite norm leaves the gradients as they are, so the parameters that carry the bad
         values can still be named.
         """
-        params = [p for p in self.model.parameters() if p.grad is not None]
+        params = [p for _, p in self.named_params if p.grad is not None]
         norm = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
         if hasattr(norm, "full_tensor"):
             norm = norm.full_tensor()
@@ -131,7 +141,7 @@ class Trainer:
         return norm
 
     def _nonfinite_names(self) -> list[str]:
-        local = [name for name, p in self.model.named_parameters()
+        local = [name for name, p in self.named_params
                  if p.grad is not None and not bool(torch.isfinite(_local(p.grad)).all())]
         return parallel.gather_names([parallel._hf_name(n.removeprefix("lm.")) for n in local]) or ["?"]
 

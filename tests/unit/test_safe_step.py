@@ -98,3 +98,21 @@ def test_layer_units_group_consecutive_layers_by_parameter_count():
     assert layer_units([10] * 7, 20) == [[0, 1], [2, 3], [4, 5, 6]]  # the remainder joins the last unit
     assert layer_units([10] * 6, 1) == [[i] for i in range(6)]
     assert layer_units([10] * 6, 60) == [] and layer_units([10] * 6, 10**9) == []  # one unit: the root holds all
+
+
+def test_the_forward_after_a_step_sees_the_updated_weights(trainer, tiny_model):
+    """The step gathers the next forward's parameters right after the optimizer (gather_for_next_forward);
+    that forward must use the new weights: the same logprobs as a plain copy of the model built from the
+    trained state dict."""
+    from transformers import AutoModelForCausalLM
+
+    from streamrl.learner.logprobs import PolicyModel
+
+    assert trainer.step(batch([1.0, -1.0, 1.0, -1.0]))["skipped"] == 0.0
+    mb = batch([1.0, -1.0, 1.0, -1.0])[0]
+    with torch.no_grad():
+        after_step, _ = compute_logprobs(trainer.model, mb)  # before anything reshards the gathered copy
+        plain = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32, attn_implementation="sdpa")
+        plain.load_state_dict(weights(trainer.model))
+        reference, _ = compute_logprobs(PolicyModel(plain), mb)
+    assert (after_step - reference).abs().max().item() < 1e-5
