@@ -9,8 +9,10 @@
 before/after in one session. --profile writes the top kernels of one step and prints where the
 step's GPU time went (matmul, attention, fused, elementwise, optimizer, comms), how much of
 the step the GPU was busy, its longest idle stretches with the host ops that ran meanwhile, and
-the source lines where the step made the host wait for the GPU. --unit-params 1 shards a FSDP unit per decoder layer (how large models
-shard); --compile-model compiles the decoder as one region instead of layer by layer.
+the source lines where the step made the host wait for the GPU. --no-gather-ahead gathers the
+parameters in the next forward instead of right after the optimizer step. --unit-params 1 shards a
+FSDP unit per decoder layer (how large models shard); --compile-model compiles the decoder as one
+region instead of layer by layer.
 Measured figures and the commands behind them: bench/RESULTS.md.
 
 MFU = 6 * params * tokens/s / peak (989 TFLOP/s dense bf16). The streamrl figures carry
@@ -116,6 +118,8 @@ def streamrl(args):
     from streamrl.learner.batching import pack
     from streamrl.learner.train_step import Trainer
 
+    if args.no_gather_ahead:  # the before of gather_for_next_forward: the next forward gathers
+        parallel.gather_for_next_forward = lambda model: None
     device = parallel.init_distributed()
     world, rank = dist.get_world_size(), dist.get_rank()
     model, params = make_model(device, torch.float32, shape=args.shape)
@@ -142,7 +146,8 @@ def streamrl(args):
     name = (f"learner_step_streamrl_{world}{device.type}" + ("_compile" if args.compile else "")
             + ("_pad" if args.pad else "") + ("_ac" if args.ac else "") + ("_recompute" if not args.head_logits_gib else "")
             + ("_model" if args.compile_model else "") + (f"_{units}units" if units > 1 else "")
-            + (f"_{args.shape}" if args.shape != "0.5b" else ""))
+            + (f"_{args.shape}" if args.shape != "0.5b" else "")
+            + ("_nogatherahead" if args.no_gather_ahead else ""))
     fields = dict(figure=name, tokens_per_s=round(tps), mfu=round(6 * params * tps / (PEAK_FLOPS * world), 4),
                   params=params, gpus=world, tokens_per_step=tokens, micro_batches_per_rank=len(mbs),
                   budget=args.budget, chunk=policy.chunk, seconds_per_step=round(seconds, 4),
@@ -158,7 +163,7 @@ def streamrl(args):
     parallel.shutdown()
 
 
-KERNEL_KINDS = [("attention", re.compile(r"flash|fmha|attn|varlen", re.I)),
+KERNEL_KINDS = [("attention", re.compile(r"flash|fmha|attn|varlen|sdpa|cudnn", re.I)),
                 ("matmul", re.compile(r"gemm|nvjet|cutlass|xmma|cublas|wgmma|sm90_", re.I)),
                 ("comms", re.compile(r"nccl", re.I)),
                 ("optimizer", re.compile(r"adam", re.I)),
@@ -205,26 +210,43 @@ def host_syncs(step) -> list[str]:
                    for w in caught if "synchroniz" in str(w.message)})
 
 
-def profile(step, path: str | None) -> dict:
-    """One step under the profiler: GPU time per kernel kind, how busy the GPU was; top kernels to `path`."""
+def gap_totals(kernels: list[tuple[str, float, float]]) -> dict[str, float]:
+    """Milliseconds the GPU sat idle between kernels, by gap length: launch gaps (< 20 us), short stalls,
+    and gaps of 300 us or more (the host behind, or a sync)."""
+    totals = {"under_20us": 0.0, "20us_to_300us": 0.0, "over_300us": 0.0}
+    reach = None
+    for _, begin, end in sorted(kernels, key=lambda k: k[1]):
+        if reach is not None and begin > reach:
+            gap = begin - reach
+            key = "under_20us" if gap < 20 else "20us_to_300us" if gap < 300 else "over_300us"
+            totals[key] += gap / 1e3
+        reach = end if reach is None else max(reach, end)
+    return {k: round(v, 2) for k, v in totals.items()}
+
+
+def profile(step, path: str | None, steps: int = 2) -> dict:
+    """`steps` steps under the profiler, figures per step: GPU time per kernel kind, kernels launched, idle
+    time between kernels by gap length, the longest gaps (one is the step boundary) with what the host did
+    meanwhile, and the host syncs of one more step. Top kernels to `path`."""
     from torch.profiler import ProfilerActivity, profile as torch_profile
 
     sync()
     start = time.perf_counter()
     with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        step()
+        for _ in range(steps):
+            step()
         sync()
-    wall_ms = (time.perf_counter() - start) * 1e3
+    wall_ms = (time.perf_counter() - start) * 1e3 / steps
     kernels = [(e.name, e.time_range.start, e.time_range.end) for e in prof.events()
                if e.device_type == torch.autograd.DeviceType.CUDA]
     host = [(e.name, e.time_range.start, e.time_range.end) for e in prof.events()
             if e.device_type == torch.autograd.DeviceType.CPU]
     by_kind: dict[str, float] = {}
     for name, begin, end in kernels:
-        by_kind[kernel_kind(name)] = by_kind.get(kernel_kind(name), 0.0) + (end - begin) / 1e3
+        by_kind[kernel_kind(name)] = by_kind.get(kernel_kind(name), 0.0) + (end - begin) / 1e3 / steps
     busy_ms, reach = 0.0, float("-inf")  # union of kernel intervals (comms overlap compute)
     for _, begin, end in sorted(kernels, key=lambda k: k[1]):
-        busy_ms += max(0.0, end - max(begin, reach)) / 1e3
+        busy_ms += max(0.0, end - max(begin, reach)) / 1e3 / steps
         reach = max(reach, end)
     if path:
         with open(path, "w") as f:
@@ -232,8 +254,9 @@ def profile(step, path: str | None) -> dict:
             f.write("\n\n" + prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=40,
                                                          max_name_column_width=90))
     return {"profiled_step_ms": round(wall_ms, 1), "gpu_busy_ms": round(busy_ms, 1),
-            "gpu_busy_fraction": round(busy_ms / wall_ms, 3),
+            "gpu_busy_fraction": round(busy_ms / wall_ms, 3), "kernels_per_step": len(kernels) // steps,
             "gpu_ms_by_kind": {k: round(v, 1) for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])},
+            "gpu_idle_ms_by_gap": {k: round(v / steps, 2) for k, v in gap_totals(kernels).items()},
             "gpu_idle_gaps": idle_gaps(kernels, host), "host_syncs": host_syncs(step)}
 
 
@@ -242,7 +265,10 @@ def main():
     ap.add_argument("--mode", choices=["baseline", "streamrl"], default="streamrl")
     ap.add_argument("--compile", action="store_true")
     ap.add_argument("--ac", action="store_true", help="activation checkpointing")
-    ap.add_argument("--pad", action="store_true", help="pad micro-batches to the budget (static shapes)")
+    ap.add_argument("--pad", action=argparse.BooleanOptionalAction, default=False,
+                    help="pad micro-batches to the budget (static shapes)")
+    ap.add_argument("--no-gather-ahead", action="store_true",
+                    help="gather the parameters in the next forward, not right after the optimizer step")
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--seq", type=int, default=1024)
     ap.add_argument("--budget", type=int, default=16384, help="tokens per packed micro-batch")

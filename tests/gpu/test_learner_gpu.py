@@ -19,19 +19,26 @@ def test_chunked_head_in_bf16_matches_fp32_reference():
     from streamrl.learner.logprobs import chunked_logprobs
 
     torch.manual_seed(0)
-    hidden = torch.randn(3000, 256, device="cuda")
-    weight = torch.randn(20000, 256, device="cuda") * 0.05
+    hidden = torch.randn(3000, 256, device="cuda", requires_grad=True)
+    weight = (torch.randn(20000, 256, device="cuda") * 0.05).requires_grad_(True)
     targets = torch.randint(0, 20000, (3000,), device="cuda")
     ref = torch.log_softmax(hidden @ weight.t(), -1).gather(1, targets[:, None]).squeeze(1)
-    lp, entropy = chunked_logprobs(hidden.bfloat16(), weight.bfloat16(), targets, chunk=1024)
+    h16, w16 = (x.detach().bfloat16().requires_grad_(True) for x in (hidden, weight))
+    lp, entropy = chunked_logprobs(h16, w16, targets, chunk=1024)
     assert lp.dtype == torch.float32 and entropy.shape == (3000,)
     assert (lp - ref).abs().max().item() < 0.1  # bf16 inputs: ~3 significant digits per logit
+    # backward: the head weight's gradient is accumulated over the three chunks in fp32 (addmm into fp32)
+    ref.sum().backward()
+    lp.sum().backward()
+    for got, want in ((h16.grad, hidden.grad), (w16.grad, weight.grad)):
+        assert (got.float() - want).abs().max().item() < 0.02 * want.abs().max().item()
 
 
 def test_varlen_packed_forward_matches_each_sequence_alone(tiny_model):
     from transformers import AutoModelForCausalLM
 
-    from streamrl.learner.logprobs import PolicyModel, register_varlen_attention
+    from streamrl.learner.attention import register_varlen_attention
+    from streamrl.learner.logprobs import PolicyModel
 
     assert register_varlen_attention(), "this torch has no torch.nn.attention.varlen"
     lm = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.bfloat16, attn_implementation="sdpa").cuda()
@@ -44,6 +51,29 @@ def test_varlen_packed_forward_matches_each_sequence_alone(tiny_model):
         lm.config._attn_implementation = "streamrl_varlen"
         lp_packed, _ = policy(*_args(packed))
     assert (lp_packed - alone).abs().max().item() < 0.05
+
+
+def test_a_varlen_forward_never_waits_for_the_gpu(tiny_model):
+    """No host sync in the packed forward (transformers' packed-sequence scan read its answer on the host
+    while a mask function was registered for the varlen attention)."""
+    from transformers import AutoModelForCausalLM
+
+    from streamrl.learner.attention import register_varlen_attention
+    from streamrl.learner.logprobs import PolicyModel
+
+    assert register_varlen_attention()
+    lm = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.bfloat16, attn_implementation="sdpa").cuda()
+    lm.config._attn_implementation = "streamrl_varlen"
+    (packed,) = pack([traj(0, [5, 6, 7], list(range(10, 40))), traj(1, [20, 21], list(range(50, 70)))], [0.0, 0.0], 256)
+    args = _args(packed.to("cuda"))
+    PolicyModel(lm)(*args)  # warm: lazy initialisation may sync once
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        lp, _ = PolicyModel(lm)(*args)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert lp.shape == (packed.num_tokens,)
 
 
 def _args(mb):

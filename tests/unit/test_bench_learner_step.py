@@ -32,3 +32,11 @@ def test_idle_gaps_name_what_the_host_did_while_the_gpu_waited():
     # 1000..3000 (2 ms) under the optimizer (the whole step covers it too, less specifically);
     # 3100..3500 (0.4 ms) under `to`; the 100 us gap at 4000 is under the threshold
     assert gaps == [{"ms": 2.0, "host": ["Optimizer.step", "step"]}, {"ms": 0.4, "host": ["to", "step"]}]
+
+
+def test_gap_totals_sort_idle_time_by_gap_length():
+    from streamrl.bench.learner_step import gap_totals
+
+    # gaps: 10 us (launch), 100 us (stall), 500 us (host behind); overlapping kernels leave no gap
+    kernels = [("a", 0, 100), ("b", 110, 200), ("c", 150, 250), ("d", 350, 400), ("e", 900, 1000)]
+    assert gap_totals(kernels) == {"under_20us": 0.01, "20us_to_300us": 0.1, "over_300us": 0.5}
