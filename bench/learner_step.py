@@ -10,7 +10,8 @@ before/after in one session. --profile writes the top kernels of one step and pr
 step's GPU time went (matmul, attention, fused, elementwise, optimizer, comms), how much of
 the step the GPU was busy, its longest idle stretches with the host ops that ran meanwhile, and
 the source lines where the step made the host wait for the GPU. --no-gather-ahead gathers the
-parameters in the next forward instead of right after the optimizer step. --unit-params 1 shards a
+parameters in the next forward instead of right after the optimizer step; --compiled-head runs the
+LM head's row math compiled by torch.compile instead of the Triton kernels. --unit-params 1 shards a
 FSDP unit per decoder layer (how large models shard); --compile-model compiles the decoder as one
 region instead of layer by layer.
 Measured figures and the commands behind them: bench/RESULTS.md.
@@ -120,6 +121,10 @@ def streamrl(args):
 
     if args.no_gather_ahead:  # the before of gather_for_next_forward: the next forward gathers
         parallel.gather_for_next_forward = lambda model: None
+    if args.compiled_head:  # the before of the Triton head kernels
+        from streamrl.learner import logprobs
+
+        logprobs.TRITON_HEAD = False
     device = parallel.init_distributed()
     world, rank = dist.get_world_size(), dist.get_rank()
     model, params = make_model(device, torch.float32, shape=args.shape)
@@ -147,7 +152,7 @@ def streamrl(args):
             + ("_pad" if args.pad else "") + ("_ac" if args.ac else "") + ("_recompute" if not args.head_logits_gib else "")
             + ("_model" if args.compile_model else "") + (f"_{units}units" if units > 1 else "")
             + (f"_{args.shape}" if args.shape != "0.5b" else "")
-            + ("_nogatherahead" if args.no_gather_ahead else ""))
+            + ("_nogatherahead" if args.no_gather_ahead else "") + ("_compiledhead" if args.compiled_head else ""))
     fields = dict(figure=name, tokens_per_s=round(tps), mfu=round(6 * params * tps / (PEAK_FLOPS * world), 4),
                   params=params, gpus=world, tokens_per_step=tokens, micro_batches_per_rank=len(mbs),
                   budget=args.budget, chunk=policy.chunk, seconds_per_step=round(seconds, 4),
@@ -267,6 +272,8 @@ def main():
     ap.add_argument("--ac", action="store_true", help="activation checkpointing")
     ap.add_argument("--pad", action=argparse.BooleanOptionalAction, default=False,
                     help="pad micro-batches to the budget (static shapes)")
+    ap.add_argument("--compiled-head", action="store_true",
+                    help="the LM head's row math by torch.compile instead of the Triton kernels")
     ap.add_argument("--no-gather-ahead", action="store_true",
                     help="gather the parameters in the next forward, not right after the optimizer step")
     ap.add_argument("--batch", type=int, default=16)

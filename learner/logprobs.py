@@ -1,9 +1,9 @@
 """Per-token logprobs of the taken tokens and the policy entropy, without the [T, vocab] logits.
 
 `chunked_logprobs` runs the LM head over chunks of positions and never writes an fp32 copy of
-the logits: the log-sum-exp is taken in fp32 inside one fused kernel on CUDA. Backward needs the
-logits again; it keeps them from forward in the model's dtype (T x vocab values, bf16 on GPU)
-when they fit `keep_logits_bytes`, which saves one head matmul per position (about a tenth of a
+the logits: the log-sum-exp is taken in fp32 inside one kernel on CUDA (head_kernels.py). Backward
+needs the logits again; it keeps them from forward in the model's dtype (T x vocab values, bf16 on
+GPU) when they fit `keep_logits_bytes`, which saves one head matmul per position (about a tenth of a
 0.5B model's FLOPs); past that it recomputes each chunk, so memory stays chunk x vocab. Only the
 logprob is differentiated; the entropy is a metric.
 
@@ -47,12 +47,22 @@ def _head_backward(logits: Tensor, targets: Tensor, lse: Tensor, grad: Tensor, i
 
 
 _COMPILED: dict = {}
+TRITON_HEAD = True  # False: the torch.compile'd row math on CUDA (the bench's before)
 
 
 def _kernels(device: torch.device):
-    """The row math, fused by torch.compile on CUDA (one kernel per chunk each way); eager elsewhere."""
+    """The row math on CUDA: head_kernels' Triton kernels (one read of each row forward), else the
+    functions above fused by torch.compile (one kernel per chunk each way, two reads forward); eager
+    elsewhere."""
     if device.type != "cuda":
         return _head_forward, _head_backward
+    if TRITON_HEAD:
+        try:
+            from streamrl.learner.head_kernels import head_backward, head_forward
+        except ImportError:  # no triton: the compiled path
+            pass
+        else:
+            return head_forward, head_backward
     if not _COMPILED:
         _COMPILED["fwd"] = torch.compile(_head_forward)
         _COMPILED["bwd"] = torch.compile(_head_backward)
