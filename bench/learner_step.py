@@ -119,8 +119,6 @@ def streamrl(args):
     from streamrl.learner.batching import pack
     from streamrl.learner.train_step import Trainer
 
-    if args.no_gather_ahead:  # the before of gather_for_next_forward: the next forward gathers
-        parallel.gather_for_next_forward = lambda model: None
     if args.compiled_head:  # the before of the Triton head kernels
         from streamrl.learner import logprobs
 
@@ -134,7 +132,7 @@ def streamrl(args):
     policy = parallel.wrap_model(model, cfg, device, chunk=args.chunk)
     if args.compile_model:
         policy.lm.model.compile()
-    trainer = Trainer(policy, LossConfig(), cfg, device)
+    trainer = Trainer(policy, LossConfig(), cfg, device, gather_ahead=not args.no_gather_ahead)
     units = sum(isinstance(m, FSDPModule) for m in policy.modules())
     trajs = trajectories(args.samples, seed=rank, vocab=model.config.vocab_size,
                          longest=min(2048, args.budget))

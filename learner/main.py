@@ -77,7 +77,9 @@ def run_learner(cfg: Config, resume: str = "") -> int:
     model_path = cfg.model.path or str(default_tiny_model())
     model = load_model(model_path, "float32", "cpu", cfg.model.trust_remote_code)
     policy = parallel.wrap_model(model, cfg.learner, device, temperature=cfg.rollout.temperature)
-    trainer = Trainer(policy, cfg.loss, cfg.learner, device)
+    # every step ends in a full state dict for the broadcast, which reshards the model: a gather ahead
+    # would be thrown away (the broadcast could read the gathered bf16 copy instead; not done yet)
+    trainer = Trainer(policy, cfg.loss, cfg.learner, device, gather_ahead=False)
     keeper = checkpoint.Keeper(cfg.checkpoint, cfg.run.path, policy.lm, trainer, model_path, cfg.run.steps)
     first = keeper.resume(resume, cfg.run.path).step + 1 if resume else 1
     side = RankZero(cfg, device, resumed=bool(resume)) if rank0 else None

@@ -45,9 +45,11 @@ class Trainer:
     """Owns the optimizer and the policy version; `step` trains on one batch of micro-batches."""
 
     def __init__(self, model: nn.Module, loss_cfg: LossConfig, cfg: LearnerConfig, device: torch.device,
-                 ref_model: nn.Module | None = None):
+                 ref_model: nn.Module | None = None, gather_ahead: bool = True):
+        """gather_ahead: gather the next forward's parameters right after each update (off when the
+        caller takes a state dict after every step: that reshards the model and wastes the gather)."""
         self.model, self.loss_cfg, self.cfg, self.device = model, loss_cfg, cfg, device
-        self.ref_model = ref_model
+        self.ref_model, self.gather_ahead = ref_model, gather_ahead
         # the sharded parameters, which hold the gradients: between a step and the next forward the module
         # shows its gathered copies instead (gather_for_next_forward)
         self.named_params = list(model.named_parameters())
@@ -105,7 +107,8 @@ class Trainer:
         grad_norm = self._clip()
         self.optimizer.found_inf = (~torch.isfinite(grad_norm)).float()  # the fused kernel skips on it
         self.optimizer.step()
-        parallel.gather_for_next_forward(self.model)
+        if self.gather_ahead:
+            parallel.gather_for_next_forward(self.model)
         sums["grad_norm"] = grad_norm
         values = _to_host(sums)  # the step's host sync: everything above is queued by now
         norm = values.pop("grad_norm")
