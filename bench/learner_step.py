@@ -178,17 +178,23 @@ def kernel_kind(name: str) -> str:
     return next((kind for kind, pattern in KERNEL_KINDS if pattern.search(name)), "elementwise/other")
 
 
+def gaps(kernels: list[tuple[str, float, float]]) -> list[tuple[float, float]]:
+    """(start, end) of every stretch (us clock) between the first and last kernel with no kernel running."""
+    out, reach = [], None
+    for _, begin, end in sorted(kernels, key=lambda k: k[1]):
+        if reach is not None and begin > reach:
+            out.append((reach, begin))
+        reach = end if reach is None else max(reach, end)
+    return out
+
+
 def idle_gaps(kernels: list[tuple[str, float, float]], host: list[tuple[str, float, float]], top: int = 6,
               min_us: float = 300.0) -> list[dict]:
     """The longest stretches (us clock) with no kernel running, longest first, each with the most specific
     host ops that covered at least half of it: what the GPU was waiting for."""
-    gaps, reach = [], None
-    for _, begin, end in sorted(kernels, key=lambda k: k[1]):
-        if reach is not None and begin - reach >= min_us:
-            gaps.append((reach, begin))
-        reach = end if reach is None else max(reach, end)
     out = []
-    for a, b in sorted(gaps, key=lambda g: g[0] - g[1])[:top]:
+    long = [(a, b) for a, b in gaps(kernels) if b - a >= min_us]
+    for a, b in sorted(long, key=lambda g: g[0] - g[1])[:top]:
         covering = [(end - begin, name) for name, begin, end in host if min(b, end) - max(a, begin) >= (b - a) / 2]
         names = list(dict.fromkeys(name for _, name in sorted(covering)))[:3]
         out.append({"ms": round((b - a) / 1e3, 2), "host": names})
@@ -217,13 +223,9 @@ def gap_totals(kernels: list[tuple[str, float, float]]) -> dict[str, float]:
     """Milliseconds the GPU sat idle between kernels, by gap length: launch gaps (< 20 us), short stalls,
     and gaps of 300 us or more (the host behind, or a sync)."""
     totals = {"under_20us": 0.0, "20us_to_300us": 0.0, "over_300us": 0.0}
-    reach = None
-    for _, begin, end in sorted(kernels, key=lambda k: k[1]):
-        if reach is not None and begin > reach:
-            gap = begin - reach
-            key = "under_20us" if gap < 20 else "20us_to_300us" if gap < 300 else "over_300us"
-            totals[key] += gap / 1e3
-        reach = end if reach is None else max(reach, end)
+    for a, b in gaps(kernels):
+        key = "under_20us" if b - a < 20 else "20us_to_300us" if b - a < 300 else "over_300us"
+        totals[key] += (b - a) / 1e3
     return {k: round(v, 2) for k, v in totals.items()}
 
 
@@ -247,10 +249,8 @@ def profile(step, path: str | None, steps: int = 2) -> dict:
     by_kind: dict[str, float] = {}
     for name, begin, end in kernels:
         by_kind[kernel_kind(name)] = by_kind.get(kernel_kind(name), 0.0) + (end - begin) / 1e3 / steps
-    busy_ms, reach = 0.0, float("-inf")  # union of kernel intervals (comms overlap compute)
-    for _, begin, end in sorted(kernels, key=lambda k: k[1]):
-        busy_ms += max(0.0, end - max(begin, reach)) / 1e3 / steps
-        reach = max(reach, end)
+    span = max(end for _, _, end in kernels) - min(begin for _, begin, _ in kernels) if kernels else 0.0
+    busy_ms = (span - sum(b - a for a, b in gaps(kernels))) / 1e3 / steps  # union: comms overlap compute
     if path:
         with open(path, "w") as f:
             f.write(prof.key_averages().table(sort_by="cuda_time_total", row_limit=60, max_name_column_width=90))

@@ -14,20 +14,31 @@ and an illegal memory access for unpadded offsets (bench/attention_kernels.py, b
 
 from __future__ import annotations
 
+import functools
 import inspect
 
 from torch import Tensor
+
+
+@functools.cache
+def _causal_kwargs() -> dict:
+    """varlen_attn's keywords for causal (and grouped-query) attention: its signature moved between torch
+    releases. Read once, not per call."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    params = inspect.signature(varlen_attn).parameters
+    extra = {"is_causal": True} if "is_causal" in params else {"window_size": (-1, 0)}
+    if "enable_gqa" in params:
+        extra["enable_gqa"] = True
+    return extra
 
 
 def flash_attention(q: Tensor, k: Tensor, v: Tensor, cu: Tensor, max_len: int, scale: float) -> Tensor:
     """Causal attention of packed q [T, Hq, D], k/v [T, Hkv, D]; [T, Hq, D] out."""
     from torch.nn.attention.varlen import varlen_attn
 
-    params = inspect.signature(varlen_attn).parameters  # the signature moved between torch releases
-    extra = {"is_causal": True} if "is_causal" in params else {"window_size": (-1, 0)}
-    if "enable_gqa" in params:
-        extra["enable_gqa"] = True
-    elif k.shape[1] != q.shape[1]:
+    extra = _causal_kwargs()
+    if "enable_gqa" not in extra and k.shape[1] != q.shape[1]:
         k, v = (x.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for x in (k, v))
     return varlen_attn(q, k, v, cu, cu, max_len, max_len, scale=scale, **extra)
 
