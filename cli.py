@@ -3,17 +3,27 @@
 from __future__ import annotations
 
 import pathlib
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
-                  help="Asynchronous off-policy RL for LLM post-training.")
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    help="Asynchronous off-policy RL for LLM post-training.",
+)
 
-ConfigOpt = Annotated[Optional[pathlib.Path], typer.Option("--config", "-c", help="TOML config file.")]
-ResumeOpt = Annotated[str, typer.Option("--resume", metavar="PATH|latest", help="Continue from a checkpoint: "
-                                        "a step folder, or latest in the run folder.")]
-SetOpt = Annotated[Optional[list[str]], typer.Option("--set", "-s", help="Override: section.field=value (repeatable).")]
+ConfigOpt = Annotated[pathlib.Path | None, typer.Option("--config", "-c", help="TOML config file.")]
+ResumeOpt = Annotated[
+    str,
+    typer.Option(
+        "--resume",
+        metavar="PATH|latest",
+        help="Continue from a checkpoint: a step folder, or latest in the run folder.",
+    ),
+]
+SetOpt = Annotated[list[str] | None, typer.Option("--set", "-s", help="Override: section.field=value (repeatable).")]
 
 
 def _load(config: pathlib.Path | None, overrides: list[str] | None):
@@ -36,8 +46,12 @@ def doctor(
     from streamrl.engine.doctor import render, run_checks
 
     cfg = _load(config, overrides)
-    results = run_checks(model_path=cfg.model.path, redis_url=redis_url or cfg.ledger.url,
-                         host=cfg.transport.host, ports=[cfg.transport.trajectory_port, cfg.transport.control_port])
+    results = run_checks(
+        model_path=cfg.model.path,
+        redis_url=redis_url or cfg.ledger.url,
+        host=cfg.transport.host,
+        ports=[cfg.transport.trajectory_port, cfg.transport.control_port],
+    )
     raise typer.Exit(render(results))
 
 
@@ -66,8 +80,19 @@ def learner(config: ConfigOpt = None, overrides: SetOpt = None, resume: ResumeOp
     if ranks > 1:  # become torchrun: Ctrl-C and SIGTERM then reach it (and so its workers) directly
         import os
 
-        os.execv(sys.executable, [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                                  f"--nproc-per-node={ranks}", "-m", "streamrl.learner.main", *args])
+        os.execv(
+            sys.executable,
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                f"--nproc-per-node={ranks}",
+                "-m",
+                "streamrl.learner.main",
+                *args,
+            ],
+        )
     raise typer.Exit(learner_main(args))
 
 
@@ -76,7 +101,7 @@ def rollout(
     config: ConfigOpt = None,
     overrides: SetOpt = None,
     learner: Annotated[str, typer.Option(help="Learner control address tcp://HOST:PORT, or its run folder.")] = "",
-    node_id: Annotated[Optional[str], typer.Option(help="Unique node name (default: host-pid).")] = None,
+    node_id: Annotated[str | None, typer.Option(help="Unique node name (default: host-pid).")] = None,
 ) -> None:
     """Run one rollout node: register with the learner, take its weights, generate until stopped."""
     from streamrl.rollout.service import main as rollout_main
@@ -87,8 +112,9 @@ def rollout(
 @app.command()
 def status(
     run: Annotated[str, typer.Option("--run", help="Run id (run.name).")] = "demo",
-    redis_url: Annotated[str, typer.Option(help="Redis URL; default: the run folder's embedded server, "
-                                                "started read-only for the look.")] = "",
+    redis_url: Annotated[
+        str, typer.Option(help="Redis URL; default: the run folder's embedded server, started read-only for the look.")
+    ] = "",
     runs_dir: Annotated[str, typer.Option(help="Folder holding run folders.")] = "runs",
     deep: Annotated[bool, typer.Option(help="Also recount every sample record.")] = False,
 ) -> None:
@@ -113,10 +139,12 @@ def run(
     overrides: SetOpt = None,
     rollout_nodes: Annotated[int, typer.Option(min=0, help="Rollout processes to start.")] = 2,
     model: Annotated[str, typer.Option(help="Local HF model folder (default: the built-in tiny model).")] = "",
-    data: Annotated[str, typer.Option(help="Prompt file (.jsonl/.parquet) or dataset folder (default: demo task).")] = "",
-    reward: Annotated[Optional[list[str]], typer.Option(help="Reward function(s) by name or module:function.")] = None,
-    steps: Annotated[Optional[int], typer.Option(min=1, help="Optimizer steps.")] = None,
-    device: Annotated[Optional[str], typer.Option(help="auto, cpu or cuda.")] = None,
+    data: Annotated[
+        str, typer.Option(help="Prompt file (.jsonl/.parquet) or dataset folder (default: demo task).")
+    ] = "",
+    reward: Annotated[list[str] | None, typer.Option(help="Reward function(s) by name or module:function.")] = None,
+    steps: Annotated[int | None, typer.Option(min=1, help="Optimizer steps.")] = None,
+    device: Annotated[str | None, typer.Option(help="auto, cpu or cuda.")] = None,
     resume: ResumeOpt = "",
 ) -> None:
     """Everything on this machine: embedded Redis, a learner and N rollout nodes, with a live view."""
@@ -129,14 +157,22 @@ def run(
     sets += [f"reward.functions={list(reward)!r}"] if reward else []
     sets += [f"run.steps={steps}"] if steps else []
     sets += [f"run.device={device!r}"] if device else []
-    raise typer.Exit(run_local(_load(config, sets), rollout_nodes, explicit_name=any(
-        s.startswith("run.name") for s in sets) or _names_run(config), resume=resume))
+    raise typer.Exit(
+        run_local(
+            _load(config, sets),
+            rollout_nodes,
+            explicit_name=any(s.startswith("run.name") for s in sets) or _names_run(config),
+            resume=resume,
+        )
+    )
 
 
 @app.command()
 def export(
-    checkpoint: Annotated[pathlib.Path, typer.Argument(help="A checkpoint (RUN/checkpoints/step_N), or a run or "
-                                                            "checkpoints folder: its newest.")],
+    checkpoint: Annotated[
+        pathlib.Path,
+        typer.Argument(help="A checkpoint (RUN/checkpoints/step_N), or a run or checkpoints folder: its newest."),
+    ],
     out: Annotated[pathlib.Path, typer.Argument(help="Folder to write the HF model to.")],
     max_shard_size: Annotated[str, typer.Option(help="Largest safetensors shard, e.g. 2GB, 500MB.")] = "2GB",
     overwrite: Annotated[bool, typer.Option(help="Replace a non-empty OUT.")] = False,
@@ -154,15 +190,20 @@ def export(
     typer.echo(f"exported to {folder}")
 
 
-BENCHMARKS = ("pipeline", "elastic_run", "rollout_throughput", "learner_step", "weight_transfer", "ledger_ops",
-              "rewards_pool", "checkpoint")
+BENCHMARKS = (
+    "pipeline",
+    "elastic_run",
+    "rollout_throughput",
+    "learner_step",
+    "weight_transfer",
+    "ledger_ops",
+    "rewards_pool",
+    "checkpoint",
+)
 
 
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
-def bench(
-    ctx: typer.Context,
-    name: Annotated[str, typer.Argument(help=f"One of: {', '.join(BENCHMARKS)}.")],
-) -> None:
+def bench(ctx: typer.Context, name: Annotated[str, typer.Argument(help=f"One of: {', '.join(BENCHMARKS)}.")]) -> None:
     """Run a benchmark; it prints one JSON line per figure (extra arguments go to the benchmark)."""
     import runpy
     import sys

@@ -24,11 +24,13 @@ from streamrl.learner.attention import flash_attention
 
 
 @torch.library.custom_op("streamrl_bench::cudnn_varlen", mutates_args=())
-def cudnn_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, max_len: int,
-                 scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+def cudnn_varlen(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, max_len: int, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """cuDNN's ragged SDPA on packed [T, H, D]: (out, logsumexp [T, Hq, 1] fp32)."""
-    res = torch.ops.aten._cudnn_attention_forward(q, k, v, None, cu, cu, max_len, max_len, True, 0.0, True, False,
-                                                  scale=scale)
+    res = torch.ops.aten._cudnn_attention_forward(
+        q, k, v, None, cu, cu, max_len, max_len, True, 0.0, True, False, scale=scale
+    )
     lse = res[1].unsqueeze(-1) if res[1].dim() == 2 else res[1]
     return res[0], lse.reshape(q.shape[0], q.shape[1], 1)
 
@@ -36,9 +38,24 @@ def cudnn_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Te
 def _cudnn_backward(ctx, grad_out, _grad_lse):
     q, k, v, out, lse, cu = ctx.saved_tensors
     philox = torch.zeros(1, dtype=torch.int64, device=q.device)  # read only with dropout
-    dq, dk, dv = torch.ops.aten._cudnn_attention_backward(grad_out.contiguous(), q, k, v, out, lse, philox, philox,
-                                                          None, cu, cu, ctx.max_len, ctx.max_len, 0.0, True,
-                                                          scale=ctx.scale)
+    dq, dk, dv = torch.ops.aten._cudnn_attention_backward(
+        grad_out.contiguous(),
+        q,
+        k,
+        v,
+        out,
+        lse,
+        philox,
+        philox,
+        None,
+        cu,
+        cu,
+        ctx.max_len,
+        ctx.max_len,
+        0.0,
+        True,
+        scale=ctx.scale,
+    )
     return dq, dk, dv, None, None, None
 
 
@@ -79,8 +96,10 @@ def packing(seed: int, tokens: int, shortest: int, longest: int) -> list[int]:
 def inputs(lengths, heads, kv_heads, dim, seed=0):
     gen = torch.Generator(device="cuda").manual_seed(seed)
     total = sum(lengths)
-    qkv = [torch.randn(total, h, dim, generator=gen, device="cuda", dtype=torch.bfloat16).requires_grad_(True)
-           for h in (heads, kv_heads, kv_heads)]
+    qkv = [
+        torch.randn(total, h, dim, generator=gen, device="cuda", dtype=torch.bfloat16).requires_grad_(True)
+        for h in (heads, kv_heads, kv_heads)
+    ]
     cu = torch.tensor([0, *lengths], device="cuda").cumsum(0).to(torch.int32)
     return qkv, cu
 
@@ -99,7 +118,7 @@ def ms(fn, steps: int) -> float:
 def run(name, lengths, args):
     kernel = KERNELS[name]
     (q, k, v), cu = inputs(lengths, args.heads, args.kv_heads, args.dim)
-    scale, longest = args.dim ** -0.5, max(lengths)
+    scale, longest = args.dim**-0.5, max(lengths)
     grad = torch.randn_like(q)
 
     def forward():
@@ -121,10 +140,21 @@ def run(name, lengths, args):
     new_shape = ms(lambda: kernel(q2, k2, v2, cu2, max(other), scale).sum().backward(), 1)
     fwd, fwd_bwd = ms(forward, args.steps), ms(both, args.steps)
     flops = 2 * args.heads * args.dim * sum(n * n for n in lengths)  # one layer
-    return dict(kernel=name, fwd_ms=round(fwd, 3), fwd_bwd_ms=round(fwd_bwd, 3),
-                fwd_tflops=round(flops / fwd / 1e9, 1), fwd_bwd_tflops=round(3.5 * flops / fwd_bwd / 1e9, 1),
-                first_call_ms=round(first, 1), new_packing_first_call_ms=round(new_shape, 1),
-                tokens=sum(lengths), sequences=len(lengths)), out.detach(), grads
+    return (
+        dict(
+            kernel=name,
+            fwd_ms=round(fwd, 3),
+            fwd_bwd_ms=round(fwd_bwd, 3),
+            fwd_tflops=round(flops / fwd / 1e9, 1),
+            fwd_bwd_tflops=round(3.5 * flops / fwd_bwd / 1e9, 1),
+            first_call_ms=round(first, 1),
+            new_packing_first_call_ms=round(new_shape, 1),
+            tokens=sum(lengths),
+            sequences=len(lengths),
+        ),
+        out.detach(),
+        grads,
+    )
 
 
 def main():

@@ -28,9 +28,18 @@ from streamrl.learner.batching import pack
 from streamrl.learner.export import export_checkpoint
 from streamrl.learner.train_step import Trainer
 
-MODELS = {"tiny": dict(vocab_size=512), "40M": dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=8,
-                                                    num_attention_heads=8, num_key_value_heads=4, head_dim=64,
-                                                    vocab_size=32000)}
+MODELS = {
+    "tiny": dict(vocab_size=512),
+    "40M": dict(
+        hidden_size=512,
+        intermediate_size=1536,
+        num_hidden_layers=8,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=64,
+        vocab_size=32000,
+    ),
+}
 
 
 def trained_trainer(name: str) -> Trainer:
@@ -41,9 +50,20 @@ def trained_trainer(name: str) -> Trainer:
     lm = AutoModelForCausalLM.from_config(tiny_config(fields.pop("vocab_size"), **fields), dtype=torch.float32)
     cfg = LearnerConfig(lr=1e-3)
     trainer = Trainer(parallel.wrap_model(lm, cfg, torch.device("cpu")), LossConfig(), cfg, torch.device("cpu"))
-    trajs = [Trajectory(sample_id=f"s{i}", group_id="g", node_id="n", seq=i, prompt_ids=[3, 4, 5],
-                        completion_ids=[6, 7], behavior_logprobs=[-6.0, -6.0], reward=0.0, policy_version=0)
-             for i in range(2)]
+    trajs = [
+        Trajectory(
+            sample_id=f"s{i}",
+            group_id="g",
+            node_id="n",
+            seq=i,
+            prompt_ids=[3, 4, 5],
+            completion_ids=[6, 7],
+            behavior_logprobs=[-6.0, -6.0],
+            reward=0.0,
+            policy_version=0,
+        )
+        for i in range(2)
+    ]
     trainer.step(pack(trajs, [1.0, -1.0], token_budget=16))
     return trainer
 
@@ -80,12 +100,22 @@ def measure(name: str, repeats: int, work: pathlib.Path) -> list[dict]:
     plain_bytes = (work / "plain-0.pt").stat().st_size
     common = {"model": name, "params": params, "repeats": repeats}
     return [
-        {**common, "figure": "save_s", "value": min(save), "baseline_torch_save_s": min(base),
-         "ratio": min(save) / min(base)},
+        {
+            **common,
+            "figure": "save_s",
+            "value": min(save),
+            "baseline_torch_save_s": min(base),
+            "ratio": min(save) / min(base),
+        },
         {**common, "figure": "resume_s", "value": min(load)},
         {**common, "figure": "export_s", "value": min(export)},
-        {**common, "figure": "checkpoint_bytes", "value": ckpt_bytes, "baseline_torch_save_bytes": plain_bytes,
-         "ratio": ckpt_bytes / plain_bytes},
+        {
+            **common,
+            "figure": "checkpoint_bytes",
+            "value": ckpt_bytes,
+            "baseline_torch_save_bytes": plain_bytes,
+            "ratio": ckpt_bytes / plain_bytes,
+        },
     ]
 
 

@@ -23,8 +23,17 @@ from streamrl.engine.models import make_tiny_model
 from streamrl.engine.redis_server import connect
 from streamrl.engine.telemetry import read_metrics
 
-SHAPES = {"tiny": {}, "0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
-                                   num_attention_heads=14, num_key_value_heads=2, head_dim=64)}
+SHAPES = {
+    "tiny": {},
+    "0.5b": dict(
+        hidden_size=896,
+        intermediate_size=4864,
+        num_hidden_layers=24,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        head_dim=64,
+    ),
+}
 PEAK_FLOPS = 989e12  # H200 dense bf16
 
 
@@ -48,11 +57,17 @@ def _wait_steps(launcher: Launcher, more: int, timeout_s: float = 600) -> list[d
 
 
 def _phase(name: str, before: list[dict], after: list[dict], nodes: int) -> dict:
-    new = after[len(before):]
+    new = after[len(before) :]
     seconds = new[-1]["time"] - (before[-1]["time"] if before else new[0]["time"])
     tokens = sum(r["completion_tokens"] for r in new)
-    return {"figure": "phase", "phase": name, "nodes": nodes, "steps": len(new), "tokens_per_s": tokens / seconds,
-            "reward_mean": sum(r["reward/mean"] for r in new) / len(new)}
+    return {
+        "figure": "phase",
+        "phase": name,
+        "nodes": nodes,
+        "steps": len(new),
+        "tokens_per_s": tokens / seconds,
+        "reward_mean": sum(r["reward/mean"] for r in new) / len(new),
+    }
 
 
 def main() -> None:
@@ -68,9 +83,22 @@ def main() -> None:
         parser.error("--nodes must be at least 2: the run must go on while one node is down")
     folder = tempfile.mkdtemp(prefix="srl-elastic-")
     model = make_tiny_model(f"{folder}/model", seed=0, **SHAPES[args.shape])
-    cfg = build({}, [f"run.dir='{folder}'", "run.name='elastic'", "run.steps=100000", f"run.device='{args.device}'",
-                     f"model.path='{model}'", f"rollout.backend='{args.backend}'", "learner.lr=1e-2",
-                     "rollout.group_size=8", "rollout.max_tokens=24", "telemetry.tensorboard=false", *args.sets])
+    cfg = build(
+        {},
+        [
+            f"run.dir='{folder}'",
+            "run.name='elastic'",
+            "run.steps=100000",
+            f"run.device='{args.device}'",
+            f"model.path='{model}'",
+            f"rollout.backend='{args.backend}'",
+            "learner.lr=1e-2",
+            "rollout.group_size=8",
+            "rollout.max_tokens=24",
+            "telemetry.tensorboard=false",
+            *args.sets,
+        ],
+    )
     launcher = Launcher(cfg)
     try:
         launcher.start(args.nodes)
@@ -104,14 +132,27 @@ def main() -> None:
         from transformers import AutoConfig, AutoModelForCausalLM
 
         with torch.device("meta"):
-            params = sum(p.numel() for p in AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model)).parameters())
-        print(json.dumps({"figure": "run", "device": args.device, "shape": args.shape, "params": params,
-                          "learner_tokens_per_s": positions / step_s,
-                          "learner_mfu": 6 * params * positions / step_s / PEAK_FLOPS,
-                          "weights_push_s": sum(r["weights_s"] for r in steady) / len(steady),
-                          "restarted_node_took_weights_first": "live on " + name in log,
-                          "trained": counts.trained, "dropped": counts.dropped_by_reason,
-                          "in_flight": counts.in_flight, "balance_errors": ledger.check(deep=True)}))
+            params = sum(
+                p.numel() for p in AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model)).parameters()
+            )
+        print(
+            json.dumps(
+                {
+                    "figure": "run",
+                    "device": args.device,
+                    "shape": args.shape,
+                    "params": params,
+                    "learner_tokens_per_s": positions / step_s,
+                    "learner_mfu": 6 * params * positions / step_s / PEAK_FLOPS,
+                    "weights_push_s": sum(r["weights_s"] for r in steady) / len(steady),
+                    "restarted_node_took_weights_first": "live on " + name in log,
+                    "trained": counts.trained,
+                    "dropped": counts.dropped_by_reason,
+                    "in_flight": counts.in_flight,
+                    "balance_errors": ledger.check(deep=True),
+                }
+            )
+        )
     finally:
         launcher.stop_all()
 

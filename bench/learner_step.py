@@ -36,15 +36,32 @@ PEAK_FLOPS = 989e12
 def qwen2_05b_config(**overrides):
     from transformers import Qwen2Config
 
-    fields = dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
-                  num_attention_heads=14, num_key_value_heads=2, head_dim=64, max_position_embeddings=32768,
-                  rope_theta=1e6, tie_word_embeddings=True, rms_norm_eps=1e-6)
+    fields = dict(
+        vocab_size=151936,
+        hidden_size=896,
+        intermediate_size=4864,
+        num_hidden_layers=24,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        head_dim=64,
+        max_position_embeddings=32768,
+        rope_theta=1e6,
+        tie_word_embeddings=True,
+        rms_norm_eps=1e-6,
+    )
     fields.update(overrides)
     return Qwen2Config(**fields)
 
 
-TINY = dict(vocab_size=4096, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, head_dim=16)
+TINY = dict(
+    vocab_size=4096,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+)
 
 
 def make_model(device, dtype, attn="sdpa", shape="0.5b"):
@@ -90,9 +107,15 @@ def baseline(args):
 
     seconds = timed(step, args.warmup, args.steps)
     tps = args.batch * args.seq / seconds
-    emit(figure="learner_step_baseline_eager_hf", tokens_per_s=round(tps), mfu=round(6 * params * tps / PEAK_FLOPS, 4),
-         params=params, tokens_per_step=args.batch * args.seq, seconds_per_step=round(seconds, 4),
-         peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 1))
+    emit(
+        figure="learner_step_baseline_eager_hf",
+        tokens_per_s=round(tps),
+        mfu=round(6 * params * tps / PEAK_FLOPS, 4),
+        params=params,
+        tokens_per_step=args.batch * args.seq,
+        seconds_per_step=round(seconds, 4),
+        peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 1),
+    )
 
 
 def trajectories(n: int, seed: int, vocab: int, longest: int):
@@ -104,9 +127,19 @@ def trajectories(n: int, seed: int, vocab: int, longest: int):
         total = rng.randint(longest // 2, longest)
         prompt = [rng.randrange(vocab) for _ in range(total // 8)]
         completion = [rng.randrange(vocab) for _ in range(total - total // 8)]
-        out.append(Trajectory(sample_id=f"s{i}", group_id=f"g{i // 8}", node_id="bench", seq=i, prompt_ids=prompt,
-                              completion_ids=completion, behavior_logprobs=[-11.9] * len(completion),
-                              reward=float(i % 2), policy_version=0))
+        out.append(
+            Trajectory(
+                sample_id=f"s{i}",
+                group_id=f"g{i // 8}",
+                node_id="bench",
+                seq=i,
+                prompt_ids=prompt,
+                completion_ids=completion,
+                behavior_logprobs=[-11.9] * len(completion),
+                reward=float(i % 2),
+                policy_version=0,
+            )
+        )
     return out
 
 
@@ -126,18 +159,23 @@ def streamrl(args):
     device = parallel.init_distributed()
     world, rank = dist.get_world_size(), dist.get_rank()
     model, params = make_model(device, torch.float32, shape=args.shape)
-    cfg = LearnerConfig(lr=1e-6, micro_batch_tokens=args.budget, compile=args.compile and not args.compile_model,
-                        activation_checkpointing=args.ac, head_logits_gib=args.head_logits_gib,
-                        fsdp_unit_params=args.unit_params)
+    cfg = LearnerConfig(
+        lr=1e-6,
+        micro_batch_tokens=args.budget,
+        compile=args.compile and not args.compile_model,
+        activation_checkpointing=args.ac,
+        head_logits_gib=args.head_logits_gib,
+        fsdp_unit_params=args.unit_params,
+    )
     policy = parallel.wrap_model(model, cfg, device, chunk=args.chunk)
     if args.compile_model:
         policy.lm.model.compile()
     trainer = Trainer(policy, LossConfig(), cfg, device, gather_ahead=not args.no_gather_ahead)
     units = sum(isinstance(m, FSDPModule) for m in policy.modules())
-    trajs = trajectories(args.samples, seed=rank, vocab=model.config.vocab_size,
-                         longest=min(2048, args.budget))
-    mbs = pack(trajs, [1.0 if t.reward else -1.0 for t in trajs], args.budget,
-               pad_to_budget=args.pad)[:args.micro_batches]
+    trajs = trajectories(args.samples, seed=rank, vocab=model.config.vocab_size, longest=min(2048, args.budget))
+    mbs = pack(trajs, [1.0 if t.reward else -1.0 for t in trajs], args.budget, pad_to_budget=args.pad)[
+        : args.micro_batches
+    ]
     tokens = sum(int(mb.cu_seqlens[len(mb.sample_ids)]) for mb in mbs) * world  # padding not counted
     last = {}
 
@@ -146,17 +184,34 @@ def streamrl(args):
 
     seconds = timed(step, args.warmup, args.steps)
     tps = tokens / seconds
-    name = (f"learner_step_streamrl_{world}{device.type}" + ("_compile" if args.compile else "")
-            + ("_pad" if args.pad else "") + ("_ac" if args.ac else "") + ("_recompute" if not args.head_logits_gib else "")
-            + ("_model" if args.compile_model else "") + (f"_{units}units" if units > 1 else "")
-            + (f"_{args.shape}" if args.shape != "0.5b" else "")
-            + ("_nogatherahead" if args.no_gather_ahead else "") + ("_compiledhead" if args.compiled_head else ""))
-    fields = dict(figure=name, tokens_per_s=round(tps), mfu=round(6 * params * tps / (PEAK_FLOPS * world), 4),
-                  params=params, gpus=world, tokens_per_step=tokens, micro_batches_per_rank=len(mbs),
-                  budget=args.budget, chunk=policy.chunk, seconds_per_step=round(seconds, 4),
-                  attn=model.config._attn_implementation, loss=round(last["loss"], 5),
-                  skipped=last["skipped"],
-                  peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 1) if device.type == "cuda" else None)
+    name = (
+        f"learner_step_streamrl_{world}{device.type}"
+        + ("_compile" if args.compile else "")
+        + ("_pad" if args.pad else "")
+        + ("_ac" if args.ac else "")
+        + ("_recompute" if not args.head_logits_gib else "")
+        + ("_model" if args.compile_model else "")
+        + (f"_{units}units" if units > 1 else "")
+        + (f"_{args.shape}" if args.shape != "0.5b" else "")
+        + ("_nogatherahead" if args.no_gather_ahead else "")
+        + ("_compiledhead" if args.compiled_head else "")
+    )
+    fields = dict(
+        figure=name,
+        tokens_per_s=round(tps),
+        mfu=round(6 * params * tps / (PEAK_FLOPS * world), 4),
+        params=params,
+        gpus=world,
+        tokens_per_step=tokens,
+        micro_batches_per_rank=len(mbs),
+        budget=args.budget,
+        chunk=policy.chunk,
+        seconds_per_step=round(seconds, 4),
+        attn=model.config._attn_implementation,
+        loss=round(last["loss"], 5),
+        skipped=last["skipped"],
+        peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 1) if device.type == "cuda" else None,
+    )
     if args.baseline_tps:
         fields["vs_baseline"] = round(tps / world / args.baseline_tps, 3)
     if args.profile:
@@ -166,12 +221,14 @@ def streamrl(args):
     parallel.shutdown()
 
 
-KERNEL_KINDS = [("attention", re.compile(r"flash|fmha|attn|varlen|sdpa|cudnn", re.I)),
-                ("matmul", re.compile(r"gemm|nvjet|cutlass|xmma|cublas|wgmma|sm90_", re.I)),
-                ("comms", re.compile(r"nccl", re.I)),
-                ("optimizer", re.compile(r"adam", re.I)),
-                ("fused (triton)", re.compile(r"triton", re.I)),
-                ("copy", re.compile(r"memcpy|memset|copy", re.I))]
+KERNEL_KINDS = [
+    ("attention", re.compile(r"flash|fmha|attn|varlen|sdpa|cudnn", re.I)),
+    ("matmul", re.compile(r"gemm|nvjet|cutlass|xmma|cublas|wgmma|sm90_", re.I)),
+    ("comms", re.compile(r"nccl", re.I)),
+    ("optimizer", re.compile(r"adam", re.I)),
+    ("fused (triton)", re.compile(r"triton", re.I)),
+    ("copy", re.compile(r"memcpy|memset|copy", re.I)),
+]
 
 
 def kernel_kind(name: str) -> str:
@@ -188,8 +245,9 @@ def gaps(kernels: list[tuple[str, float, float]]) -> list[tuple[float, float]]:
     return out
 
 
-def idle_gaps(kernels: list[tuple[str, float, float]], host: list[tuple[str, float, float]], top: int = 6,
-              min_us: float = 300.0) -> list[dict]:
+def idle_gaps(
+    kernels: list[tuple[str, float, float]], host: list[tuple[str, float, float]], top: int = 6, min_us: float = 300.0
+) -> list[dict]:
     """The longest stretches (us clock) with no kernel running, longest first, each with the most specific
     host ops that covered at least half of it: what the GPU was waiting for."""
     out = []
@@ -215,8 +273,13 @@ def host_syncs(step) -> list[str]:
             step()
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    return sorted({f"{w.filename.rsplit('/', 2)[-1] if '/' in w.filename else w.filename}:{w.lineno}"
-                   for w in caught if "synchroniz" in str(w.message)})
+    return sorted(
+        {
+            f"{w.filename.rsplit('/', 2)[-1] if '/' in w.filename else w.filename}:{w.lineno}"
+            for w in caught
+            if "synchroniz" in str(w.message)
+        }
+    )
 
 
 def gap_totals(kernels: list[tuple[str, float, float]]) -> dict[str, float]:
@@ -233,7 +296,8 @@ def profile(step, path: str | None, steps: int = 2) -> dict:
     """`steps` steps under the profiler, figures per step: GPU time per kernel kind, kernels launched, idle
     time between kernels by gap length, the longest gaps (one is the step boundary) with what the host did
     meanwhile, and the host syncs of one more step. Top kernels to `path`."""
-    from torch.profiler import ProfilerActivity, profile as torch_profile
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
 
     sync()
     start = time.perf_counter()
@@ -242,10 +306,16 @@ def profile(step, path: str | None, steps: int = 2) -> dict:
             step()
         sync()
     wall_ms = (time.perf_counter() - start) * 1e3 / steps
-    kernels = [(e.name, e.time_range.start, e.time_range.end) for e in prof.events()
-               if e.device_type == torch.autograd.DeviceType.CUDA]
-    host = [(e.name, e.time_range.start, e.time_range.end) for e in prof.events()
-            if e.device_type == torch.autograd.DeviceType.CPU]
+    kernels = [
+        (e.name, e.time_range.start, e.time_range.end)
+        for e in prof.events()
+        if e.device_type == torch.autograd.DeviceType.CUDA
+    ]
+    host = [
+        (e.name, e.time_range.start, e.time_range.end)
+        for e in prof.events()
+        if e.device_type == torch.autograd.DeviceType.CPU
+    ]
     by_kind: dict[str, float] = {}
     for name, begin, end in kernels:
         by_kind[kernel_kind(name)] = by_kind.get(kernel_kind(name), 0.0) + (end - begin) / 1e3 / steps
@@ -254,13 +324,20 @@ def profile(step, path: str | None, steps: int = 2) -> dict:
     if path:
         with open(path, "w") as f:
             f.write(prof.key_averages().table(sort_by="cuda_time_total", row_limit=60, max_name_column_width=90))
-            f.write("\n\n" + prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=40,
-                                                         max_name_column_width=90))
-    return {"profiled_step_ms": round(wall_ms, 1), "gpu_busy_ms": round(busy_ms, 1),
-            "gpu_busy_fraction": round(busy_ms / wall_ms, 3), "kernels_per_step": len(kernels) // steps,
-            "gpu_ms_by_kind": {k: round(v, 1) for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])},
-            "gpu_idle_ms_by_gap": {k: round(v / steps, 2) for k, v in gap_totals(kernels).items()},
-            "gpu_idle_gaps": idle_gaps(kernels, host), "host_syncs": host_syncs(step)}
+            f.write(
+                "\n\n"
+                + prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=40, max_name_column_width=90)
+            )
+    return {
+        "profiled_step_ms": round(wall_ms, 1),
+        "gpu_busy_ms": round(busy_ms, 1),
+        "gpu_busy_fraction": round(busy_ms / wall_ms, 3),
+        "kernels_per_step": len(kernels) // steps,
+        "gpu_ms_by_kind": {k: round(v, 1) for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])},
+        "gpu_idle_ms_by_gap": {k: round(v / steps, 2) for k, v in gap_totals(kernels).items()},
+        "gpu_idle_gaps": idle_gaps(kernels, host),
+        "host_syncs": host_syncs(step),
+    }
 
 
 def main():
@@ -268,12 +345,22 @@ def main():
     ap.add_argument("--mode", choices=["baseline", "streamrl"], default="streamrl")
     ap.add_argument("--compile", action="store_true")
     ap.add_argument("--ac", action="store_true", help="activation checkpointing")
-    ap.add_argument("--pad", action=argparse.BooleanOptionalAction, default=False,
-                    help="pad micro-batches to the budget (static shapes)")
-    ap.add_argument("--compiled-head", action="store_true",
-                    help="the LM head's row math by torch.compile instead of the Triton kernels")
-    ap.add_argument("--no-gather-ahead", action="store_true",
-                    help="gather the parameters in the next forward, not right after the optimizer step")
+    ap.add_argument(
+        "--pad",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="pad micro-batches to the budget (static shapes)",
+    )
+    ap.add_argument(
+        "--compiled-head",
+        action="store_true",
+        help="the LM head's row math by torch.compile instead of the Triton kernels",
+    )
+    ap.add_argument(
+        "--no-gather-ahead",
+        action="store_true",
+        help="gather the parameters in the next forward, not right after the optimizer step",
+    )
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--seq", type=int, default=1024)
     ap.add_argument("--budget", type=int, default=16384, help="tokens per packed micro-batch")

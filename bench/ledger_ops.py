@@ -22,14 +22,35 @@ from streamrl.engine.ledger import Ledger
 from streamrl.engine.messages import Trajectory
 from streamrl.engine.redis_server import RedisServer, connect
 
-MODELS = {"tiny": {}, "40M": dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=8,
-                                  num_attention_heads=8, num_key_value_heads=4, head_dim=64, vocab_size=32000)}
+MODELS = {
+    "tiny": {},
+    "40M": dict(
+        hidden_size=512,
+        intermediate_size=1536,
+        num_hidden_layers=8,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=64,
+        vocab_size=32000,
+    ),
+}
 
 
 def _trajectories(ids: list[str], node: str, version: int, tokens: int) -> list[Trajectory]:
-    return [Trajectory(sample_id=s, group_id=s.split(":")[0], node_id=node, seq=0, prompt_ids=[1] * 16,
-                       completion_ids=[2] * tokens, behavior_logprobs=[-1.0] * tokens, reward=1.0,
-                       policy_version=version) for s in ids]
+    return [
+        Trajectory(
+            sample_id=s,
+            group_id=s.split(":")[0],
+            node_id=node,
+            seq=0,
+            prompt_ids=[1] * 16,
+            completion_ids=[2] * tokens,
+            behavior_logprobs=[-1.0] * tokens,
+            reward=1.0,
+            policy_version=version,
+        )
+        for s in ids
+    ]
 
 
 def simulate(ledger: Ledger, steps: int, groups: int, group_size: int, tokens: int) -> dict[str, float]:
@@ -110,8 +131,14 @@ def main() -> None:
     for name in args.models.split(","):
         step_s = learner_step_seconds(name, samples, 16 + args.tokens)
         _emit("learner_step_seconds", step_s, "s", model=name, samples=samples, tokens=16 + args.tokens)
-        _emit("ledger_share_of_learner_step", per_step / step_s, "ratio", baseline=f"{name} train step",
-              goal=0.02, **shape)
+        _emit(
+            "ledger_share_of_learner_step",
+            per_step / step_s,
+            "ratio",
+            baseline=f"{name} train step",
+            goal=0.02,
+            **shape,
+        )
 
 
 def _emit(figure: str, value: float, unit: str, **extra) -> None:

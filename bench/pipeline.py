@@ -23,8 +23,18 @@ WARMUP_STEPS = 2
 
 
 def measure(nodes: int, steps: int, device: str, sets: list[str], folder: str) -> dict:
-    cfg = build({}, [*DEMO, f"run.dir='{folder}'", f"run.name='bench-{nodes}'", f"run.steps={steps}",
-                     f"run.device='{device}'", "telemetry.tensorboard=false", *sets])
+    cfg = build(
+        {},
+        [
+            *DEMO,
+            f"run.dir='{folder}'",
+            f"run.name='bench-{nodes}'",
+            f"run.steps={steps}",
+            f"run.device='{device}'",
+            "telemetry.tensorboard=false",
+            *sets,
+        ],
+    )
     launcher = Launcher(cfg)
     started = time.monotonic()
     try:
@@ -38,10 +48,17 @@ def measure(nodes: int, steps: int, device: str, sets: list[str], folder: str) -
         raise RuntimeError(f"only {len(records)} steps finished; see {launcher.run_dir / 'logs'}")
     seconds = timed[-1]["time"] - records[WARMUP_STEPS - 1]["time"]
     tokens = sum(r["completion_tokens"] for r in timed)
-    return {"figure": "pipeline_tokens_per_s", "nodes": nodes, "device": device, "steps": len(timed),
-            "tokens_per_s": tokens / seconds, "seconds_per_step": seconds / len(timed),
-            "stale_share": _stale_share(records), "wall_s": time.monotonic() - started,
-            "final_reward": records[-1]["reward/mean"]}
+    return {
+        "figure": "pipeline_tokens_per_s",
+        "nodes": nodes,
+        "device": device,
+        "steps": len(timed),
+        "tokens_per_s": tokens / seconds,
+        "seconds_per_step": seconds / len(timed),
+        "stale_share": _stale_share(records),
+        "wall_s": time.monotonic() - started,
+        "final_reward": records[-1]["reward/mean"],
+    }
 
 
 def _stale_share(records: list[dict]) -> float:
@@ -63,8 +80,16 @@ def main() -> None:
         print(json.dumps(result))
     base = results[0]["tokens_per_s"]
     for result in results[1:]:
-        print(json.dumps({"figure": "pipeline_speedup", "nodes": result["nodes"], "baseline_nodes": results[0]["nodes"],
-                          "ratio": result["tokens_per_s"] / base}))
+        print(
+            json.dumps(
+                {
+                    "figure": "pipeline_speedup",
+                    "nodes": result["nodes"],
+                    "baseline_nodes": results[0]["nodes"],
+                    "ratio": result["tokens_per_s"] / base,
+                }
+            )
+        )
 
 
 if __name__ == "__main__":

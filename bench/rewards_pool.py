@@ -22,8 +22,10 @@ import time
 from streamrl.engine.config import RewardConfig
 from streamrl.rewards import build_scorer, demo_rows
 
-HANG = ("import time\ndef hang(prompts, completions, completion_ids, **columns):\n"
-        "    if 'hang' in completions:\n        time.sleep(3600)\n    return [1.0] * len(completions)\n")
+HANG = (
+    "import time\ndef hang(prompts, completions, completion_ids, **columns):\n"
+    "    if 'hang' in completions:\n        time.sleep(3600)\n    return [1.0] * len(completions)\n"
+)
 
 
 def make_batch(kind: str, n: int, seed: int) -> tuple[list[str], list[str], list[list[int]], list[dict]]:
@@ -54,13 +56,32 @@ def figures(kind: str, size: int, workers: list[int], batches: int) -> list[dict
     function = {"demo": "demo", "math": "math"}[kind]
     batch = make_batch(kind, size, seed=size)
     inline_s = rate(RewardConfig(functions=[function], workers=0), batch, batches)
-    rows = [dict(figure="rewards_per_s", reward=kind, batch=size, mode="inline", workers=0,
-                 value=size / inline_s, ratio_vs_inline=1.0, overhead_us_per_sample=0.0)]
+    rows = [
+        dict(
+            figure="rewards_per_s",
+            reward=kind,
+            batch=size,
+            mode="inline",
+            workers=0,
+            value=size / inline_s,
+            ratio_vs_inline=1.0,
+            overhead_us_per_sample=0.0,
+        )
+    ]
     for w in workers:
         pool_s = rate(RewardConfig(functions=[function], workers=w), batch, batches)
-        rows.append(dict(figure="rewards_per_s", reward=kind, batch=size, mode="pool", workers=w,
-                         value=size / pool_s, ratio_vs_inline=inline_s / pool_s,
-                         overhead_us_per_sample=(pool_s - inline_s) / size * 1e6))
+        rows.append(
+            dict(
+                figure="rewards_per_s",
+                reward=kind,
+                batch=size,
+                mode="pool",
+                workers=w,
+                value=size / pool_s,
+                ratio_vs_inline=inline_s / pool_s,
+                overhead_us_per_sample=(pool_s - inline_s) / size * 1e6,
+            )
+        )
     return rows
 
 
@@ -79,8 +100,13 @@ def hang_recovery(timeout_s: float) -> dict:
             next_s = time.perf_counter() - t1
     finally:
         os.unlink(f.name)
-    return dict(figure="hang_recovery_s", timeout_s=timeout_s, value=hung_s, next_call_s=next_s,
-                ratio_vs_deadline=hung_s / timeout_s)
+    return dict(
+        figure="hang_recovery_s",
+        timeout_s=timeout_s,
+        value=hung_s,
+        next_call_s=next_s,
+        ratio_vs_deadline=hung_s / timeout_s,
+    )
 
 
 def main() -> None:

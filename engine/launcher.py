@@ -86,8 +86,14 @@ class Launcher:
         args = ["-m", "streamrl.learner.main", "--config", str(self.config_path)]
         args += ["--resume", self.resume] if self.resume else []
         if self.cfg.learner.ranks > 1:
-            return [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                    f"--nproc-per-node={self.cfg.learner.ranks}", *args]
+            return [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                f"--nproc-per-node={self.cfg.learner.ranks}",
+                *args,
+            ]
         return [sys.executable, *args]
 
     def restart_learner(self, resume: str = "latest", timeout_s: float = 300.0) -> None:
@@ -114,19 +120,32 @@ class Launcher:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if not self.learner.alive:
-                raise RuntimeError(f"the learner exited with code {self.learner.process.returncode} before it "
-                                   f"was up; its log {self.learner.log_path}:\n{self.learner.log_tail()}")
+                raise RuntimeError(
+                    f"the learner exited with code {self.learner.process.returncode} before it "
+                    f"was up; its log {self.learner.log_path}:\n{self.learner.log_tail()}"
+                )
             if path.is_file() and path.stat().st_mtime >= self.learner.started - 1:
                 return json.loads(path.read_text())
             time.sleep(0.2)
-        raise RuntimeError(f"the learner was not up after {timeout_s:.0f} s; its log {self.learner.log_path}:\n"
-                           f"{self.learner.log_tail()}")
+        raise RuntimeError(
+            f"the learner was not up after {timeout_s:.0f} s; its log {self.learner.log_path}:\n"
+            f"{self.learner.log_tail()}"
+        )
 
     def add_node(self) -> str:
         name = f"node-{self._next_node}"
         self._next_node += 1
-        command = [sys.executable, "-m", "streamrl.rollout.service", "--config", str(self.config_path),
-                   "--learner", str(self.run_dir), "--node-id", name]
+        command = [
+            sys.executable,
+            "-m",
+            "streamrl.rollout.service",
+            "--config",
+            str(self.config_path),
+            "--learner",
+            str(self.run_dir),
+            "--node-id",
+            name,
+        ]
         self.nodes[name] = self._spawn(f"rollout-{name}", command, self._node_gpu(self._next_node - 1))
         return name
 
@@ -141,8 +160,9 @@ class Launcher:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpus))
         with log_path.open("ab") as out:
             # Own process group: a terminal's Ctrl-C reaches the launcher, which stops children in order.
-            process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                       env=env, start_new_session=True)
+            process = subprocess.Popen(
+                command, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, start_new_session=True
+            )
         return Child(name, process, log_path)
 
     @property

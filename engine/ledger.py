@@ -101,8 +101,9 @@ class Counts(msgspec.Struct):
     def balance_errors(self) -> list[str]:
         errors = []
         if self.total != self.trained + self.dropped + self.in_flight:
-            errors.append(f"total {self.total} != trained {self.trained} + dropped {self.dropped} "
-                          f"+ in flight {self.in_flight}")
+            errors.append(
+                f"total {self.total} != trained {self.trained} + dropped {self.dropped} + in flight {self.in_flight}"
+            )
         if self.dropped != sum(self.dropped_by_reason.values()):
             errors.append(f"dropped {self.dropped} != sum over reasons {sum(self.dropped_by_reason.values())}")
         negative = [f for f in ("admitted", "generated", "received") if getattr(self, f) < 0]
@@ -123,8 +124,10 @@ class Ledger:
         self.run = run
         self.config = config or LedgerConfig()
         self.prefix = f"streamrl:{run}:"
-        self._scripts = {name: client.register_script(getattr(lua, name))
-                         for name in ("TAKE_CREDIT", "TRANSITION", "REAP", "LEAVE", "CLAIM_ORPHAN", "PUBLISH_VERSION")}
+        self._scripts = {
+            name: client.register_script(getattr(lua, name))
+            for name in ("TAKE_CREDIT", "TRANSITION", "REAP", "LEAVE", "CLAIM_ORPHAN", "PUBLISH_VERSION")
+        }
 
     def _call(self, name: str, *args):
         try:
@@ -139,8 +142,14 @@ class Ledger:
         if groups_per_step < 1:
             raise ValueError(f"groups_per_step = {groups_per_step}: must be >= 1")
         capacity = (self.config.max_staleness + 1) * groups_per_step
-        self.client.hset(self.prefix + "meta", mapping={
-            "capacity": capacity, "max_staleness": self.config.max_staleness, "groups_per_step": groups_per_step})
+        self.client.hset(
+            self.prefix + "meta",
+            mapping={
+                "capacity": capacity,
+                "max_staleness": self.config.max_staleness,
+                "groups_per_step": groups_per_step,
+            },
+        )
         if self.client.get(self.prefix + "version") is None:
             self.publish_version(0, step=0)
         return capacity
@@ -289,8 +298,12 @@ class Ledger:
                     moved[target].append(s)
                 else:
                     rejected.append((s.sample_id, r or "unknown"))
-        return Received(fresh=moved["received"], stale=[s.sample_id for s in moved["dropped:stale"]],
-                        reward_errors=[s.sample_id for s in moved["dropped:reward_error"]], rejected=rejected)
+        return Received(
+            fresh=moved["received"],
+            stale=[s.sample_id for s in moved["dropped:stale"]],
+            reward_errors=[s.sample_id for s in moved["dropped:reward_error"]],
+            rejected=rejected,
+        )
 
     # ---- reading the books ------------------------------------------------------------------
 
@@ -301,8 +314,10 @@ class Ledger:
     def counts(self) -> Counts:
         raw = {k: int(v) for k, v in self.client.hgetall(self.prefix + "counts").items()}
         reasons = {k.removeprefix("dropped:"): v for k, v in raw.items() if k.startswith("dropped:") and v}
-        return Counts(**{f: raw.get(f, 0) for f in Counts.__struct_fields__ if f != "dropped_by_reason"},
-                      dropped_by_reason=dict(sorted(reasons.items())))
+        return Counts(
+            **{f: raw.get(f, 0) for f in Counts.__struct_fields__ if f != "dropped_by_reason"},
+            dropped_by_reason=dict(sorted(reasons.items())),
+        )
 
     def staleness_histogram(self) -> dict[int, int]:
         """Versions between a trained sample's oldest token and the policy that trained on it -> samples."""
@@ -313,8 +328,13 @@ class Ledger:
         counts = self.counts()
         errors = counts.balance_errors()
         if deep:
-            expected = {"admitted": counts.admitted, "generated": counts.generated, "received": counts.received,
-                        "trained": counts.trained, **{"dropped:" + r: n for r, n in counts.dropped_by_reason.items()}}
+            expected = {
+                "admitted": counts.admitted,
+                "generated": counts.generated,
+                "received": counts.received,
+                "trained": counts.trained,
+                **{"dropped:" + r: n for r, n in counts.dropped_by_reason.items()},
+            }
             expected = {k: v for k, v in expected.items() if v}
             found = self.audit()
             if found != expected:
@@ -351,7 +371,9 @@ def open_ledger(config: LedgerConfig, run: str, run_dir: str | pathlib.Path) -> 
 
 def _check_reason(reason: str) -> str:
     if not _REASON.match(reason):
-        raise ValueError(f"drop reason {reason!r}: use lowercase letters, digits and '_' (e.g. {', '.join(DROP_REASONS)})")
+        raise ValueError(
+            f"drop reason {reason!r}: use lowercase letters, digits and '_' (e.g. {', '.join(DROP_REASONS)})"
+        )
     return reason
 
 

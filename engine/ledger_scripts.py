@@ -71,7 +71,8 @@ local gk = p .. 'g:' .. group
 local owner = redis.call('HGET', gk, 'node')
 if owner then
   if owner == node then return 1 end
-  return redis.error_reply('GROUP_EXISTS group id ' .. group .. ' was already used (by node ' .. owner .. '); group ids must be unique per run')
+  return redis.error_reply('GROUP_EXISTS group id ' .. group .. ' was already used (by node ' .. owner ..
+                           '); group ids must be unique per run')
 end
 local cap = redis.call('HGET', p .. 'meta', 'capacity')
 if not cap then
@@ -93,7 +94,9 @@ return 1
 
 # ARGV: prefix, target, now, stride, then `stride` values per sample: id [, version, vmin, node].
 # Returns, per sample, 1 when it moved to `target`, else its state at the time ('' if unknown).
-TRANSITION = _RESOLVE + r"""
+TRANSITION = (
+    _RESOLVE
+    + r"""
 local p, target, now, stride = ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4])
 local legal = {generated = {admitted = true}, received = {generated = true}, trained = {received = true}}
 local dropping = string.sub(target, 1, 8) == 'dropped:'
@@ -128,11 +131,14 @@ end
 flush(b)
 return out
 """
+)
 
 # Resolves a node's samples not yet received by the learner (received ones no longer depend on
 # it): dropped with `reason`, or re-admitted and their groups queued for another node. Returns
 # how many samples.
-_RESOLVE_NODE = _RESOLVE + r"""
+_RESOLVE_NODE = (
+    _RESOLVE
+    + r"""
 local function resolve_node(b, node, mode, reason, now)
   local p = b.p
   local resolved = 0
@@ -167,10 +173,13 @@ local function resolve_node(b, node, mode, reason, now)
   return resolved
 end
 """
+)
 
 # ARGV: prefix, mode ('drop' | 'readmit'), now. Every node whose heartbeat expired is resolved
 # (reason node_lost). Returns {node, samples resolved, node, samples resolved, ...}.
-REAP = _RESOLVE_NODE + r"""
+REAP = (
+    _RESOLVE_NODE
+    + r"""
 local p, mode, now = ARGV[1], ARGV[2], ARGV[3]
 local b = books(p)
 local out = {}
@@ -183,14 +192,18 @@ end
 flush(b)
 return out
 """
+)
 
 # ARGV: prefix, node, reason, now. A node leaving: its samples not yet received are dropped.
-LEAVE = _RESOLVE_NODE + r"""
+LEAVE = (
+    _RESOLVE_NODE
+    + r"""
 local b = books(ARGV[1])
 local resolved = resolve_node(b, ARGV[2], 'drop', ARGV[3], ARGV[4])
 flush(b)
 return resolved
 """
+)
 
 # ARGV: prefix, node. Hands the oldest orphaned group to `node`.
 # Returns {} when none waits, else {group, prompt, sample ids still to generate...}.

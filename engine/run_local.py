@@ -13,7 +13,6 @@ from streamrl.engine.config import Config
 from streamrl.engine.launcher import Launcher
 from streamrl.engine.telemetry import live_table, read_metrics
 
-
 # The built-in demo: the random-init tiny model learns to write the letter of the demo task's
 # `answer` column. Measured on 2 CPU cores with 2 nodes: mean reward 0.06 -> 1.0 in 30 steps.
 # A learning rate this high suits only a tiny random model; examples/demo.toml spells it out.
@@ -35,12 +34,15 @@ def summary(records: list[dict], wall_s: float) -> str:
     first = sum(r["reward/mean"] for r in records[:k]) / k
     last = sum(r["reward/mean"] for r in records[-k:]) / k
     tokens = sum(r.get("completion_tokens", 0) for r in records)
-    return (f"{len(records)} steps in {wall_s:.0f} s; mean reward {first:.3f} (first {k} steps) -> {last:.3f} "
-            f"(last {k}); {tokens} completion tokens trained, {tokens / wall_s:.0f} tokens/s overall")
+    return (
+        f"{len(records)} steps in {wall_s:.0f} s; mean reward {first:.3f} (first {k} steps) -> {last:.3f} "
+        f"(last {k}); {tokens} completion tokens trained, {tokens / wall_s:.0f} tokens/s overall"
+    )
 
 
-def run_local(cfg: Config, nodes: int, explicit_name: bool = False, console: Console | None = None,
-              resume: str = "") -> int:
+def run_local(
+    cfg: Config, nodes: int, explicit_name: bool = False, console: Console | None = None, resume: str = ""
+) -> int:
     """Run to the configured number of steps (or Ctrl-C); the exit status. `resume` (a checkpoint
     folder, or "latest") continues the run of that name in its folder."""
     console = console or Console()
@@ -86,11 +88,15 @@ def _watch(launcher: Launcher, cfg: Config, console: Console, started: float) ->
             if nodes and not any(nodes.values()) and not finishing:
                 failed = launcher.failed_nodes()
                 if not failed:
-                    raise RuntimeError("every rollout node finished (their prompt source ended: data.loop = "
-                                       "false?) before the learner's last step")
-                raise RuntimeError(f"every rollout node exited; {failed[-1].name} with code "
-                                   f"{failed[-1].process.returncode}, its log {failed[-1].log_path}:\n"
-                                   f"{failed[-1].log_tail()}")
+                    raise RuntimeError(
+                        "every rollout node finished (their prompt source ended: data.loop = "
+                        "false?) before the learner's last step"
+                    )
+                raise RuntimeError(
+                    f"every rollout node exited; {failed[-1].name} with code "
+                    f"{failed[-1].process.returncode}, its log {failed[-1].log_path}:\n"
+                    f"{failed[-1].log_tail()}"
+                )
             note = "" if any(nodes.values()) or not nodes else "no rollout node is running: the learner waits"
             live.update(live_table(records, cfg.run.steps, nodes, time.monotonic() - started, note))
             time.sleep(0.5)
@@ -99,8 +105,10 @@ def _watch(launcher: Launcher, cfg: Config, console: Console, started: float) ->
     console.print()
     code = launcher.learner.process.returncode
     if code != 0:
-        console.print(f"[red]the learner exited with code {code}[/]; its log {launcher.learner.log_path}:\n"
-                      f"{launcher.learner.log_tail()}")
+        console.print(
+            f"[red]the learner exited with code {code}[/]; its log {launcher.learner.log_path}:\n"
+            f"{launcher.learner.log_tail()}"
+        )
     return code
 
 

@@ -29,8 +29,10 @@ def status_command(run: str, redis_url: str, deep: bool = False, console: Consol
     for error in errors:
         console.print(f"[red]books do not balance: {error}[/red]")
     if not errors:
-        console.print(f"books balance: {counts.total} = {counts.trained} trained + {counts.dropped} dropped "
-                      f"+ {counts.in_flight} in flight")
+        console.print(
+            f"books balance: {counts.total} = {counts.trained} trained + {counts.dropped} dropped "
+            f"+ {counts.in_flight} in flight"
+        )
     return 1 if errors else 0
 
 
@@ -38,14 +40,19 @@ def _table(ledger: Ledger, counts) -> Table:
     table = Table(title=f"run {ledger.run}", show_header=False)
     table.add_column("what")
     table.add_column("value", justify="right")
-    rows = [("current policy version", ledger.current_version()),
-            ("nodes alive", ", ".join(ledger.alive_nodes()) or "none"),
-            ("groups in flight / capacity", f"{ledger.groups_in_flight()} / {ledger.capacity()}"),
-            ("samples (total admitted)", counts.total),
-            ("in flight", f"{counts.in_flight} (admitted {counts.admitted}, generated {counts.generated}, "
-                          f"received {counts.received})"),
-            ("trained", counts.trained),
-            ("dropped", counts.dropped)]
+    rows = [
+        ("current policy version", ledger.current_version()),
+        ("nodes alive", ", ".join(ledger.alive_nodes()) or "none"),
+        ("groups in flight / capacity", f"{ledger.groups_in_flight()} / {ledger.capacity()}"),
+        ("samples (total admitted)", counts.total),
+        (
+            "in flight",
+            f"{counts.in_flight} (admitted {counts.admitted}, generated {counts.generated}, "
+            f"received {counts.received})",
+        ),
+        ("trained", counts.trained),
+        ("dropped", counts.dropped),
+    ]
     rows += [(f"  dropped:{reason}", n) for reason, n in counts.dropped_by_reason.items()]
     histogram = ledger.staleness_histogram()
     rows += [("staleness at training", " ".join(f"{lag}:{n}" for lag, n in histogram.items()) or "-")]

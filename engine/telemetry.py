@@ -145,12 +145,17 @@ def live_table(records: list[dict[str, Any]], steps: int, nodes: dict[str, bool]
     reward = f"{fmt('reward/mean')} ± {fmt('reward/std')}"
     if first_reward is not None and len(records) > 1:
         reward += f"   (step 1: {first_reward:.3f})"
-    rows = [("reward", reward), ("loss", fmt("loss", ".4f")), ("policy version", fmt("version", ".0f")),
-            ("tokens/s (trained)", fmt("tokens_per_s", ".0f")), ("staleness mean / max",
-                                                                   f"{fmt('staleness_mean', '.2f')} / {fmt('staleness_max', '.0f')}"),
-            ("mismatch_kl / behavior_kl", f"{fmt('mismatch_kl', '.2e')} / {fmt('behavior_kl', '.2e')}"), ("skipped steps", fmt("skipped_steps", ".0f")),
-            ("weights push (s)", fmt("weights_s", ".2f")),
-            ("nodes", ", ".join(f"{n} {'up' if up else 'down'}" for n, up in nodes.items()) or "-")]
+    rows = [
+        ("reward", reward),
+        ("loss", fmt("loss", ".4f")),
+        ("policy version", fmt("version", ".0f")),
+        ("tokens/s (trained)", fmt("tokens_per_s", ".0f")),
+        ("staleness mean / max", f"{fmt('staleness_mean', '.2f')} / {fmt('staleness_max', '.0f')}"),
+        ("mismatch_kl / behavior_kl", f"{fmt('mismatch_kl', '.2e')} / {fmt('behavior_kl', '.2e')}"),
+        ("skipped steps", fmt("skipped_steps", ".0f")),
+        ("weights push (s)", fmt("weights_s", ".2f")),
+        ("nodes", ", ".join(f"{n} {'up' if up else 'down'}" for n, up in nodes.items()) or "-"),
+    ]
     for row in rows:
         table.add_row(*row)
     if note:

@@ -46,8 +46,9 @@ def _bind(sock: zmq.Socket, addr: str) -> str:
         sock.bind(addr)
     except zmq.ZMQError as e:
         sock.close(linger=0)
-        raise TransportError(f"cannot bind {addr}: {e} (is the port taken? use port 0 or "
-                             f"'tcp://127.0.0.1:*' to pick a free one)") from None
+        raise TransportError(
+            f"cannot bind {addr}: {e} (is the port taken? use port 0 or 'tcp://127.0.0.1:*' to pick a free one)"
+        ) from None
     return _endpoint(sock)
 
 
@@ -70,8 +71,15 @@ def bind_address(host: str = "127.0.0.1", port: int = 0) -> str:
 class TrajectorySender:
     """PUSH side of the trajectory stream: numbers messages per node and blocks at the high-water mark."""
 
-    def __init__(self, addr: str, node_id: str, hwm: int = 1000, send_timeout_s: float = 60.0,
-                 flush_timeout_s: float = 5.0, context: zmq.Context | None = None):
+    def __init__(
+        self,
+        addr: str,
+        node_id: str,
+        hwm: int = 1000,
+        send_timeout_s: float = 60.0,
+        flush_timeout_s: float = 5.0,
+        context: zmq.Context | None = None,
+    ):
         if hwm < 1 or send_timeout_s <= 0:
             raise ValueError(f"hwm={hwm} must be >= 1 and send_timeout_s={send_timeout_s} > 0")
         self.addr, self.node_id = addr, node_id
@@ -97,8 +105,10 @@ class TrajectorySender:
             if recv_monitor_message(self._monitor)["event"] == zmq.EVENT_CONNECTED:
                 self._close_monitor()
         if self._monitor is not None:
-            raise TransportError(f"node {self.node_id}: no connection to the learner's trajectory socket at "
-                                 f"{self.addr} within {timeout_s:g}s (is the learner running and the address right?)")
+            raise TransportError(
+                f"node {self.node_id}: no connection to the learner's trajectory socket at "
+                f"{self.addr} within {timeout_s:g}s (is the learner running and the address right?)"
+            )
 
     def _close_monitor(self) -> None:
         if self._monitor is not None:
@@ -116,7 +126,8 @@ class TrajectorySender:
                 f"node {self.node_id}: trajectory {traj.sample_id} (seq {self.seq}) not accepted by {self.addr} "
                 f"within {self.send_timeout_s:g}s: the learner is unreachable or stopped reading "
                 f"(check the address and that the learner runs; raise transport.send_timeout_s "
-                f"if it is only slow)") from None
+                f"if it is only slow)"
+            ) from None
         self.seq += 1
         return self.seq - 1
 
@@ -139,8 +150,7 @@ class TrajectoryReceiver:
     expected one) counts the missing messages in `gaps`, and the trajectory itself is returned.
     """
 
-    def __init__(self, bind_addr: str | int = LOOPBACK_ANY_PORT, hwm: int = 1000,
-                 context: zmq.Context | None = None):
+    def __init__(self, bind_addr: str | int = LOOPBACK_ANY_PORT, hwm: int = 1000, context: zmq.Context | None = None):
         if isinstance(bind_addr, int):
             bind_addr = bind_address(port=bind_addr)
         self._sock = (context or zmq.Context.instance()).socket(zmq.PULL)
@@ -168,8 +178,7 @@ class TrajectoryReceiver:
             return messages.decode_trajectory(frame.buffer)
         except DecodeError as e:
             self.decode_errors += 1
-            log.warning("dropped an undecodable trajectory frame on %s (%d bytes): %s",
-                        self.addr, len(frame.buffer), e)
+            log.warning("dropped an undecodable trajectory frame on %s (%d bytes): %s", self.addr, len(frame.buffer), e)
             return None
 
     def _admit(self, traj: Trajectory) -> bool:
@@ -177,8 +186,13 @@ class TrajectoryReceiver:
         if traj.seq < expected:
             self.duplicates += 1
             self.duplicate_ids.append(traj.sample_id)
-            log.warning("duplicate from node %s: seq %d (expected %d), sample %s dropped",
-                        traj.node_id, traj.seq, expected, traj.sample_id)
+            log.warning(
+                "duplicate from node %s: seq %d (expected %d), sample %s dropped",
+                traj.node_id,
+                traj.seq,
+                expected,
+                traj.sample_id,
+            )
             return False
         if traj.seq > expected:
             self.gaps += traj.seq - expected
@@ -202,8 +216,9 @@ class TrajectoryReceiver:
 class ControlServer:
     """ROUTER side of the control channel (the learner): one socket, every node a peer identity."""
 
-    def __init__(self, bind: str | int = LOOPBACK_ANY_PORT, send_timeout_s: float = 30.0,
-                 context: zmq.Context | None = None):
+    def __init__(
+        self, bind: str | int = LOOPBACK_ANY_PORT, send_timeout_s: float = 30.0, context: zmq.Context | None = None
+    ):
         if isinstance(bind, int):
             bind = bind_address(port=bind)
         self._sock = (context or zmq.Context.instance()).socket(zmq.ROUTER)
@@ -233,13 +248,17 @@ class ControlServer:
         try:
             self._sock.send_multipart([peer, messages.encode(msg)])
         except zmq.Again:
-            raise TransportError(f"control send of {type(msg).__name__} to node {peer!r} on {self.addr} "
-                                 f"blocked for {self.send_timeout_s:g}s") from None
+            raise TransportError(
+                f"control send of {type(msg).__name__} to node {peer!r} on {self.addr} "
+                f"blocked for {self.send_timeout_s:g}s"
+            ) from None
         except zmq.ZMQError as e:
             if e.errno != zmq.EHOSTUNREACH:
                 raise
-            raise TransportError(f"control send of {type(msg).__name__} on {self.addr}: node {peer!r} "
-                                 f"is not connected (it left or never registered)") from None
+            raise TransportError(
+                f"control send of {type(msg).__name__} on {self.addr}: node {peer!r} "
+                f"is not connected (it left or never registered)"
+            ) from None
 
     def close(self) -> None:
         self._sock.close(linger=0)
@@ -271,9 +290,11 @@ class ControlClient:
         try:
             self._sock.send(messages.encode(msg))
         except zmq.Again:
-            raise TransportError(f"node {self.node_id}: could not send {type(msg).__name__} to the learner at "
-                                 f"{self.addr} within {timeout_s:g}s (is the learner running and the "
-                                 f"address right?)") from None
+            raise TransportError(
+                f"node {self.node_id}: could not send {type(msg).__name__} to the learner at "
+                f"{self.addr} within {timeout_s:g}s (is the learner running and the "
+                f"address right?)"
+            ) from None
 
     def recv(self, timeout_s: float | None = None) -> Control | None:
         """The next control message (kept ones first), or None after `timeout_s`."""
@@ -290,8 +311,9 @@ class ControlClient:
                 log.warning("undecodable control frame from %s: %s", self.addr, e)
         return None
 
-    def request(self, msg: Control, timeout_s: float | None = None,
-                expect: type | tuple[type, ...] | None = None) -> Control:
+    def request(
+        self, msg: Control, timeout_s: float | None = None, expect: type | tuple[type, ...] | None = None
+    ) -> Control:
         """Send `msg` and wait for the reply (the first message of type `expect`, when given)."""
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + timeout_s
@@ -299,9 +321,11 @@ class ControlClient:
         while True:
             reply = self._recv_one(deadline)
             if reply is None:
-                raise TransportError(f"node {self.node_id}: no reply to {type(msg).__name__} from the learner at "
-                                     f"{self.addr} within {timeout_s:g}s (is the learner running and the "
-                                     f"address right?)")
+                raise TransportError(
+                    f"node {self.node_id}: no reply to {type(msg).__name__} from the learner at "
+                    f"{self.addr} within {timeout_s:g}s (is the learner running and the "
+                    f"address right?)"
+                )
             if expect is None or isinstance(reply, expect):
                 return reply
             self._pending.append(reply)

@@ -13,7 +13,6 @@ import torch
 
 from streamrl.engine.messages import BucketSpec, TensorSpec
 
-
 # ---- layout -----------------------------------------------------------------------------------
 
 
@@ -32,8 +31,9 @@ def _storage_key(t: torch.Tensor) -> tuple:
     return (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.dtype)
 
 
-def plan_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor],
-                 bucket_bytes: int) -> list[BucketSpec]:
+def plan_buckets(
+    named_tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor], bucket_bytes: int
+) -> list[BucketSpec]:
     """Flat buckets of one dtype each, at most `bucket_bytes` (a larger tensor gets a bucket of its own).
 
     Tensors keep their order inside a dtype; a bucket is listed when it is opened, so the first
@@ -68,8 +68,9 @@ def plan_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[str
     return buckets
 
 
-def pack_bucket(spec: BucketSpec, tensors: Mapping[str, torch.Tensor], device: torch.device | str,
-                out: torch.Tensor | None = None) -> torch.Tensor:
+def pack_bucket(
+    spec: BucketSpec, tensors: Mapping[str, torch.Tensor], device: torch.device | str, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """One flat tensor (`out` when given) holding the bucket's tensors at their offsets."""
     flat = torch.empty(spec.numel, dtype=torch_dtype(spec.dtype), device=device) if out is None else out
     primaries, end = [], 0
@@ -88,7 +89,7 @@ def pack_bucket(spec: BucketSpec, tensors: Mapping[str, torch.Tensor], device: t
     else:
         offset = 0
         for t in primaries:
-            flat[offset:offset + t.numel()].copy_(t, non_blocking=True)
+            flat[offset : offset + t.numel()].copy_(t, non_blocking=True)
             offset += t.numel()
     return flat
 
@@ -98,7 +99,7 @@ def unpack_bucket(spec: BucketSpec, flat: torch.Tensor) -> Iterator[tuple[str, t
     if flat.numel() != spec.numel:
         raise ValueError(f"bucket holds {flat.numel()} elements; the layout says {spec.numel}")
     for ts in spec.tensors:
-        yield ts.name, flat[ts.offset:ts.offset + ts.numel].view(ts.shape)
+        yield ts.name, flat[ts.offset : ts.offset + ts.numel].view(ts.shape)
 
 
 class BufferPool:
@@ -125,8 +126,13 @@ class BufferPool:
 class PackedBuckets:
     """Buckets packed once on first use and shared by every node's sender thread."""
 
-    def __init__(self, specs: list[BucketSpec], tensors: Mapping[str, torch.Tensor], device: torch.device | str,
-                 pool: BufferPool | None = None):
+    def __init__(
+        self,
+        specs: list[BucketSpec],
+        tensors: Mapping[str, torch.Tensor],
+        device: torch.device | str,
+        pool: BufferPool | None = None,
+    ):
         self.specs, self._tensors, self.device = specs, tensors, torch.device(device)
         self._pool = pool
         self._flat: dict[int, torch.Tensor] = {}
@@ -139,7 +145,10 @@ class PackedBuckets:
         with self._lock:
             if index not in self._flat:
                 spec = self.specs[index]
-                out = None if self._pool is None else self._pool.take(
-                    index, torch_dtype(spec.dtype), spec.numel, self.device)
+                out = (
+                    None
+                    if self._pool is None
+                    else self._pool.take(index, torch_dtype(spec.dtype), spec.numel, self.device)
+                )
                 self._flat[index] = pack_bucket(spec, self._tensors, self.device, out)
             return self._flat[index]

@@ -29,12 +29,31 @@ import torch.distributed as dist
 
 from streamrl.engine.config import WeightsConfig
 from streamrl.engine.messages import BucketSpec, WeightsApplied, WeightsReady
-from streamrl.engine.weight_layout import (BufferPool, PackedBuckets, dtype_name, pack_bucket, plan_buckets, torch_dtype,
-                                           unpack_bucket)
+from streamrl.engine.weight_layout import (
+    BufferPool,
+    PackedBuckets,
+    dtype_name,
+    pack_bucket,
+    plan_buckets,
+    torch_dtype,
+    unpack_bucket,
+)
 
-__all__ = ["BufferPool", "PackedBuckets", "TransferResult", "WeightBroadcaster", "WeightSender", "WeightTransferError",
-           "WeightVersionError", "dtype_name", "pack_bucket", "plan_buckets", "receive", "torch_dtype",
-           "unpack_bucket"]
+__all__ = [
+    "BufferPool",
+    "PackedBuckets",
+    "TransferResult",
+    "WeightBroadcaster",
+    "WeightSender",
+    "WeightTransferError",
+    "WeightVersionError",
+    "dtype_name",
+    "pack_bucket",
+    "plan_buckets",
+    "receive",
+    "torch_dtype",
+    "unpack_bucket",
+]
 
 ROOT = 0  # learner rank 0 is rank 0 of every node's weight group
 
@@ -80,8 +99,15 @@ def _nccl_errors_raise():
                 os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = old
 
 
-def new_group(store: dist.Store, prefix: str, rank: int, world_size: int, backend: str,
-              timeout_s: float, device: torch.device | str) -> dist.ProcessGroup:
+def new_group(
+    store: dist.Store,
+    prefix: str,
+    rank: int,
+    world_size: int,
+    backend: str,
+    timeout_s: float,
+    device: torch.device | str,
+) -> dist.ProcessGroup:
     """A standalone process group on `PrefixStore(prefix, store)`; blocks until every rank joined
     (gloo) or the communicator is up (NCCL), at most `timeout_s`."""
     timeout = datetime.timedelta(seconds=timeout_s)
@@ -130,9 +156,18 @@ def wait(work: dist.Work, timeout_s: float) -> None:
 class WeightSender:
     """Learner rank 0's end of one node's weight group: owns the TCPStore and the group."""
 
-    def __init__(self, node_id: str, receivers: int = 1, *, host: str = "127.0.0.1", port: int = 0,
-                 backend: str = "auto", device: torch.device | str = "cpu", timeout_s: float = 60.0,
-                 reuse_group: bool = True):
+    def __init__(
+        self,
+        node_id: str,
+        receivers: int = 1,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        backend: str = "auto",
+        device: torch.device | str = "cpu",
+        timeout_s: float = 60.0,
+        reuse_group: bool = True,
+    ):
         if receivers < 1:
             raise ValueError(f"node {node_id!r}: receivers = {receivers}, must be >= 1")
         self.node_id, self.receivers, self.host = node_id, receivers, host
@@ -140,8 +175,9 @@ class WeightSender:
         self.backend = resolve_backend(backend, self.device)
         self.timeout_s, self.reuse_group = timeout_s, reuse_group
         try:
-            self.store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False,
-                                       timeout=datetime.timedelta(seconds=timeout_s))
+            self.store = dist.TCPStore(
+                host, port, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=timeout_s)
+            )
         except Exception as e:
             raise WeightTransferError(node_id, "rendezvous", f"cannot open a TCPStore on {host}:{port}: {e}") from e
         self._group: dist.ProcessGroup | None = None
@@ -159,24 +195,39 @@ class WeightSender:
             self._group = None
             self._prefix = f"weights/{self.node_id}/{self._groups_built}/"
             self._groups_built += 1
-        return WeightsReady(version=version, store_host=self.host, store_port=self.port,
-                            group_prefix=self._prefix, world_size=1 + self.receivers,
-                            timeout_s=self.timeout_s, buckets=buckets, backend=self.backend)
+        return WeightsReady(
+            version=version,
+            store_host=self.host,
+            store_port=self.port,
+            group_prefix=self._prefix,
+            world_size=1 + self.receivers,
+            timeout_s=self.timeout_s,
+            buckets=buckets,
+            backend=self.backend,
+        )
 
     def mark_broken(self) -> None:
         """Drop the group (the node failed on its side); the next `prepare` makes a new one."""
         self._group = None
 
-    def send(self, state_dict: Mapping[str, torch.Tensor] | PackedBuckets, ready: WeightsReady,
-             on_bucket: Callable[[str, int], None] | None = None) -> float:
+    def send(
+        self,
+        state_dict: Mapping[str, torch.Tensor] | PackedBuckets,
+        ready: WeightsReady,
+        on_bucket: Callable[[str, int], None] | None = None,
+    ) -> float:
         """Join (or reuse) the group and broadcast every bucket; returns the seconds it took."""
-        packed = state_dict if isinstance(state_dict, PackedBuckets) else PackedBuckets(
-            ready.buckets, state_dict, self.device if self.backend == "nccl" else "cpu", self._pool)
+        packed = (
+            state_dict
+            if isinstance(state_dict, PackedBuckets)
+            else PackedBuckets(ready.buckets, state_dict, self.device if self.backend == "nccl" else "cpu", self._pool)
+        )
         start, phase = time.perf_counter(), "rendezvous"
         try:
             if self._group is None:
-                self._group = new_group(self.store, ready.group_prefix, ROOT, ready.world_size,
-                                        self.backend, self.timeout_s, self.device)
+                self._group = new_group(
+                    self.store, ready.group_prefix, ROOT, ready.world_size, self.backend, self.timeout_s, self.device
+                )
             # every bucket is queued before any wait: a CPU wait per bucket costs ~0.3 ms of NCCL
             # polling each (measured: 7B in 256 MB buckets took 1.65x raw that way)
             works = []
@@ -279,7 +330,8 @@ class WeightBroadcaster:
     `wait_applied(node_id, timeout_s)` returns that node's `WeightsApplied` (raising on timeout).
     """
 
-    def __init__(self, cfg: WeightsConfig = WeightsConfig(), *, device: torch.device | str = "cpu"):
+    def __init__(self, cfg: WeightsConfig | None = None, *, device: torch.device | str = "cpu"):
+        cfg = cfg or WeightsConfig()
         self.cfg, self.host, self.device = cfg, cfg.store_host, torch.device(device)
         self.backend = resolve_backend(cfg.backend, self.device)
         self.senders: dict[str, WeightSender] = {}
@@ -294,8 +346,9 @@ class WeightBroadcaster:
         if node_id in self.senders:
             raise ValueError(f"node {node_id!r} is already registered for weights; remove_node it first")
         self.evicted.pop(node_id, None)
-        self.senders[node_id] = WeightSender(node_id, receivers, host=self.host, backend=self.backend,
-                                             device=self.device, timeout_s=self.cfg.timeout_s)
+        self.senders[node_id] = WeightSender(
+            node_id, receivers, host=self.host, backend=self.backend, device=self.device, timeout_s=self.cfg.timeout_s
+        )
 
     def remove_node(self, node_id: str) -> None:
         sender = self.senders.pop(node_id, None)
@@ -303,9 +356,15 @@ class WeightBroadcaster:
         if sender is not None:
             sender.close()
 
-    def broadcast(self, state_dict: Mapping[str, torch.Tensor], version: int, send_control: SendControl,
-                  wait_applied: WaitApplied, nodes: Iterable[str] | None = None,
-                  on_bucket: Callable[[str, int], None] | None = None) -> dict[str, TransferResult]:
+    def broadcast(
+        self,
+        state_dict: Mapping[str, torch.Tensor],
+        version: int,
+        send_control: SendControl,
+        wait_applied: WaitApplied,
+        nodes: Iterable[str] | None = None,
+        on_bucket: Callable[[str, int], None] | None = None,
+    ) -> dict[str, TransferResult]:
         """Send `state_dict` as `version` to `nodes` (default: all); evict the ones that fail.
 
         Raises `WeightVersionError` (after every node finished) when a node confirms another version.
@@ -317,17 +376,30 @@ class WeightBroadcaster:
         specs = plan_buckets(state_dict, int(self.cfg.bucket_mb * 2**20))
         packed = PackedBuckets(specs, state_dict, self.device if self.backend == "nccl" else "cpu")
         results: dict[str, TransferResult] = {}
-        threads = [threading.Thread(target=self._run_one, name=f"weights-{n}", daemon=True,
-                                    args=(n, packed, version, send_control, wait_applied, on_bucket, results))
-                   for n in targets]
+        threads = [
+            threading.Thread(
+                target=self._run_one,
+                name=f"weights-{n}",
+                daemon=True,
+                args=(n, packed, version, send_control, wait_applied, on_bucket, results),
+            )
+            for n in targets
+        ]
         for t in threads:
             t.start()
         deadline = time.monotonic() + self.cfg.timeout_s * (3 + len(specs)) + 5.0
         for node_id, t in zip(targets, threads):
             t.join(max(0.0, deadline - time.monotonic()))
             if t.is_alive():
-                results[node_id] = TransferResult(node_id, version, False, self.cfg.timeout_s, error=WeightTransferError(
-                    node_id, "deadline", "the transfer thread is still blocked past every phase's deadline"))
+                results[node_id] = TransferResult(
+                    node_id,
+                    version,
+                    False,
+                    self.cfg.timeout_s,
+                    error=WeightTransferError(
+                        node_id, "deadline", "the transfer thread is still blocked past every phase's deadline"
+                    ),
+                )
         return self._settle(results, version)
 
     def _run_one(self, node_id, packed, version, send_control, wait_applied, on_bucket, results) -> None:
@@ -340,14 +412,17 @@ class WeightBroadcaster:
                 raise WeightTransferError(node_id, "layout", f"{type(e).__name__}: {e}") from e
             send_s = sender.send(packed, ready, on_bucket)
             applied = self._wait_applied(node_id, wait_applied)
-            results[node_id] = TransferResult(node_id, applied.version, True, time.perf_counter() - start,
-                                              send_s, applied.seconds)
+            results[node_id] = TransferResult(
+                node_id, applied.version, True, time.perf_counter() - start, send_s, applied.seconds
+            )
         except Exception as e:  # anything else still evicts this node only, with the cause named
-            error = e if isinstance(e, WeightTransferError) else WeightTransferError(
-                node_id, "internal", f"{type(e).__name__}: {e}")
+            error = (
+                e
+                if isinstance(e, WeightTransferError)
+                else WeightTransferError(node_id, "internal", f"{type(e).__name__}: {e}")
+            )
             sender.mark_broken()
-            results[node_id] = TransferResult(node_id, version, False, time.perf_counter() - start, send_s,
-                                              error=error)
+            results[node_id] = TransferResult(node_id, version, False, time.perf_counter() - start, send_s, error=error)
 
     def _wait_applied(self, node_id: str, wait_applied: WaitApplied) -> WeightsApplied:
         try:
@@ -372,6 +447,7 @@ class WeightBroadcaster:
                 self.evicted[node_id] = result.error or WeightTransferError(node_id, "apply", "version mismatch")
                 self.remove_node(node_id)
         if mismatched:
-            raise WeightVersionError(f"sent weights version {version}, but node(s) confirmed another: "
-                                     f"{', '.join(mismatched)} (evicted)")
+            raise WeightVersionError(
+                f"sent weights version {version}, but node(s) confirmed another: {', '.join(mismatched)} (evicted)"
+            )
         return results

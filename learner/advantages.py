@@ -6,7 +6,8 @@ all equal carry no signal (every advantage is 0); they are counted so the caller
 
 from __future__ import annotations
 
-from typing import Literal, Sequence
+from collections.abc import Sequence
+from typing import Literal
 
 import torch
 from torch import Tensor
@@ -30,8 +31,9 @@ def _one_group(rewards: Tensor, kind: Kind, eps: float) -> tuple[Tensor, bool]:
     return centered * (n / (n - 1)), False
 
 
-def group_advantages(rewards: Tensor | Sequence[Sequence[float]], kind: Kind = "group_std",
-                     eps: float = 1e-6) -> tuple[Tensor | list[list[float]], int]:
+def group_advantages(
+    rewards: Tensor | Sequence[Sequence[float]], kind: Kind = "group_std", eps: float = 1e-6
+) -> tuple[Tensor | list[list[float]], int]:
     """Advantages of each sample relative to its group, and how many groups had zero reward variance.
 
     `rewards` is a [G, N] tensor (G groups of N samples) or a list of groups of any sizes; the

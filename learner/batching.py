@@ -45,7 +45,7 @@ class MicroBatch:
     def num_loss_tokens(self) -> int:
         return int(self.loss_mask.sum())
 
-    def to(self, device: torch.device | str) -> "MicroBatch":
+    def to(self, device: torch.device | str) -> MicroBatch:
         moved = {f.name: getattr(self, f.name) for f in fields(self)}
         for name, value in moved.items():
             if isinstance(value, Tensor):
@@ -83,19 +83,34 @@ def _tensors(trajectory: Trajectory, advantage: float) -> dict[str, Tensor]:
     behavior = torch.zeros(n, dtype=torch.float32)
     behavior[start:] = torch.tensor(trajectory.behavior_logprobs, dtype=torch.float32)
     versions = torch.full((n,), -1, dtype=torch.int64)
-    versions[start:] = (torch.tensor(trajectory.token_versions, dtype=torch.int64) if trajectory.token_versions
-                        else trajectory.policy_version)
-    return {"input_ids": tokens[:-1], "targets": tokens[1:], "position_ids": torch.arange(n),
-            "loss_mask": mask, "behavior_logprobs": behavior, "versions": versions,
-            "advantages": mask.to(torch.float32) * float(advantage)}
+    versions[start:] = (
+        torch.tensor(trajectory.token_versions, dtype=torch.int64)
+        if trajectory.token_versions
+        else trajectory.policy_version
+    )
+    return {
+        "input_ids": tokens[:-1],
+        "targets": tokens[1:],
+        "position_ids": torch.arange(n),
+        "loss_mask": mask,
+        "behavior_logprobs": behavior,
+        "versions": versions,
+        "advantages": mask.to(torch.float32) * float(advantage),
+    }
 
 
 def _padding(n: int) -> dict[str, Tensor]:
     """A sequence of n positions with no loss token (fills a micro-batch up to a fixed size)."""
     zeros = torch.zeros(n, dtype=torch.int64)
-    return {"input_ids": zeros, "targets": zeros, "position_ids": torch.arange(n),
-            "loss_mask": torch.zeros(n, dtype=torch.bool), "behavior_logprobs": torch.zeros(n),
-            "versions": zeros - 1, "advantages": torch.zeros(n)}
+    return {
+        "input_ids": zeros,
+        "targets": zeros,
+        "position_ids": torch.arange(n),
+        "loss_mask": torch.zeros(n, dtype=torch.bool),
+        "behavior_logprobs": torch.zeros(n),
+        "versions": zeros - 1,
+        "advantages": torch.zeros(n),
+    }
 
 
 def collate(trajectories: list[Trajectory], advantages: list[float], pad_to: int = 0) -> MicroBatch:
@@ -110,14 +125,20 @@ def collate(trajectories: list[Trajectory], advantages: list[float], pad_to: int
     seq_ids = torch.repeat_interleave(torch.arange(len(parts)), torch.tensor(lengths))
     cu = torch.zeros(len(parts) + 1, dtype=torch.int32)
     cu[1:] = torch.cumsum(torch.tensor(lengths), 0)
-    return MicroBatch(seq_ids=seq_ids, cu_seqlens=cu, max_seqlen=max(lengths),
-                      sample_ids=[t.sample_id for t in trajectories],
-                      loss_tokens=sum(len(t.completion_ids) for t in trajectories),
-                      loss_sequences=sum(1 for t in trajectories if t.completion_ids), **cat)
+    return MicroBatch(
+        seq_ids=seq_ids,
+        cu_seqlens=cu,
+        max_seqlen=max(lengths),
+        sample_ids=[t.sample_id for t in trajectories],
+        loss_tokens=sum(len(t.completion_ids) for t in trajectories),
+        loss_sequences=sum(1 for t in trajectories if t.completion_ids),
+        **cat,
+    )
 
 
-def pack(trajectories: list[Trajectory], advantages: list[float], token_budget: int,
-         pad_to_budget: bool = False) -> list[MicroBatch]:
+def pack(
+    trajectories: list[Trajectory], advantages: list[float], token_budget: int, pad_to_budget: bool = False
+) -> list[MicroBatch]:
     """Packed micro-batches of at most `token_budget` positions each; completion-less samples are skipped.
 
     pad_to_budget: every micro-batch gets exactly `token_budget` positions (static shapes for
@@ -131,9 +152,13 @@ def pack(trajectories: list[Trajectory], advantages: list[float], token_budget: 
     costs = [sequence_cost(trajectories[i]) for i in keep]
     for i, cost in zip(keep, costs):
         if cost > token_budget:
-            raise ValueError(f"sample {trajectories[i].sample_id} needs {cost} positions (prompt + completion - 1) "
-                             f"but learner.micro_batch_tokens = {token_budget}; raise it to at least {cost} "
-                             "or lower model.max_model_len")
+            raise ValueError(
+                f"sample {trajectories[i].sample_id} needs {cost} positions (prompt + completion - 1) "
+                f"but learner.micro_batch_tokens = {token_budget}; raise it to at least {cost} "
+                "or lower model.max_model_len"
+            )
     pad_to = token_budget if pad_to_budget else 0
-    return [collate([trajectories[keep[j]] for j in b], [advantages[keep[j]] for j in b], pad_to)
-            for b in plan(costs, token_budget)]
+    return [
+        collate([trajectories[keep[j]] for j in b], [advantages[keep[j]] for j in b], pad_to)
+        for b in plan(costs, token_budget)
+    ]

@@ -32,8 +32,17 @@ from torch import nn
 FORMAT = 1
 META = "meta.json"
 _STEP = re.compile(r"^step_(\d+)$")
-_FINGERPRINT_FIELDS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                       "num_attention_heads", "num_key_value_heads", "head_dim", "tie_word_embeddings")
+_FINGERPRINT_FIELDS = (
+    "model_type",
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "tie_word_embeddings",
+)
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".h5", ".msgpack", ".gguf")
 _INDEX_FILES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
 
@@ -77,6 +86,7 @@ def param_shapes(lm: nn.Module) -> tuple[dict[str, list[int]], dict[str, str]]:
 
 # ---- where checkpoints live ------------------------------------------------------------------
 
+
 def checkpoints_dir(run_dir: str | os.PathLike) -> pathlib.Path:
     return pathlib.Path(run_dir) / "checkpoints"
 
@@ -112,8 +122,10 @@ def resolve(spec: str | os.PathLike, run_dir: str | os.PathLike | None = None) -
         found = list_checkpoints(root)
         if found:
             return found[-1][1]
-    raise CheckpointError(f"no complete checkpoint at {path} (a step_N folder with {META}, or a folder holding "
-                          "them); check the path, or start without --resume")
+    raise CheckpointError(
+        f"no complete checkpoint at {path} (a step_N folder with {META}, or a folder holding "
+        "them); check the path, or start without --resume"
+    )
 
 
 def read_meta(path: str | os.PathLike) -> Meta:
@@ -131,14 +143,18 @@ def check_compatible(meta: Meta, lm: nn.Module, path: pathlib.Path) -> None:
     mine = fingerprint(lm)
     for key in sorted(set(meta.model) | set(mine)):
         if meta.model.get(key) != mine.get(key):
-            raise CheckpointError(f"checkpoint {path} is from another model: {key} = {meta.model.get(key)!r} there, "
-                                  f"{mine.get(key)!r} in this run's model (model.path); resume with the model "
-                                  "it was trained from, or start a new run")
+            raise CheckpointError(
+                f"checkpoint {path} is from another model: {key} = {meta.model.get(key)!r} there, "
+                f"{mine.get(key)!r} in this run's model (model.path); resume with the model "
+                "it was trained from, or start a new run"
+            )
     shapes, _ = param_shapes(lm)
     for name in sorted(set(meta.params) | set(shapes)):
         if meta.params.get(name) != shapes.get(name):
-            raise CheckpointError(f"checkpoint {path} is from another model: parameter {name} has shape "
-                                  f"{meta.params.get(name)} there, {shapes.get(name)} in this run's model")
+            raise CheckpointError(
+                f"checkpoint {path} is from another model: parameter {name} has shape "
+                f"{meta.params.get(name)} there, {shapes.get(name)} in this run's model"
+            )
 
 
 def check_writable(root: pathlib.Path, need_bytes: int) -> None:
@@ -149,13 +165,16 @@ def check_writable(root: pathlib.Path, need_bytes: int) -> None:
         probe.write_bytes(b"ok")
         probe.unlink()
     except OSError as e:
-        raise CheckpointError(f"checkpoint folder {root} is not writable ({e.strerror}); "
-                              "set run.dir to a writable folder") from None
+        raise CheckpointError(
+            f"checkpoint folder {root} is not writable ({e.strerror}); set run.dir to a writable folder"
+        ) from None
     free = shutil.disk_usage(root).free
     if free < need_bytes:
-        raise CheckpointError(f"not enough disk for a checkpoint in {root}: about {need_bytes / 2**20:.1f} MiB "
-                              f"needed, {free / 2**20:.1f} MiB free; free space, lower checkpoint.keep_last, "
-                              "or point run.dir elsewhere")
+        raise CheckpointError(
+            f"not enough disk for a checkpoint in {root}: about {need_bytes / 2**20:.1f} MiB "
+            f"needed, {free / 2**20:.1f} MiB free; free space, lower checkpoint.keep_last, "
+            "or point run.dir elsewhere"
+        )
 
 
 def estimate_bytes(lm: nn.Module) -> int:
@@ -166,8 +185,17 @@ def estimate_bytes(lm: nn.Module) -> int:
 
 # ---- save ------------------------------------------------------------------------------------
 
-def save(root: str | os.PathLike, lm: nn.Module, optimizer, scheduler, state: LearnerState,
-         model_source: str = "", keep_last: int = 2, keep_every: int = 0) -> pathlib.Path:
+
+def save(
+    root: str | os.PathLike,
+    lm: nn.Module,
+    optimizer,
+    scheduler,
+    state: LearnerState,
+    model_source: str = "",
+    keep_last: int = 2,
+    keep_every: int = 0,
+) -> pathlib.Path:
     """Every rank calls: write `root/step_{state.step}` (model, optimizer, schedule, RNG, state), then
     apply the retention policy. Returns the checkpoint folder."""
     import torch.distributed.checkpoint as dcp
@@ -183,8 +211,13 @@ def save(root: str | os.PathLike, lm: nn.Module, optimizer, scheduler, state: Le
         torch.save({"scheduler": scheduler.state_dict(), "rng": rngs}, tmp / "extra.pt")
         write_hf_files(lm, model_source, tmp / "hf")
         shapes, dtypes = param_shapes(lm)
-        meta = Meta(FORMAT, msgspec.structs.replace(state, world_size=_world(), time=time.time()),
-                    fingerprint(lm), shapes, dtypes)
+        meta = Meta(
+            FORMAT,
+            msgspec.structs.replace(state, world_size=_world(), time=time.time()),
+            fingerprint(lm),
+            shapes,
+            dtypes,
+        )
         _write_atomic(tmp / META, msgspec.json.encode(meta))
         if final.exists():
             shutil.rmtree(final)
@@ -233,6 +266,7 @@ def write_hf_files(lm: nn.Module, model_source: str, out: pathlib.Path) -> None:
 
 # ---- load ------------------------------------------------------------------------------------
 
+
 def load(path: str | os.PathLike, lm: nn.Module, optimizer, scheduler) -> LearnerState:
     """Every rank calls: restore model, optimizer, schedule and RNG from `path` (any number of ranks
     may have saved it); returns the learner state to continue from."""
@@ -255,6 +289,7 @@ def load(path: str | os.PathLike, lm: nn.Module, optimizer, scheduler) -> Learne
 
 # ---- the learner loop's handle ---------------------------------------------------------------
 
+
 class Keeper:
     """When the learner saves, exports and resumes (`checkpoint.every`, `export_every`, `--resume`).
 
@@ -262,8 +297,7 @@ class Keeper:
     first save an hour in. `trainer` needs `.optimizer`, `.scheduler`, `.version`, `.skipped_steps`.
     """
 
-    def __init__(self, cfg, run_dir: str | os.PathLike, lm: nn.Module, trainer, model_source: str,
-                 last_step: int):
+    def __init__(self, cfg, run_dir: str | os.PathLike, lm: nn.Module, trainer, model_source: str, last_step: int):
         self.cfg, self.lm, self.trainer, self.model_source = cfg, lm, trainer, model_source
         self.root, self.exports = checkpoints_dir(run_dir), pathlib.Path(run_dir) / "exports"
         self.last_step = last_step
@@ -281,18 +315,35 @@ class Keeper:
         self.trainer.version, self.trainer.skipped_steps = state.version, state.skipped_steps
         if _rank() == 0:
             logging.getLogger("streamrl.learner").info(
-                "resumed from %s: step %d, version %d, saved by %d ranks, loaded on %d", path, state.step,
-                state.version, state.world_size, _world())
+                "resumed from %s: step %d, version %d, saved by %d ranks, loaded on %d",
+                path,
+                state.step,
+                state.version,
+                state.world_size,
+                _world(),
+            )
         return state
 
     def after_step(self, step: int, full_state) -> None:
         """Every rank: save and export when due (and at the last step); `full_state` is rank 0's."""
         due = lambda every: every and (step % every == 0 or step == self.last_step)  # noqa: E731
         if due(self.cfg.every):
-            state = LearnerState(step=step, version=self.trainer.version, skipped_steps=self.trainer.skipped_steps,
-                                 ledger_version=self.trainer.version)
-            save(self.root, self.lm, self.trainer.optimizer, self.trainer.scheduler, state, self.model_source,
-                 self.cfg.keep_last, self.cfg.keep_every)
+            state = LearnerState(
+                step=step,
+                version=self.trainer.version,
+                skipped_steps=self.trainer.skipped_steps,
+                ledger_version=self.trainer.version,
+            )
+            save(
+                self.root,
+                self.lm,
+                self.trainer.optimizer,
+                self.trainer.scheduler,
+                state,
+                self.model_source,
+                self.cfg.keep_last,
+                self.cfg.keep_every,
+            )
         if due(self.cfg.export_every) and _rank() == 0:
             from streamrl.learner.export import export_state
 
@@ -312,6 +363,7 @@ def preempt_received(ledger) -> int:
 
 
 # ---- ranks, RNG, files -----------------------------------------------------------------------
+
 
 def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
@@ -389,4 +441,3 @@ def _fsync_dir(path: pathlib.Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-

@@ -22,8 +22,13 @@ from streamrl.learner.checkpoint import CheckpointError, read_meta, resolve
 DEFAULT_SHARD_SIZE = "2GB"
 
 
-def export_state(state: Mapping[str, Tensor], hf_files: str | os.PathLike, out_dir: str | os.PathLike,
-                 max_shard_size: str | int = DEFAULT_SHARD_SIZE, overwrite: bool = False) -> pathlib.Path:
+def export_state(
+    state: Mapping[str, Tensor],
+    hf_files: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    max_shard_size: str | int = DEFAULT_SHARD_SIZE,
+    overwrite: bool = False,
+) -> pathlib.Path:
     """Write `state` (HF names, full tensors) as an HF model folder, with the config and tokenizer
     files found in `hf_files` (a checkpoint's `hf/` or the source model's folder)."""
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -36,8 +41,10 @@ def export_state(state: Mapping[str, Tensor], hf_files: str | os.PathLike, out_d
     missing, unexpected = model.load_state_dict(dict(state), strict=False, assign=True)
     missing = [k for k in missing if not _tied(config, k)]
     if missing or unexpected:
-        raise CheckpointError(f"the weights do not fit the model in {hf_files / 'config.json'}: missing "
-                              f"{missing[:5]}, unexpected {unexpected[:5]}")
+        raise CheckpointError(
+            f"the weights do not fit the model in {hf_files / 'config.json'}: missing "
+            f"{missing[:5]}, unexpected {unexpected[:5]}"
+        )
     model.tie_weights()
     tmp = out.with_name(f".{out.name}.tmp")
     if tmp.exists():
@@ -58,30 +65,33 @@ def load_checkpoint_weights(checkpoint: str | os.PathLike) -> dict[str, Tensor]:
 
     path = resolve(checkpoint)
     meta = read_meta(path)
-    state = {name: torch.empty(shape, dtype=getattr(torch, meta.dtypes[name]))
-             for name, shape in meta.params.items()}
+    state = {name: torch.empty(shape, dtype=getattr(torch, meta.dtypes[name])) for name, shape in meta.params.items()}
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
         dcp.load({"model": state}, checkpoint_id=str(path), no_dist=True)
     return state
 
 
-def export_checkpoint(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathLike,
-                      max_shard_size: str | int = DEFAULT_SHARD_SIZE, overwrite: bool = False) -> pathlib.Path:
+def export_checkpoint(
+    checkpoint_dir: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    max_shard_size: str | int = DEFAULT_SHARD_SIZE,
+    overwrite: bool = False,
+) -> pathlib.Path:
     """`streamrl export`: a checkpoint (a step folder, or a run / checkpoints folder: its newest)
     → an HF model folder at `out_dir`."""
     path = resolve(checkpoint_dir)
     hf_files = path / "hf"
     if not (hf_files / "config.json").is_file():
-        raise CheckpointError(f"checkpoint {path} has no hf/config.json: it cannot be exported (was it "
-                              "copied without its hf/ folder?)")
+        raise CheckpointError(
+            f"checkpoint {path} has no hf/config.json: it cannot be exported (was it copied without its hf/ folder?)"
+        )
     return export_state(load_checkpoint_weights(path), hf_files, out_dir, max_shard_size, overwrite)
 
 
 def _check_out(out: pathlib.Path, overwrite: bool) -> None:
     if out.exists() and any(out.iterdir()) and not overwrite:
-        raise CheckpointError(f"export folder {out} exists and is not empty; choose another folder or pass "
-                              "--overwrite")
+        raise CheckpointError(f"export folder {out} exists and is not empty; choose another folder or pass --overwrite")
     parent = out.parent
     try:
         parent.mkdir(parents=True, exist_ok=True)

@@ -25,8 +25,9 @@ BLOCK_BACKWARD = 4096
 
 
 @triton.jit
-def _triton_head_forward(logits, targets, out_logprob, out_entropy, out_lse, vocab, row_stride, inv_temp,
-                         BLOCK: tl.constexpr):
+def _triton_head_forward(
+    logits, targets, out_logprob, out_entropy, out_lse, vocab, row_stride, inv_temp, BLOCK: tl.constexpr
+):
     row = tl.program_id(0).to(tl.int64)
     base = logits + row * row_stride
     m = tl.full([BLOCK], float("-inf"), tl.float32)
@@ -56,8 +57,9 @@ def _triton_head_forward(logits, targets, out_logprob, out_entropy, out_lse, voc
 
 
 @triton.jit
-def _triton_head_backward(logits, targets, lse, grad, out, vocab, row_stride, out_stride, inv_temp,
-                     BLOCK: tl.constexpr):
+def _triton_head_backward(
+    logits, targets, lse, grad, out, vocab, row_stride, out_stride, inv_temp, BLOCK: tl.constexpr
+):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     valid = cols < vocab
@@ -73,8 +75,18 @@ def head_forward(logits: Tensor, targets: Tensor, inv_temp: float) -> tuple[Tens
     logits = logits if logits.stride(1) == 1 else logits.contiguous()
     rows, vocab = logits.shape
     logprob, entropy, lse = (torch.empty(rows, dtype=torch.float32, device=logits.device) for _ in range(3))
-    _triton_head_forward[(rows,)](logits, targets.contiguous(), logprob, entropy, lse, vocab, logits.stride(0),
-                                  float(inv_temp), BLOCK=BLOCK_FORWARD, num_warps=8)
+    _triton_head_forward[(rows,)](
+        logits,
+        targets.contiguous(),
+        logprob,
+        entropy,
+        lse,
+        vocab,
+        logits.stride(0),
+        float(inv_temp),
+        BLOCK=BLOCK_FORWARD,
+        num_warps=8,
+    )
     return logprob, entropy, lse
 
 
@@ -84,6 +96,16 @@ def head_backward(logits: Tensor, targets: Tensor, lse: Tensor, grad: Tensor, in
     rows, vocab = logits.shape
     out = torch.empty_like(logits, memory_format=torch.contiguous_format)
     _triton_head_backward[(rows, triton.cdiv(vocab, BLOCK_BACKWARD))](
-        logits, targets.contiguous(), lse.contiguous(), grad.float().contiguous(), out, vocab, logits.stride(0),
-        out.stride(0), float(inv_temp), BLOCK=BLOCK_BACKWARD, num_warps=8)
+        logits,
+        targets.contiguous(),
+        lse.contiguous(),
+        grad.float().contiguous(),
+        out,
+        vocab,
+        logits.stride(0),
+        out.stride(0),
+        float(inv_temp),
+        BLOCK=BLOCK_BACKWARD,
+        num_warps=8,
+    )
     return out

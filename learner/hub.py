@@ -26,8 +26,16 @@ from torch import Tensor
 
 from streamrl.engine.config import Config
 from streamrl.engine.ledger import Ledger, is_stale
-from streamrl.engine.messages import (Goodbye, Heartbeat, Register, Stop, Trajectory, WeightsApplied, WeightsReady,
-                                      Welcome)
+from streamrl.engine.messages import (
+    Goodbye,
+    Heartbeat,
+    Register,
+    Stop,
+    Trajectory,
+    WeightsApplied,
+    WeightsReady,
+    Welcome,
+)
 from streamrl.engine.transport import ControlServer, TrajectoryReceiver, TransportError, bind_address
 from streamrl.engine.weights import WeightBroadcaster
 
@@ -134,10 +142,16 @@ class Hub:
         t = cfg.transport
         self.cfg, self.ledger, self.version = cfg, ledger, version
         self.receiver = TrajectoryReceiver(bind_address(t.host, t.trajectory_port), hwm=t.hwm)
-        self.welcome = Welcome(node_id="", trajectory_addr=self.receiver.addr, redis_url=redis_url,
-                               run_name=cfg.run.name, policy_version=version)
-        self.control = _ControlThread(ControlServer(bind_address(t.host, t.control_port), t.send_timeout_s),
-                                      self.welcome)
+        self.welcome = Welcome(
+            node_id="",
+            trajectory_addr=self.receiver.addr,
+            redis_url=redis_url,
+            run_name=cfg.run.name,
+            policy_version=version,
+        )
+        self.control = _ControlThread(
+            ControlServer(bind_address(t.host, t.control_port), t.send_timeout_s), self.welcome
+        )
         self.broadcaster = WeightBroadcaster(cfg.weights, device=device)
         self.groups: dict[str, _Group] = {}
         self.latest_state: Mapping[str, Tensor] | None = None
@@ -153,8 +167,16 @@ class Hub:
         """`RUN/learner.json`: where nodes find this learner (`streamrl rollout --run NAME`)."""
         path = run_dir / "learner.json"
         tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"control_addr": self.control_addr, "trajectory_addr": self.receiver.addr,
-                                   "redis_url": self.welcome.redis_url, "run": self.cfg.run.name}))
+        tmp.write_text(
+            json.dumps(
+                {
+                    "control_addr": self.control_addr,
+                    "trajectory_addr": self.receiver.addr,
+                    "redis_url": self.welcome.redis_url,
+                    "run": self.cfg.run.name,
+                }
+            )
+        )
         tmp.rename(path)
         return path
 
@@ -173,9 +195,14 @@ class Hub:
             if ready is not None:
                 return ready
             if time.monotonic() - last_warn > WAITING_WARN_S:
-                log.warning("waited %.0f s for trajectories: %d nodes registered, %d groups partly here; "
-                            "start a node with `streamrl rollout --run %s`", time.monotonic() - waiting_since,
-                            len(self.control.nodes), len(self.groups), self.cfg.run.name)
+                log.warning(
+                    "waited %.0f s for trajectories: %d nodes registered, %d groups partly here; "
+                    "start a node with `streamrl rollout --run %s`",
+                    time.monotonic() - waiting_since,
+                    len(self.control.nodes),
+                    len(self.groups),
+                    self.cfg.run.name,
+                )
                 last_warn = time.monotonic()
 
     def _drain(self, timeout_s: float, limit: int = 4096) -> list[Trajectory]:
@@ -188,8 +215,12 @@ class Hub:
 
     def _admit(self, batch: list[Trajectory]) -> None:
         received = self.ledger.receive(batch, self.version)
-        self.counters.update(received=len(received.fresh), stale=len(received.stale),
-                             reward_error=len(received.reward_errors), rejected=len(received.rejected))
+        self.counters.update(
+            received=len(received.fresh),
+            stale=len(received.stale),
+            reward_error=len(received.reward_errors),
+            rejected=len(received.rejected),
+        )
         fresh_ids = {t.sample_id for t in received.fresh}
         now = time.monotonic()
         for traj in batch:
@@ -201,8 +232,9 @@ class Hub:
 
     def _take_ready(self, n_groups: int) -> list[list[Trajectory]] | None:
         now = time.monotonic()
-        ready_ids = [g for g, group in self.groups.items()
-                     if group.complete or now - group.first_seen > GROUP_PATIENCE_S]
+        ready_ids = [
+            g for g, group in self.groups.items() if group.complete or now - group.first_seen > GROUP_PATIENCE_S
+        ]
         usable = []
         for group_id in ready_ids:
             members = self._fresh_members(self.groups[group_id])
@@ -239,8 +271,12 @@ class Hub:
         if time.monotonic() - self._last_reap > REAP_EVERY_S:
             self._last_reap = time.monotonic()
             for node_id, samples in self.ledger.reap_lost_nodes().items():
-                log.warning("node %s stopped beating: %d in-flight samples resolved (%s)", node_id, samples,
-                            self.cfg.ledger.on_node_lost)
+                log.warning(
+                    "node %s stopped beating: %d in-flight samples resolved (%s)",
+                    node_id,
+                    samples,
+                    self.cfg.ledger.on_node_lost,
+                )
                 self._remove(node_id)
 
     def _join(self, node_id: str) -> None:

@@ -77,9 +77,10 @@ class _ChunkedLogprobs(torch.autograd.Function):
         logprobs, entropy, lse = (hidden.new_empty(n, dtype=torch.float32) for _ in range(3))
         kept = []
         for s in range(0, n, chunk):
-            logits = hidden[s:s + chunk] @ weight.t()
-            logprobs[s:s + chunk], entropy[s:s + chunk], lse[s:s + chunk] = forward(
-                logits, targets[s:s + chunk], inv_temp)
+            logits = hidden[s : s + chunk] @ weight.t()
+            logprobs[s : s + chunk], entropy[s : s + chunk], lse[s : s + chunk] = forward(
+                logits, targets[s : s + chunk], inv_temp
+            )
             if keep:
                 kept.append(logits)
         ctx.save_for_backward(hidden, weight, targets, lse, *kept)
@@ -95,11 +96,12 @@ class _ChunkedLogprobs(torch.autograd.Function):
         grad_hidden = torch.empty_like(hidden)
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
         for i, s in enumerate(range(0, hidden.shape[0], chunk)):
-            h = hidden[s:s + chunk]
+            h = hidden[s : s + chunk]
             logits = kept[i] if kept else h @ weight.t()
-            d_logits = backward(logits, targets[s:s + chunk], lse[s:s + chunk],
-                                grad_logprobs[s:s + chunk].float(), ctx.inv_temp)
-            torch.mm(d_logits, weight, out=grad_hidden[s:s + chunk])  # rows of grad_hidden: no copy
+            d_logits = backward(
+                logits, targets[s : s + chunk], lse[s : s + chunk], grad_logprobs[s : s + chunk].float(), ctx.inv_temp
+            )
+            torch.mm(d_logits, weight, out=grad_hidden[s : s + chunk])  # rows of grad_hidden: no copy
             grad_weight = _accumulate(grad_weight, d_logits.t(), h)
         return grad_hidden, grad_weight.to(weight.dtype), None, None, None, None
 
@@ -126,9 +128,14 @@ def head_chunk(vocab_size: int, most: int = MAX_CHUNK) -> int:
     return chunk
 
 
-def chunked_logprobs(hidden: Tensor, weight: Tensor, targets: Tensor, chunk: int = 1024,
-                     temperature: float = 1.0,
-                     keep_logits_bytes: int = DEFAULT_KEEP_LOGITS_BYTES) -> tuple[Tensor, Tensor]:
+def chunked_logprobs(
+    hidden: Tensor,
+    weight: Tensor,
+    targets: Tensor,
+    chunk: int = 1024,
+    temperature: float = 1.0,
+    keep_logits_bytes: int = DEFAULT_KEEP_LOGITS_BYTES,
+) -> tuple[Tensor, Tensor]:
     """(log softmax(hidden @ weight.T / temperature)[target], entropy), both [T] fp32; hidden [T, H].
 
     The logits are kept for backward when T x vocab of them fit `keep_logits_bytes` (0: always recompute).
@@ -140,8 +147,13 @@ def chunked_logprobs(hidden: Tensor, weight: Tensor, targets: Tensor, chunk: int
 class PolicyModel(nn.Module):
     """A HF causal LM whose forward maps a packed micro-batch to (logprobs, entropy) of its targets."""
 
-    def __init__(self, lm: nn.Module, chunk: int = 0, temperature: float = 1.0,
-                 keep_logits_bytes: int = DEFAULT_KEEP_LOGITS_BYTES):
+    def __init__(
+        self,
+        lm: nn.Module,
+        chunk: int = 0,
+        temperature: float = 1.0,
+        keep_logits_bytes: int = DEFAULT_KEEP_LOGITS_BYTES,
+    ):
         super().__init__()
         self.lm, self.temperature = lm, temperature
         head = lm.get_output_embeddings().weight
@@ -154,12 +166,19 @@ class PolicyModel(nn.Module):
     def varlen(self) -> bool:
         return self.lm.config._attn_implementation == "streamrl_varlen"
 
-    def forward(self, input_ids: Tensor, position_ids: Tensor, targets: Tensor, cu_seqlens: Tensor,
-                max_seqlen: int) -> tuple[Tensor, Tensor]:
+    def forward(
+        self, input_ids: Tensor, position_ids: Tensor, targets: Tensor, cu_seqlens: Tensor, max_seqlen: int
+    ) -> tuple[Tensor, Tensor]:
         extra = {}
         if self.varlen:
             cu = cu_seqlens.to(torch.int32)
             extra = dict(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=max_seqlen, max_length_k=max_seqlen)
         out = self.lm.model(input_ids=input_ids[None], position_ids=position_ids[None], use_cache=False, **extra)
-        return chunked_logprobs(out.last_hidden_state[0], self.lm.get_output_embeddings().weight, targets,
-                                self.chunk, self.temperature, self.keep_logits_bytes)
+        return chunked_logprobs(
+            out.last_hidden_state[0],
+            self.lm.get_output_embeddings().weight,
+            targets,
+            self.chunk,
+            self.temperature,
+            self.keep_logits_bytes,
+        )

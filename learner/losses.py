@@ -100,11 +100,20 @@ def clipped_surrogate(ratio: Tensor, advantages: Tensor, cfg: LossConfig) -> tup
     return loss, was_clipped
 
 
-def policy_loss(logprobs: Tensor, behavior_logprobs: Tensor, advantages: Tensor, mask: Tensor,
-                cfg: LossConfig, *, seq_ids: Tensor | None = None, proximal_logprobs: Tensor | None = None,
-                ref_logprobs: Tensor | None = None, entropy: Tensor | None = None,
-                normalizer: Tensor | float | None = None,
-                same_version: Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:
+def policy_loss(
+    logprobs: Tensor,
+    behavior_logprobs: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    cfg: LossConfig,
+    *,
+    seq_ids: Tensor | None = None,
+    proximal_logprobs: Tensor | None = None,
+    ref_logprobs: Tensor | None = None,
+    entropy: Tensor | None = None,
+    normalizer: Tensor | float | None = None,
+    same_version: Tensor | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
     """Loss of one batch of tokens (all [T]) and its statistics as sums.
 
     logprobs: log pi_theta of the taken tokens (differentiable); behavior_logprobs: log mu;
@@ -114,8 +123,10 @@ def policy_loss(logprobs: Tensor, behavior_logprobs: Tensor, advantages: Tensor,
     same_version: tokens sampled by the weights the learner holds now, where `mismatch_kl` is measured.
     """
     if cfg.kl_coef > 0 and ref_logprobs is None:
-        raise ValueError("loss.kl_coef > 0 needs ref_logprobs (the reference policy's logprobs); "
-                         "set loss.kl_coef = 0 to train without a reference")
+        raise ValueError(
+            "loss.kl_coef > 0 needs ref_logprobs (the reference policy's logprobs); "
+            "set loss.kl_coef = 0 to train without a reference"
+        )
     mask = mask.to(torch.bool)
     proximal = logprobs.detach() if proximal_logprobs is None else proximal_logprobs.detach()
     behavior = behavior_logprobs.detach()
@@ -131,8 +142,7 @@ def policy_loss(logprobs: Tensor, behavior_logprobs: Tensor, advantages: Tensor,
     if normalizer is None:
         normalizer = local_normalizer(mask, seq_ids, cfg)
     loss = (per_token * agg).sum() / torch.as_tensor(normalizer, dtype=torch.float32).clamp(min=1.0)
-    stats = _stats(mask, keep, was_clipped, weight, old - logprobs.detach(), k3(proximal, behavior),
-                   same_version)
+    stats = _stats(mask, keep, was_clipped, weight, old - logprobs.detach(), k3(proximal, behavior), same_version)
     stats["loss_sum"] = (per_token.detach() * agg).sum()
     if entropy is not None:
         stats["entropy_sum"] = (entropy.detach() * mask).sum()
@@ -141,8 +151,15 @@ def policy_loss(logprobs: Tensor, behavior_logprobs: Tensor, advantages: Tensor,
     return loss, stats
 
 
-def _stats(mask: Tensor, keep: Tensor, was_clipped: Tensor, weight: Tensor, neg_log_ratio: Tensor,
-           mismatch: Tensor, same_version: Tensor | None) -> dict[str, Tensor]:
+def _stats(
+    mask: Tensor,
+    keep: Tensor,
+    was_clipped: Tensor,
+    weight: Tensor,
+    neg_log_ratio: Tensor,
+    mismatch: Tensor,
+    same_version: Tensor | None,
+) -> dict[str, Tensor]:
     m = mask.to(torch.float32)
     kept = mask & keep
     at_version = mask if same_version is None else mask & same_version.to(torch.bool)
@@ -165,17 +182,22 @@ def summarize(stats: dict[str, float]) -> dict[str, float]:
     """Means from (reduced) sums: clip_fraction, ppo_kl, is_weight_mean, mismatch_kl, entropy, ..."""
     tokens = max(stats.get("tokens", 0.0), 1.0)
     kept = max(tokens - stats.get("is_masked_sum", 0.0), 1.0)
-    out = {"tokens": stats.get("tokens", 0.0),
-           "clip_fraction": stats.get("clipped_sum", 0.0) / kept,
-           "ppo_kl": stats.get("ppo_kl_sum", 0.0) / tokens,
-           "is_weight_mean": stats.get("is_weight_sum", 0.0) / kept,
-           "is_masked_fraction": stats.get("is_masked_sum", 0.0) / tokens,
-           # Trainer-inference mismatch is only defined on tokens sampled by the weights the learner
-           # holds; a step with none (every sample a version behind) has no measurement, not a zero.
-           "mismatch_kl": (stats.get("mismatch_kl_sum", 0.0) / stats["mismatch_tokens"]
-                           if stats.get("mismatch_tokens", 0.0) > 0 else float("nan")),
-           # The whole off-policy gap (staleness + mismatch): k3 between pi_prox and the behavior policy.
-           "behavior_kl": stats.get("behavior_kl_sum", 0.0) / tokens}
+    out = {
+        "tokens": stats.get("tokens", 0.0),
+        "clip_fraction": stats.get("clipped_sum", 0.0) / kept,
+        "ppo_kl": stats.get("ppo_kl_sum", 0.0) / tokens,
+        "is_weight_mean": stats.get("is_weight_sum", 0.0) / kept,
+        "is_masked_fraction": stats.get("is_masked_sum", 0.0) / tokens,
+        # Trainer-inference mismatch is only defined on tokens sampled by the weights the learner
+        # holds; a step with none (every sample a version behind) has no measurement, not a zero.
+        "mismatch_kl": (
+            stats.get("mismatch_kl_sum", 0.0) / stats["mismatch_tokens"]
+            if stats.get("mismatch_tokens", 0.0) > 0
+            else float("nan")
+        ),
+        # The whole off-policy gap (staleness + mismatch): k3 between pi_prox and the behavior policy.
+        "behavior_kl": stats.get("behavior_kl_sum", 0.0) / tokens,
+    }
     for key in ("is_weight_max", "is_weight_min"):
         if key in stats:  # +-inf when no token was kept: reported as 0 so metric sinks stay valid JSON
             out[key] = stats[key] if math.isfinite(stats[key]) else 0.0

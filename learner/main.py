@@ -33,12 +33,16 @@ log = logging.getLogger("streamrl.learner")
 def check_config(cfg: Config) -> None:
     """Refuse combinations the learner cannot run, naming the fields."""
     if cfg.ledger.on_node_lost == "readmit":
-        raise ConfigError("ledger.on_node_lost = 'readmit': rollout nodes do not yet re-generate a lost node's "
-                          "groups, so their credits would never return; use 'drop'")
+        raise ConfigError(
+            "ledger.on_node_lost = 'readmit': rollout nodes do not yet re-generate a lost node's "
+            "groups, so their credits would never return; use 'drop'"
+        )
     samples = cfg.learner.groups_per_step * cfg.rollout.group_size
     if cfg.learner.ranks > samples:
-        raise ConfigError(f"learner.ranks = {cfg.learner.ranks} exceeds the samples of a step "
-                          f"(learner.groups_per_step × rollout.group_size = {samples}): some ranks would idle")
+        raise ConfigError(
+            f"learner.ranks = {cfg.learner.ranks} exceeds the samples of a step "
+            f"(learner.groups_per_step × rollout.group_size = {samples}): some ranks would idle"
+        )
 
 
 def share_batch(groups: list[list[Trajectory]] | None, cfg: Config) -> tuple[list[Trajectory], list[float], int]:
@@ -48,8 +52,11 @@ def share_batch(groups: list[list[Trajectory]] | None, cfg: Config) -> tuple[lis
         rewards = [[t.reward for t in group] for group in groups]
         advantages, _ = group_advantages(rewards, cfg.loss.advantage)
         flat = [t for group in groups for t in group]
-        payload = ([encode(t) for t in flat], [a for row in advantages for a in row],
-                   sum(len(t.completion_ids) for t in flat))
+        payload = (
+            [encode(t) for t in flat],
+            [a for row in advantages for a in row],
+            sum(len(t.completion_ids) for t in flat),
+        )
     world = dist.get_world_size() if dist.is_initialized() else 1
     if world > 1:
         box = [payload]
@@ -64,9 +71,14 @@ def batch_metrics(flat: list[Trajectory], stats: RewardStats, version: int, seco
     """The step's batch figures: reward statistics, tokens, throughput and staleness against `version`."""
     tokens = sum(len(t.completion_ids) for t in flat)
     lags = [version - t.min_version for t in flat]
-    return {**stats.as_metrics(), "samples": len(flat), "completion_tokens": tokens,
-            "tokens_per_s": tokens / max(seconds, 1e-9), "staleness_mean": sum(lags) / len(lags),
-            "staleness_max": max(lags)}
+    return {
+        **stats.as_metrics(),
+        "samples": len(flat),
+        "completion_tokens": tokens,
+        "tokens_per_s": tokens / max(seconds, 1e-9),
+        "staleness_mean": sum(lags) / len(lags),
+        "staleness_max": max(lags),
+    }
 
 
 def run_learner(cfg: Config, resume: str = "") -> int:
@@ -87,13 +99,13 @@ def run_learner(cfg: Config, resume: str = "") -> int:
     try:
         for step in range(first, cfg.run.steps + 1):
             started = time.monotonic()
-            groups = side.collect() if rank0 else None                                   # receive → admit
+            groups = side.collect() if rank0 else None  # receive → admit
             samples, advantages, total_tokens = share_batch(groups, cfg)
             metrics = trainer.step(pack(samples, advantages, cfg.learner.micro_batch_tokens), total_tokens)  # step
             state = parallel.full_state_dict(policy)
             if rank0:
-                side.publish(groups, state, trainer.version, step, metrics, started)    # commit → broadcast
-            keeper.after_step(step, state)                                               # checkpoint
+                side.publish(groups, state, trainer.version, step, metrics, started)  # commit → broadcast
+            keeper.after_step(step, state)  # checkpoint
     finally:
         if side is not None:
             side.close()
@@ -127,19 +139,27 @@ class RankZero:
             version = self.ledger.current_version()
             if self.redis is not None:
                 self.redis.stop()
-            raise ConfigError(f"run {cfg.run.name!r} already trained to version {version} (its ledger says so): "
-                              "pass --resume latest to continue it, or set run.name to start a new run")
+            raise ConfigError(
+                f"run {cfg.run.name!r} already trained to version {version} (its ledger says so): "
+                "pass --resume latest to continue it, or set run.name to start a new run"
+            )
         self.ledger.init_run(cfg.learner.groups_per_step)
         if resumed:  # what the previous learner took in but never trained will not come again
-            log.info("resuming: %d samples received but not trained before are dropped as preempted",
-                     checkpoint.preempt_received(self.ledger))
+            log.info(
+                "resuming: %d samples received but not trained before are dropped as preempted",
+                checkpoint.preempt_received(self.ledger),
+            )
         url = cfg.ledger.url or self.redis.url
         self.hub = Hub(cfg, self.ledger, url, device, version=self.ledger.current_version())
         self.hub.write_address_file(cfg.run.path)
         self.pending: list[list[Trajectory]] = []  # the step's groups until committed
         self.sink = MetricsSink(cfg.run.path, cfg.telemetry.tensorboard, cfg.telemetry.prometheus_port)
-        log.info("learner up: control %s, trajectories %s, ledger %s", self.hub.control_addr,
-                 self.hub.receiver.addr, url.split("@")[-1])
+        log.info(
+            "learner up: control %s, trajectories %s, ledger %s",
+            self.hub.control_addr,
+            self.hub.receiver.addr,
+            url.split("@")[-1],
+        )
 
     def collect(self) -> list[list[Trajectory]]:
         self.pending = self.hub.collect(self.cfg.learner.groups_per_step)
@@ -156,15 +176,29 @@ class RankZero:
         results = self.hub.broadcast(state, version) if not metrics["skipped"] else {}
         rewards = batch_stats([t.reward for t in flat], [t.group_id for t in flat])
         warn_if_flat(rewards, step)
-        record = {**metrics, **batch_metrics(flat, rewards, trained_by, time.monotonic() - started),
-                  "nodes": self.hub.nodes_alive(), "weights_s": max((r.seconds for r in results.values()), default=0.0),
-                  "evicted": sum(not r.ok for r in results.values()),
-                  **{f"samples_{k}": v for k, v in self.hub.counters.items()},
-                  "gaps": self.hub.receiver.gaps, "duplicates": self.hub.receiver.duplicates}
+        record = {
+            **metrics,
+            **batch_metrics(flat, rewards, trained_by, time.monotonic() - started),
+            "nodes": self.hub.nodes_alive(),
+            "weights_s": max((r.seconds for r in results.values()), default=0.0),
+            "evicted": sum(not r.ok for r in results.values()),
+            **{f"samples_{k}": v for k, v in self.hub.counters.items()},
+            "gaps": self.hub.receiver.gaps,
+            "duplicates": self.hub.receiver.duplicates,
+        }
         self.sink.log(step, record)
-        log.info("step %d v%d reward %.3f±%.3f loss %.4f tokens/s %.0f mismatch_kl %.2e staleness %.2f nodes %d",
-                 step, version, record["reward/mean"], record["reward/std"], record["loss"], record["tokens_per_s"],
-                 record.get("mismatch_kl", float("nan")), record["staleness_mean"], record["nodes"])
+        log.info(
+            "step %d v%d reward %.3f±%.3f loss %.4f tokens/s %.0f mismatch_kl %.2e staleness %.2f nodes %d",
+            step,
+            version,
+            record["reward/mean"],
+            record["reward/std"],
+            record["loss"],
+            record["tokens_per_s"],
+            record.get("mismatch_kl", float("nan")),
+            record["staleness_mean"],
+            record["nodes"],
+        )
 
     def close(self) -> None:
         if self.pending:  # a step cut short (a signal mid-step): its samples were never trained
@@ -186,8 +220,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m streamrl.learner.main", description=__doc__.splitlines()[0])
     parser.add_argument("--config", help="TOML config file (defaults when omitted)")
     parser.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE", help="override")
-    parser.add_argument("--resume", default="", metavar="PATH|latest",
-                        help="continue from a checkpoint (a step folder, or latest in the run folder)")
+    parser.add_argument(
+        "--resume",
+        default="",
+        metavar="PATH|latest",
+        help="continue from a checkpoint (a step folder, or latest in the run folder)",
+    )
     args = parser.parse_args(argv)
     try:
         cfg = load(args.config, args.set)

@@ -39,8 +39,9 @@ def init_distributed(timeout_s: float = DEFAULT_TIMEOUT_S) -> torch.device:
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         dist.init_process_group(backend, timeout=timeout, device_id=device if cuda else None)
     else:
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout,
-                                device_id=device if cuda else None)
+        dist.init_process_group(
+            backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout, device_id=device if cuda else None
+        )
     return device
 
 
@@ -85,8 +86,9 @@ def layer_units(sizes: list[int], unit_params: int) -> list[list[int]]:
     return units if len(units) > 1 else []
 
 
-def wrap_model(model: nn.Module, cfg: LearnerConfig, device: torch.device, *, temperature: float = 1.0,
-               chunk: int = 0) -> PolicyModel:
+def wrap_model(
+    model: nn.Module, cfg: LearnerConfig, device: torch.device, *, temperature: float = 1.0, chunk: int = 0
+) -> PolicyModel:
     """Shard a HF causal LM with FSDP2 over all ranks: decoder layers in units of `cfg.fsdp_unit_params`
     parameters, the rest (or, for a model under one unit, everything) at the root.
 
@@ -113,10 +115,14 @@ def wrap_model(model: nn.Module, cfg: LearnerConfig, device: torch.device, *, te
         for layer in layers:
             layer.compile()  # static shapes first; torch marks T dynamic if it varies
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-    mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-          if device.type == "cuda" else MixedPrecisionPolicy())
-    policy = PolicyModel(model, chunk=chunk, temperature=temperature,
-                         keep_logits_bytes=int(cfg.head_logits_gib * 2**30))
+    mp = (
+        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        if device.type == "cuda"
+        else MixedPrecisionPolicy()
+    )
+    policy = PolicyModel(
+        model, chunk=chunk, temperature=temperature, keep_logits_bytes=int(cfg.head_logits_gib * 2**30)
+    )
     reshard = dist.get_world_size() > 1  # one rank: nothing to save by freeing the gathered weights
     for unit in layer_units([sum(p.numel() for p in layer.parameters()) for layer in layers], cfg.fsdp_unit_params):
         fully_shard([layers[i] for i in unit], mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)

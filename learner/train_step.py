@@ -35,17 +35,32 @@ def compute_logprobs(model: nn.Module, mb: MicroBatch) -> tuple[Tensor, Tensor]:
 def _filler(device: torch.device) -> MicroBatch:
     """A one-position micro-batch with no loss token: keeps a rank with fewer micro-batches in step."""
     zero_i, zero_f = torch.zeros(1, dtype=torch.int64, device=device), torch.zeros(1, device=device)
-    return MicroBatch(input_ids=zero_i, position_ids=zero_i, targets=zero_i,
-                      loss_mask=torch.zeros(1, dtype=torch.bool, device=device), behavior_logprobs=zero_f,
-                      advantages=zero_f, versions=zero_i - 1, seq_ids=zero_i,
-                      cu_seqlens=torch.tensor([0, 1], dtype=torch.int32, device=device), max_seqlen=1)
+    return MicroBatch(
+        input_ids=zero_i,
+        position_ids=zero_i,
+        targets=zero_i,
+        loss_mask=torch.zeros(1, dtype=torch.bool, device=device),
+        behavior_logprobs=zero_f,
+        advantages=zero_f,
+        versions=zero_i - 1,
+        seq_ids=zero_i,
+        cu_seqlens=torch.tensor([0, 1], dtype=torch.int32, device=device),
+        max_seqlen=1,
+    )
 
 
 class Trainer:
     """Owns the optimizer and the policy version; `step` trains on one batch of micro-batches."""
 
-    def __init__(self, model: nn.Module, loss_cfg: LossConfig, cfg: LearnerConfig, device: torch.device,
-                 ref_model: nn.Module | None = None, gather_ahead: bool = True):
+    def __init__(
+        self,
+        model: nn.Module,
+        loss_cfg: LossConfig,
+        cfg: LearnerConfig,
+        device: torch.device,
+        ref_model: nn.Module | None = None,
+        gather_ahead: bool = True,
+    ):
         """gather_ahead: gather the next forward's parameters right after each update (off when the
         caller takes a state dict after every step: that reshards the model and wastes the gather)."""
         self.model, self.loss_cfg, self.cfg, self.device = model, loss_cfg, cfg, device
@@ -53,11 +68,13 @@ class Trainer:
         # the sharded parameters, which hold the gradients: between a step and the next forward the module
         # shows its gathered copies instead (gather_for_next_forward)
         self.named_params = list(model.named_parameters())
-        self.optimizer = torch.optim.AdamW([p for _, p in self.named_params], lr=cfg.lr, betas=cfg.betas,
-                                           weight_decay=cfg.weight_decay, fused=True)
+        self.optimizer = torch.optim.AdamW(
+            [p for _, p in self.named_params], lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay, fused=True
+        )
         warmup = max(cfg.warmup_steps, 0)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda s: min(1.0, (s + 1) / warmup) if warmup else 1.0)
+            self.optimizer, lambda s: min(1.0, (s + 1) / warmup) if warmup else 1.0
+        )
         self.version = 0
         self.skipped_steps = 0
         self.last_nonfinite: list[str] = []  # parameters named by the last skipped step
@@ -86,9 +103,18 @@ class Trainer:
                 raise ValueError("loss.kl_coef > 0 needs a reference model: pass ref_model to Trainer")
             with torch.no_grad():
                 ref, _ = compute_logprobs(self.ref_model, mb)
-        loss, stats = policy_loss(logprobs, mb.behavior_logprobs, mb.advantages, mb.loss_mask, self.loss_cfg,
-                                  seq_ids=mb.seq_ids, ref_logprobs=ref, entropy=entropy, normalizer=normalizer,
-                                  same_version=mb.versions == self.version)
+        loss, stats = policy_loss(
+            logprobs,
+            mb.behavior_logprobs,
+            mb.advantages,
+            mb.loss_mask,
+            self.loss_cfg,
+            seq_ids=mb.seq_ids,
+            ref_logprobs=ref,
+            entropy=entropy,
+            normalizer=normalizer,
+            same_version=mb.versions == self.version,
+        )
         loss.backward()
         return stats
 
@@ -122,10 +148,17 @@ class Trainer:
         values["positions"] = float(sum(mb.num_tokens for mb in micro_batches))
         reduced = parallel.reduce_metrics(values, self.device)
         metrics = summarize(reduced)
-        metrics.update(loss=reduced["loss_sum"] / max(normalizer, 1.0), positions=reduced["positions"],
-                       grad_norm=norm, skipped=float(bool(bad)), skipped_steps=float(self.skipped_steps),
-                       version=float(self.version), normalizer=normalizer, lr=self.scheduler.get_last_lr()[0],
-                       step_seconds=time.perf_counter() - start)
+        metrics.update(
+            loss=reduced["loss_sum"] / max(normalizer, 1.0),
+            positions=reduced["positions"],
+            grad_norm=norm,
+            skipped=float(bool(bad)),
+            skipped_steps=float(self.skipped_steps),
+            version=float(self.version),
+            normalizer=normalizer,
+            lr=self.scheduler.get_last_lr()[0],
+            step_seconds=time.perf_counter() - start,
+        )
         return metrics
 
     def _clip(self) -> Tensor:
@@ -139,21 +172,30 @@ class Trainer:
         if hasattr(norm, "full_tensor"):
             norm = norm.full_tensor()
         finite = torch.isfinite(norm)
-        torch.nn.utils.clip_grads_with_norm_(params, self.cfg.max_grad_norm, torch.where(finite, norm, 0.0),
-                                             foreach=True)
+        torch.nn.utils.clip_grads_with_norm_(
+            params, self.cfg.max_grad_norm, torch.where(finite, norm, 0.0), foreach=True
+        )
         return norm
 
     def _nonfinite_names(self) -> list[str]:
-        local = [name for name, p in self.named_params
-                 if p.grad is not None and not bool(torch.isfinite(_local(p.grad)).all())]
+        local = [
+            name
+            for name, p in self.named_params
+            if p.grad is not None and not bool(torch.isfinite(_local(p.grad)).all())
+        ]
         return parallel.gather_names([parallel._hf_name(n.removeprefix("lm.")) for n in local]) or ["?"]
 
     def _skip(self, names: list[str], grad_norm: float) -> None:
         self.skipped_steps += 1
         self.last_nonfinite = names
         shown = ", ".join(names[:8]) + (f" (+{len(names) - 8} more)" if len(names) > 8 else "")
-        log.warning("step skipped at version %d: gradient norm %s; non-finite gradients in %s (%d skipped so far)",
-                    self.version, grad_norm, shown, self.skipped_steps)
+        log.warning(
+            "step skipped at version %d: gradient norm %s; non-finite gradients in %s (%d skipped so far)",
+            self.version,
+            grad_norm,
+            shown,
+            self.skipped_steps,
+        )
 
 
 def _to_host(values: dict[str, Tensor]) -> dict[str, float]:

@@ -14,5 +14,19 @@ from .registry import BUILTINS, REWARD_MODEL, RewardSpecError, resolve
 from .scorer import Scorer, ScorerStats, build_scorer, combine
 from .stats import RewardStats, batch_stats, warn_if_flat
 
-__all__ = ["BUILTINS", "REWARD_MODEL", "Batch", "RewardSpecError", "RewardStats", "Scorer", "ScorerStats",
-           "batch_stats", "build_scorer", "combine", "demo_rows", "letter_share", "resolve", "warn_if_flat"]
+__all__ = [
+    "BUILTINS",
+    "REWARD_MODEL",
+    "Batch",
+    "RewardSpecError",
+    "RewardStats",
+    "Scorer",
+    "ScorerStats",
+    "batch_stats",
+    "build_scorer",
+    "combine",
+    "demo_rows",
+    "letter_share",
+    "resolve",
+    "warn_if_flat",
+]

@@ -8,7 +8,7 @@ setting is typed config rather than a hidden global.
 from __future__ import annotations
 
 import re
-from typing import Callable
+from collections.abc import Callable
 
 RewardFn = Callable[..., list]
 
@@ -17,8 +17,9 @@ def _normalize(text: str) -> str:
     return " ".join(str(text).split())
 
 
-def exact_match(prompts: list[str], completions: list[str], completion_ids: list[list[int]],
-                answer: list[str], **columns) -> list[float]:
+def exact_match(
+    prompts: list[str], completions: list[str], completion_ids: list[list[int]], answer: list[str], **columns
+) -> list[float]:
     """1.0 where the completion equals the row's `answer` up to whitespace runs and ends, else 0.0."""
     return [float(_normalize(c) == _normalize(a)) for c, a in zip(completions, answer, strict=True)]
 

@@ -13,7 +13,8 @@ import math
 import numbers
 import threading
 import traceback
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import msgspec
 
@@ -29,10 +30,13 @@ class Batch(msgspec.Struct, kw_only=True):
     def __len__(self) -> int:
         return len(self.completions)
 
-    def take(self, start: int, stop: int) -> "Batch":
-        return Batch(prompts=self.prompts[start:stop], completions=self.completions[start:stop],
-                     completion_ids=self.completion_ids[start:stop],
-                     columns={k: v[start:stop] for k, v in self.columns.items()})
+    def take(self, start: int, stop: int) -> Batch:
+        return Batch(
+            prompts=self.prompts[start:stop],
+            completions=self.completions[start:stop],
+            completion_ids=self.completion_ids[start:stop],
+            columns={k: v[start:stop] for k, v in self.columns.items()},
+        )
 
 
 class CallOutcome(msgspec.Struct, kw_only=True):
@@ -61,8 +65,10 @@ def rows_to_columns(columns: list[dict], n: int, answer_column: str = "answer") 
     keys = [k for k in (columns[0] if columns else ()) if k not in NOT_COLUMNS]
     for i, row in enumerate(columns):
         if set(row) - NOT_COLUMNS != set(keys):
-            raise ValueError(f"score(): columns[{i}] has keys {sorted(row)} but columns[0] has "
-                             f"{sorted(columns[0])}; every row must carry the same columns")
+            raise ValueError(
+                f"score(): columns[{i}] has keys {sorted(row)} but columns[0] has "
+                f"{sorted(columns[0])}; every row must carry the same columns"
+            )
     out = {k: [row[k] for row in columns] for k in keys}
     if answer_column != "answer" and answer_column in out and "answer" not in out:
         out["answer"] = out[answer_column]

@@ -9,8 +9,27 @@ from __future__ import annotations
 
 import random
 
-DEMO_WORDS = ("alpha", "beta", "gamma", "delta", "red", "green", "blue", "cat", "dog", "sun", "moon",
-              "star", "one", "two", "three", "four", "five", "yes", "no")
+DEMO_WORDS = (
+    "alpha",
+    "beta",
+    "gamma",
+    "delta",
+    "red",
+    "green",
+    "blue",
+    "cat",
+    "dog",
+    "sun",
+    "moon",
+    "star",
+    "one",
+    "two",
+    "three",
+    "four",
+    "five",
+    "yes",
+    "no",
+)
 
 
 def demo_rows(n: int, seed: int = 0) -> list[dict]:
@@ -18,8 +37,9 @@ def demo_rows(n: int, seed: int = 0) -> list[dict]:
     if n < 0:
         raise ValueError(f"demo_rows: n = {n}; give a count >= 0")
     rng = random.Random(seed)
-    return [{"prompt": " ".join(rng.choice(DEMO_WORDS) for _ in range(rng.randint(3, 8))), "answer": "a"}
-            for _ in range(n)]
+    return [
+        {"prompt": " ".join(rng.choice(DEMO_WORDS) for _ in range(rng.randint(3, 8))), "answer": "a"} for _ in range(n)
+    ]
 
 
 def letter_share(completion: str, letter: str) -> float:
@@ -30,7 +50,8 @@ def letter_share(completion: str, letter: str) -> float:
     return sum(c == letter for c in chars) / len(chars)
 
 
-def demo(prompts: list[str], completions: list[str], completion_ids: list[list[int]],
-         answer: list[str], **columns) -> list[float]:
+def demo(
+    prompts: list[str], completions: list[str], completion_ids: list[list[int]], answer: list[str], **columns
+) -> list[float]:
     """The demo task's reward: per sample, the share of characters equal to that row's `answer` letter."""
     return [letter_share(completion, letter) for completion, letter in zip(completions, answer, strict=True)]

@@ -34,8 +34,10 @@ def parse_gold(answer: str, timeout: int | None):
     if not gold and _looks_like_math(text):
         gold = parse(f"${text}$", parsing_timeout=timeout)
     if not any(not isinstance(g, str) for g in gold):
-        raise ValueError(f"math reward: the answer column value {text!r} does not parse as math; fix the "
-                         "dataset row or use exact_match for non-math answers")
+        raise ValueError(
+            f"math reward: the answer column value {text!r} does not parse as math; fix the "
+            "dataset row or use exact_match for non-math answers"
+        )
     return gold
 
 

@@ -45,14 +45,17 @@ def range_warnings(raw: torch.Tensor, cfg: RewardModelConfig) -> list[str]:
     width = cfg.clip_high - cfg.clip_low
     problems = []
     if mapped.numel() > 1 and float(mapped.max() - mapped.min()) <= 1e-6 * max(1.0, width):
-        problems.append(f"the reward model gave the same score {float(mapped[0]):.4g} to {mapped.numel()} different "
-                        "probe samples: check reward.model.index / token and that the model was trained")
+        problems.append(
+            f"the reward model gave the same score {float(mapped[0]):.4g} to {mapped.numel()} different "
+            "probe samples: check reward.model.index / token and that the model was trained"
+        )
     far = (mapped < cfg.clip_low - width) | (mapped > cfg.clip_high + width)
     if bool(far.any()):
         problems.append(
             f"reward-model scores {_span(mapped)} (raw {_span(raw)}) are far outside [clip_low, clip_high] = "
             f"[{cfg.clip_low:g}, {cfg.clip_high:g}] and would be clipped flat; set reward.model.scale / shift "
-            f"(e.g. shift = {-float(raw.double().mean()):.3g} centres them) or a transform")
+            f"(e.g. shift = {-float(raw.double().mean()):.3g} centres them) or a transform"
+        )
     return problems
 
 
@@ -73,8 +76,10 @@ class RewardModel:
         from streamrl.engine.models import load_tokenizer
 
         if not cfg.path:
-            raise ValueError("reward_model is in reward.functions but reward.model.path is empty; give the "
-                             "folder of a HF sequence-classification or causal-LM reward model")
+            raise ValueError(
+                "reward_model is in reward.functions but reward.model.path is empty; give the "
+                "folder of a HF sequence-classification or causal-LM reward model"
+            )
         self.cfg = cfg
         self.device = _device(cfg.device)
         self.tokenizer = load_tokenizer(cfg.path)
@@ -88,11 +93,15 @@ class RewardModel:
 
     def _load(self):
         import transformers
+
         from streamrl.engine.models import check_model_folder
 
         check_model_folder(self.cfg.path)
-        auto = (transformers.AutoModelForSequenceClassification if self.cfg.kind == "sequence_classification"
-                else transformers.AutoModelForCausalLM)
+        auto = (
+            transformers.AutoModelForSequenceClassification
+            if self.cfg.kind == "sequence_classification"
+            else transformers.AutoModelForCausalLM
+        )
         model = auto.from_pretrained(self.cfg.path, dtype=getattr(torch, self.cfg.dtype))
         if model.config.pad_token_id is None:
             model.config.pad_token_id = self.tokenizer.pad_token_id
@@ -102,23 +111,28 @@ class RewardModel:
         cfg = self.cfg
         if cfg.kind == "sequence_classification":
             if cfg.token:
-                raise ValueError("reward.model.token is for kind = 'causal_lm'; a sequence classifier uses "
-                                 "reward.model.index (the class)")
+                raise ValueError(
+                    "reward.model.token is for kind = 'causal_lm'; a sequence classifier uses "
+                    "reward.model.index (the class)"
+                )
             size, what = self.model.config.num_labels, "classes (num_labels)"
             index = cfg.index
         else:
             size, what = self.model.get_output_embeddings().weight.shape[0], "tokens in its vocabulary"
             index = self._token_id() if cfg.token else cfg.index
         if index >= size:
-            raise ValueError(f"reward.model.index = {index} but the reward model has {size} {what}; "
-                             f"give an index below {size}")
+            raise ValueError(
+                f"reward.model.index = {index} but the reward model has {size} {what}; give an index below {size}"
+            )
         return index
 
     def _token_id(self) -> int:
         ids = self.tokenizer.encode(self.cfg.token, add_special_tokens=False)
         if len(ids) != 1:
-            raise ValueError(f"reward.model.token = {self.cfg.token!r} is {len(ids)} tokens {ids} for this "
-                             "tokenizer; give a string that is exactly one token, or its id as reward.model.index")
+            raise ValueError(
+                f"reward.model.token = {self.cfg.token!r} is {len(ids)} tokens {ids} for this "
+                "tokenizer; give a string that is exactly one token, or its id as reward.model.index"
+            )
         return ids[0]
 
     @torch.inference_mode()
@@ -127,8 +141,13 @@ class RewardModel:
         texts = [p + c for p, c in zip(prompts, completions, strict=True)]
         out = []
         for start in range(0, len(texts), self.cfg.batch_size):
-            enc = self.tokenizer(texts[start:start + self.cfg.batch_size], return_tensors="pt", padding=True,
-                                 truncation=True, max_length=self.cfg.max_length).to(self.device)
+            enc = self.tokenizer(
+                texts[start : start + self.cfg.batch_size],
+                return_tensors="pt",
+                padding=True,
+                truncation=True,
+                max_length=self.cfg.max_length,
+            ).to(self.device)
             logits = self.model(**enc).logits
             if logits.dim() == 3:  # causal LM [B, T, V]: the logit at each row's last real token
                 last = (enc["attention_mask"].sum(dim=1) - 1).clamp(min=0)

@@ -33,8 +33,9 @@ class RewardPoolError(RuntimeError):
 class _Worker:
     def __init__(self, ctx, cfg_bytes: bytes, specs: list[str]):
         self.conn, child = ctx.Pipe(duplex=True)
-        self.proc = ctx.Process(target=worker_module.main, args=(child, cfg_bytes, specs),
-                                name="streamrl-reward", daemon=True)
+        self.proc = ctx.Process(
+            target=worker_module.main, args=(child, cfg_bytes, specs), name="streamrl-reward", daemon=True
+        )
         self.proc.start()
         child.close()  # so a dead worker shows as EOF on our end
         self.started = time.monotonic()
@@ -79,10 +80,14 @@ class RewardPool:
         outcomes = []
         for fn in fn_indices:
             parts = [r for (f, _, _), r in zip(tasks, results) if f == fn]
-            outcomes.append(CallOutcome(values=[v for p in parts for v in p.values],
-                                        errors=sum(p.errors for p in parts),
-                                        timeouts=sum(p.timeouts for p in parts),
-                                        traceback=next((p.traceback for p in parts if p.traceback), "")))
+            outcomes.append(
+                CallOutcome(
+                    values=[v for p in parts for v in p.values],
+                    errors=sum(p.errors for p in parts),
+                    timeouts=sum(p.timeouts for p in parts),
+                    traceback=next((p.traceback for p in parts if p.traceback), ""),
+                )
+            )
         return outcomes
 
     def _run_tasks(self, tasks: list[tuple[int, int, int]], batch: Batch) -> list[CallOutcome]:
@@ -105,9 +110,16 @@ class RewardPool:
                 fn, start, stop = tasks[w.task]
                 part = batch.take(start, stop)
                 self._next_call += 1
-                call = worker_module.encode_call(RewardCall(
-                    call_id=self._next_call, fn_index=fn, prompts=part.prompts, completions=part.completions,
-                    completion_ids=part.completion_ids, columns=part.columns))
+                call = worker_module.encode_call(
+                    RewardCall(
+                        call_id=self._next_call,
+                        fn_index=fn,
+                        prompts=part.prompts,
+                        completions=part.completions,
+                        completion_ids=part.completion_ids,
+                        columns=part.columns,
+                    )
+                )
                 try:
                     w.conn.send_bytes(call)
                 except OSError:  # it died while idle (OOM killer, a stray signal): retry on its replacement
@@ -145,17 +157,21 @@ class RewardPool:
         if w.task is not None:
             fn, start, stop = tasks[w.task]
             results[w.task] = CallOutcome(
-                values=[None] * (stop - start), errors=stop - start,
+                values=[None] * (stop - start),
+                errors=stop - start,
                 traceback=f"reward worker pid {w.proc.pid} exited (code {code}) while scoring "
-                          f"{self.specs[fn]!r} on {stop - start} samples; it was replaced")
+                f"{self.specs[fn]!r} on {stop - start} samples; it was replaced",
+            )
         elif not w.ready:
             self._boot_failures += 1
             if self._boot_failures >= MAX_BOOT_FAILURES:
                 self.close()
-                raise RewardPoolError(f"reward workers exited before becoming ready {MAX_BOOT_FAILURES} times "
-                                      f"in a row (last exit code {code}); see their stderr above. A script that builds a scorer "
-                                      "must guard its entry point with `if __name__ == '__main__':` (workers "
-                                      "re-import the main module)")
+                raise RewardPoolError(
+                    f"reward workers exited before becoming ready {MAX_BOOT_FAILURES} times "
+                    f"in a row (last exit code {code}); see their stderr above. A script that builds a scorer "
+                    "must guard its entry point with `if __name__ == '__main__':` (workers "
+                    "re-import the main module)"
+                )
         self._replace(w)
 
     def _expire(self, tasks, results: list) -> None:
@@ -164,10 +180,12 @@ class RewardPool:
             if w.task is not None and now > w.deadline:
                 fn, start, stop = tasks[w.task]
                 results[w.task] = CallOutcome(
-                    values=[None] * (stop - start), timeouts=stop - start,
+                    values=[None] * (stop - start),
+                    timeouts=stop - start,
                     traceback=f"reward {self.specs[fn]!r} on {stop - start} samples passed its "
-                              f"{self.timeout_s:g} s deadline (reward.timeout_s); worker pid {w.proc.pid} "
-                              "was killed and replaced")
+                    f"{self.timeout_s:g} s deadline (reward.timeout_s); worker pid {w.proc.pid} "
+                    "was killed and replaced",
+                )
                 w.kill()
                 self._replace(w)
             elif not w.ready and now > w.started + BOOT_TIMEOUT_S:

@@ -11,7 +11,7 @@ import importlib.util
 import inspect
 import pathlib
 import sys
-from typing import Callable
+from collections.abc import Callable
 
 from streamrl.engine.config import RewardConfig
 
@@ -63,8 +63,10 @@ def _load_module(name: str, spec: str):
     try:
         return importlib.import_module(name)
     except ImportError as e:
-        raise RewardSpecError(f"reward {spec!r}: cannot import module {name!r} ({e}); use a registry name "
-                              f"({', '.join(BUILTINS)}), `module:function` or `path.py:function`") from e
+        raise RewardSpecError(
+            f"reward {spec!r}: cannot import module {name!r} ({e}); use a registry name "
+            f"({', '.join(BUILTINS)}), `module:function` or `path.py:function`"
+        ) from e
 
 
 def resolve(spec: str, cfg: RewardConfig) -> RewardFn:
@@ -76,8 +78,10 @@ def resolve(spec: str, cfg: RewardConfig) -> RewardFn:
             raise RewardSpecError(f"reward {spec!r}: {e}") from None
     location, sep, attr = spec.rpartition(":")
     if not sep or not location or not attr:
-        raise RewardSpecError(f"reward {spec!r} is not a registry name ({', '.join(BUILTINS)}, {REWARD_MODEL}) "
-                              "nor of the form `module:function` or `path.py:function`")
+        raise RewardSpecError(
+            f"reward {spec!r} is not a registry name ({', '.join(BUILTINS)}, {REWARD_MODEL}) "
+            "nor of the form `module:function` or `path.py:function`"
+        )
     module = _load_file(location, spec) if location.endswith(".py") else _load_module(location, spec)
     fn = getattr(module, attr, None)
     if fn is None or not callable(fn):
@@ -94,5 +98,7 @@ def _check_signature(fn: RewardFn, spec: str) -> None:
     positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     varargs = any(p.kind == p.VAR_POSITIONAL for p in params)
     if len(positional) < 3 and not varargs:
-        raise RewardSpecError(f"reward {spec!r} takes {len(positional)} positional arguments; a reward is "
-                              "called as fn(prompts, completions, completion_ids, **columns)")
+        raise RewardSpecError(
+            f"reward {spec!r} takes {len(positional)} positional arguments; a reward is "
+            "called as fn(prompts, completions, completion_ids, **columns)"
+        )

@@ -36,8 +36,10 @@ class ScorerStats:
     by_function: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)
 
     def as_metrics(self) -> dict[str, float]:
-        metrics = {f"reward/{k}": float(getattr(self, k))
-                   for k in ("calls", "samples", "errors", "timeouts", "none", "restarts")}
+        metrics = {
+            f"reward/{k}": float(getattr(self, k))
+            for k in ("calls", "samples", "errors", "timeouts", "none", "restarts")
+        }
         for spec, counts in self.by_function.items():
             metrics.update({f"reward/{k}/{spec}": float(v) for k, v in counts.items()})
         return metrics
@@ -71,18 +73,24 @@ class Scorer:
         self._lock = threading.Lock()  # one batch at a time: the pool's workers are shared state
         self.closed = False
 
-    def score(self, prompts: list[str], completions: list[str], completion_ids: list[list[int]],
-              columns: list[dict]) -> list[float | None]:
+    def score(
+        self, prompts: list[str], completions: list[str], completion_ids: list[list[int]], columns: list[dict]
+    ) -> list[float | None]:
         """One combined reward per sample (None where a component failed); columns[i] is sample i's row."""
         if self.closed:
             raise RuntimeError("score() on a closed Scorer; build a new one with build_scorer(cfg)")
         n = len(completions)
         if len(prompts) != n or len(completion_ids) != n:
-            raise ValueError(f"score(): {len(prompts)} prompts, {n} completions, {len(completion_ids)} "
-                             "completion_ids; give one of each per sample")
-        batch = Batch(prompts=list(prompts), completions=list(completions),
-                      completion_ids=[list(ids) for ids in completion_ids],
-                      columns=rows_to_columns(columns, n, self.answer_column))
+            raise ValueError(
+                f"score(): {len(prompts)} prompts, {n} completions, {len(completion_ids)} "
+                "completion_ids; give one of each per sample"
+            )
+        batch = Batch(
+            prompts=list(prompts),
+            completions=list(completions),
+            completion_ids=[list(ids) for ids in completion_ids],
+            columns=rows_to_columns(columns, n, self.answer_column),
+        )
         with self._lock:
             components = self._components(batch) if n else [[] for _ in self.specs]
             rewards = combine(components, self.weights)
@@ -91,8 +99,9 @@ class Scorer:
             self.stats.none += sum(r is None for r in rewards)
         return rewards
 
-    async def score_async(self, prompts: list[str], completions: list[str], completion_ids: list[list[int]],
-                          columns: list[dict]) -> list[float | None]:
+    async def score_async(
+        self, prompts: list[str], completions: list[str], completion_ids: list[list[int]], columns: list[dict]
+    ) -> list[float | None]:
         """`score` on a thread, for callers on an event loop (the rollout's AsyncLLM loop)."""
         return await asyncio.to_thread(self.score, prompts, completions, completion_ids, columns)
 
@@ -112,8 +121,10 @@ class Scorer:
 
     def _model_outcome(self, batch: Batch) -> CallOutcome:
         if self.model is None:
-            raise RuntimeError("reward_model is in reward.functions but no reward model was built; "
-                               "use build_scorer(cfg), which loads reward.model.path")
+            raise RuntimeError(
+                "reward_model is in reward.functions but no reward model was built; "
+                "use build_scorer(cfg), which loads reward.model.path"
+            )
         try:
             return CallOutcome(values=self.model.score(batch.prompts, batch.completions))
         except Exception:
@@ -127,8 +138,12 @@ class Scorer:
         self.stats.by_function[spec]["timeouts"] += timeouts
         if outcome.traceback and spec not in self._logged:
             self._logged.add(spec)
-            log.error("reward %r failed (first failure shown once; later ones are only counted in "
-                      "reward/errors and reward/timeouts):\n%s", spec, outcome.traceback)
+            log.error(
+                "reward %r failed (first failure shown once; later ones are only counted in "
+                "reward/errors and reward/timeouts):\n%s",
+                spec,
+                outcome.traceback,
+            )
         if self.pool is not None:
             self.stats.restarts = self.pool.restarts
 
@@ -139,7 +154,7 @@ class Scorer:
                 self.pool.close()
                 self.pool = None
 
-    def __enter__(self) -> "Scorer":
+    def __enter__(self) -> Scorer:
         return self
 
     def __exit__(self, *exc: Any) -> None:

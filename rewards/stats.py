@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import math
 from collections import defaultdict
-from typing import Sequence
+from collections.abc import Sequence
 
 import msgspec
 
@@ -53,16 +53,28 @@ def batch_stats(rewards: Sequence[float | None], group_ids: Sequence[str]) -> Re
     mean = sum(valid) / n if n else math.nan
     std = math.sqrt(sum((r - mean) ** 2 for r in valid) / n) if n else math.nan
     flat = sum(1 for values in by_group.values() if max(values) - min(values) <= FLAT_TOLERANCE)
-    return RewardStats(samples=len(rewards), mean=mean, std=std, min=min(valid, default=math.nan),
-                       max=max(valid, default=math.nan), none_share=(len(rewards) - n) / len(rewards) if rewards else 0.0,
-                       groups=len(by_group), zero_variance_groups=flat)
+    return RewardStats(
+        samples=len(rewards),
+        mean=mean,
+        std=std,
+        min=min(valid, default=math.nan),
+        max=max(valid, default=math.nan),
+        none_share=(len(rewards) - n) / len(rewards) if rewards else 0.0,
+        groups=len(by_group),
+        zero_variance_groups=flat,
+    )
 
 
 def warn_if_flat(stats: RewardStats, step: int) -> bool:
     """Log a warning when the step has no reward variance in any group; True when it warned."""
     if not stats.flat:
         return False
-    log.warning("step %d: all %d groups have zero reward variance (every reward = %.4g in its group), so every "
-                "advantage is 0 and the step learns nothing. Check that the reward can tell completions apart, "
-                "or raise rollout.group_size / temperature", step, stats.groups, stats.mean)
+    log.warning(
+        "step %d: all %d groups have zero reward variance (every reward = %.4g in its group), so every "
+        "advantage is 0 and the step learns nothing. Check that the reward can tell completions apart, "
+        "or raise rollout.group_size / temperature",
+        step,
+        stats.groups,
+        stats.mean,
+    )
     return True

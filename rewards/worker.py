@@ -63,11 +63,11 @@ def _die_with_parent() -> None:
 
 
 def _serve(fns: list, call: RewardCall) -> RewardResult:
-    batch = Batch(prompts=call.prompts, completions=call.completions, completion_ids=call.completion_ids,
-                  columns=call.columns)
+    batch = Batch(
+        prompts=call.prompts, completions=call.completions, completion_ids=call.completion_ids, columns=call.columns
+    )
     outcome = safe_call(fns[call.fn_index], batch)
-    return RewardResult(call_id=call.call_id, values=outcome.values, errors=outcome.errors,
-                        traceback=outcome.traceback)
+    return RewardResult(call_id=call.call_id, values=outcome.values, errors=outcome.errors, traceback=outcome.traceback)
 
 
 def decode_reply(frame: bytes) -> RewardReady | RewardResult:
@@ -77,8 +77,10 @@ def decode_reply(frame: bytes) -> RewardReady | RewardResult:
 def _enc_hook(obj):
     if hasattr(obj, "tolist"):  # numpy / torch values in dataset rows
         return obj.tolist()
-    raise NotImplementedError(f"a dataset column value of type {type(obj).__name__} cannot be sent to a reward "
-                              "worker; keep columns to str, numbers, lists and dicts")
+    raise NotImplementedError(
+        f"a dataset column value of type {type(obj).__name__} cannot be sent to a reward "
+        "worker; keep columns to str, numbers, lists and dicts"
+    )
 
 
 _call_encoder = msgspec.msgpack.Encoder(enc_hook=_enc_hook)

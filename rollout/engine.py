@@ -51,8 +51,7 @@ class GenerationEngine(Protocol):
         """Receive and apply the weights of `ready.version`; return the seconds it took."""
         ...
 
-    async def close(self) -> None:
-        ...
+    async def close(self) -> None: ...
 
 
 def check_sampling(cfg: RolloutConfig) -> None:
@@ -63,7 +62,8 @@ def check_sampling(cfg: RolloutConfig) -> None:
             f"rollout.temperature = {cfg.temperature} together with rollout.top_p = {cfg.top_p} / "
             f"rollout.top_k = {cfg.top_k}: vLLM reports either the temperature-1 logprobs or ones "
             "renormalised over the top-k/top-p tokens, neither of which is the temperature-scaled "
-            "distribution the learner recomputes. Set rollout.temperature = 1.0, or top_p = 1.0 and top_k = 0")
+            "distribution the learner recomputes. Set rollout.temperature = 1.0, or top_p = 1.0 and top_k = 0"
+        )
 
 
 def build_engine(cfg, device: str = "cpu") -> GenerationEngine:

@@ -27,8 +27,15 @@ class _Request:
 class HFEngine:
     """`GenerationEngine` over `transformers` generate; one batch at a time, in a worker thread."""
 
-    def __init__(self, model_path: str, model: ModelConfig, rollout: RolloutConfig, seed: int = 0,
-                 device: str = "cpu", max_batch: int = 256):
+    def __init__(
+        self,
+        model_path: str,
+        model: ModelConfig,
+        rollout: RolloutConfig,
+        seed: int = 0,
+        device: str = "cpu",
+        max_batch: int = 256,
+    ):
         import torch
 
         from streamrl.engine.models import load_model, load_tokenizer
@@ -58,8 +65,10 @@ class HFEngine:
     async def generate(self, prompt_ids: list[int], n: int, max_tokens: int) -> list[Completion]:
         room = self.max_model_len - len(prompt_ids)
         if room < 1:
-            raise ValueError(f"prompt of {len(prompt_ids)} tokens leaves no room under model.max_model_len = "
-                             f"{self.max_model_len}; lower data.max_prompt_tokens")
+            raise ValueError(
+                f"prompt of {len(prompt_ids)} tokens leaves no room under model.max_model_len = "
+                f"{self.max_model_len}; lower data.max_prompt_tokens"
+            )
         request = _Request(prompt_ids, n, min(max_tokens, room))
         self._queue.append(request)
         await asyncio.sleep(0)  # let requests submitted in the same tick join this batch
@@ -99,18 +108,30 @@ class HFEngine:
         max_new = max(r.max_tokens for r in batch)
         with torch.inference_mode():
             out = self.model.generate(
-                input_ids=input_ids, attention_mask=attention_mask, do_sample=True, max_new_tokens=max_new,
-                temperature=self.rollout.temperature, top_p=self.rollout.top_p, top_k=self.rollout.top_k,
-                output_logits=True, return_dict_in_generate=True, pad_token_id=self.tokenizer.pad_token_id,
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                do_sample=True,
+                max_new_tokens=max_new,
+                temperature=self.rollout.temperature,
+                top_p=self.rollout.top_p,
+                top_k=self.rollout.top_k,
+                output_logits=True,
+                return_dict_in_generate=True,
+                pad_token_id=self.tokenizer.pad_token_id,
                 eos_token_id=self.tokenizer.eos_token_id,
-                cache_implementation="static" if self.device.startswith("cuda") else None)
-        new_tokens = out.sequences[:, input_ids.shape[1]:]  # [B, T]
+                cache_implementation="static" if self.device.startswith("cuda") else None,
+            )
+        new_tokens = out.sequences[:, input_ids.shape[1] :]  # [B, T]
         logprobs = torch.stack(out.logits, dim=1).float().div(self.rollout.temperature).log_softmax(-1)  # [B, T, V]
         picked = logprobs.gather(-1, new_tokens.unsqueeze(-1)).squeeze(-1)  # [B, T]
         results, row = [], 0
         for request in batch:
-            results.append([self._completion(new_tokens[row + i].tolist(), picked[row + i].tolist(),
-                                             request.max_tokens) for i in range(request.n)])
+            results.append(
+                [
+                    self._completion(new_tokens[row + i].tolist(), picked[row + i].tolist(), request.max_tokens)
+                    for i in range(request.n)
+                ]
+            )
             row += request.n
         return results
 
@@ -127,8 +148,7 @@ class HFEngine:
         """Cut at the first eos (kept, like vLLM does) or at this request's own max_tokens."""
         eos, head = self.tokenizer.eos_token_id, token_ids[:max_tokens]
         end, finish = (head.index(eos) + 1, "stop") if eos in head else (len(head), "length")
-        return Completion(token_ids=token_ids[:end], logprobs=logprobs[:end], finish_reason=finish,
-                          token_versions=[])
+        return Completion(token_ids=token_ids[:end], logprobs=logprobs[:end], finish_reason=finish, token_versions=[])
 
     def score(self, prompt_ids: list[int], completion_ids: list[int]) -> list[float]:
         """log_softmax(logits / T) of each completion token given what precedes it (teacher-forced)."""
@@ -136,9 +156,9 @@ class HFEngine:
 
         ids = torch.tensor([list(prompt_ids) + list(completion_ids)], device=self.device)
         with torch.inference_mode():
-            logits = self.model(input_ids=ids).logits[0, len(prompt_ids) - 1:-1].float()  # [T, V]
+            logits = self.model(input_ids=ids).logits[0, len(prompt_ids) - 1 : -1].float()  # [T, V]
         logprobs = logits.div(self.rollout.temperature).log_softmax(-1)
-        return logprobs.gather(-1, ids[0, len(prompt_ids):, None]).squeeze(-1).tolist()
+        return logprobs.gather(-1, ids[0, len(prompt_ids) :, None]).squeeze(-1).tolist()
 
     async def update_weights(self, ready: WeightsReady) -> float:
         """Receive `ready` into the model between batches; later batches sample with `ready.version`."""

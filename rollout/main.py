@@ -52,8 +52,13 @@ async def _run(cfg: Config, sender: TrajectorySender, node_id: str, max_groups: 
     finally:
         await engine.close()
         scorer.close()
-    log.info("node %s done: %s; prompts skipped: %d overlong, %d malformed", node_id, stats,
-             source.skipped_overlong, source.skipped_malformed)
+    log.info(
+        "node %s done: %s; prompts skipped: %d overlong, %d malformed",
+        node_id,
+        stats,
+        source.skipped_overlong,
+        source.skipped_malformed,
+    )
     return stats
 
 

@@ -52,8 +52,9 @@ class TrajectorySink(Protocol):
 
 
 class Scorer(Protocol):
-    def score(self, prompts: list[str], completions: list[str], completion_ids: list[list[int]],
-              columns: list[dict]) -> list[float | None]: ...
+    def score(
+        self, prompts: list[str], completions: list[str], completion_ids: list[list[int]], columns: list[dict]
+    ) -> list[float | None]: ...
 
 
 @dataclasses.dataclass
@@ -69,8 +70,17 @@ class NodeStats:
 
 
 class RolloutNode:
-    def __init__(self, cfg: Config, node_id: str, engine: GenerationEngine, source: Iterable[Prompt],
-                 scorer: Scorer, sink: TrajectorySink, tokenizer, credits: Credits | None = None):
+    def __init__(
+        self,
+        cfg: Config,
+        node_id: str,
+        engine: GenerationEngine,
+        source: Iterable[Prompt],
+        scorer: Scorer,
+        sink: TrajectorySink,
+        tokenizer,
+        credits: Credits | None = None,
+    ):
         self.cfg, self.node_id, self.engine = cfg, node_id, engine
         self.source, self.scorer, self.sink, self.tokenizer = source, scorer, sink, tokenizer
         self.credits = credits or UnlimitedCredits()
@@ -158,14 +168,17 @@ class RolloutNode:
             await self.credits.release(group_id, sample_ids, f"error: {type(e).__name__}")
             if self._failures_in_a_row >= MAX_FAILURES_IN_A_ROW and self._fatal is None:
                 # A broken engine fails every group: stop loudly instead of spinning on credits.
-                self._fatal = RuntimeError(f"{self._failures_in_a_row} groups in a row failed; the last: "
-                                           f"{type(e).__name__}: {e}")
+                self._fatal = RuntimeError(
+                    f"{self._failures_in_a_row} groups in a row failed; the last: {type(e).__name__}: {e}"
+                )
                 self.stop("every group fails")
             return
         self._failures_in_a_row = 0
         timings = Timings(submitted=submitted, finished=finished, rewarded=time.time())
-        trajectories = [self._trajectory(sid, group_id, prompt, c, r, timings)
-                        for sid, c, r in zip(sample_ids, completions, rewards, strict=True)]
+        trajectories = [
+            self._trajectory(sid, group_id, prompt, c, r, timings)
+            for sid, c, r in zip(sample_ids, completions, rewards, strict=True)
+        ]
         await self._send(trajectories)
         self.stats.groups_sent += 1
 
@@ -175,16 +188,26 @@ class RolloutNode:
         prompts = [prompt_text(prompt, self.cfg.data)] * len(ids)
         return self.scorer.score(prompts, texts, ids, [prompt.row] * len(ids))
 
-    def _trajectory(self, sample_id: str, group_id: str, prompt: Prompt, c: Completion,
-                    reward: float | None, timings: Timings) -> Trajectory:
+    def _trajectory(
+        self, sample_id: str, group_id: str, prompt: Prompt, c: Completion, reward: float | None, timings: Timings
+    ) -> Trajectory:
         self.stats.rewards_none += reward is None
         version = c.policy_version if c.token_versions else self.engine.policy_version
-        return Trajectory(sample_id=sample_id, group_id=group_id, node_id=self.node_id, seq=0,
-                          prompt_ids=prompt.prompt_ids, completion_ids=c.token_ids, behavior_logprobs=c.logprobs,
-                          reward=reward, policy_version=version,
-                          token_versions=c.token_versions if c.mixed_versions else [],
-                          finish_reason=c.finish_reason, group_size=self.cfg.rollout.group_size,
-                          timings=timings)
+        return Trajectory(
+            sample_id=sample_id,
+            group_id=group_id,
+            node_id=self.node_id,
+            seq=0,
+            prompt_ids=prompt.prompt_ids,
+            completion_ids=c.token_ids,
+            behavior_logprobs=c.logprobs,
+            reward=reward,
+            policy_version=version,
+            token_versions=c.token_versions if c.mixed_versions else [],
+            finish_reason=c.finish_reason,
+            group_size=self.cfg.rollout.group_size,
+            timings=timings,
+        )
 
     async def _send(self, trajectories: list[Trajectory]) -> None:
         """Send in the one sender thread (ZMQ sockets are not thread-safe); a blocked send is backpressure."""

@@ -26,8 +26,16 @@ import time
 
 from streamrl.engine.config import Config, ConfigError, load
 from streamrl.engine.ledger import Ledger
-from streamrl.engine.messages import (Goodbye, Heartbeat, Register, Stop, Trajectory, WeightsApplied, WeightsReady,
-                                      Welcome)
+from streamrl.engine.messages import (
+    Goodbye,
+    Heartbeat,
+    Register,
+    Stop,
+    Trajectory,
+    WeightsApplied,
+    WeightsReady,
+    Welcome,
+)
 from streamrl.engine.transport import ControlClient, TrajectorySender, TransportError
 
 log = logging.getLogger("streamrl.rollout")
@@ -95,9 +103,15 @@ class ControlLoop(threading.Thread):
 
     def _beat(self) -> None:
         try:
-            self.client.send(Heartbeat(node_id=self.node.node_id, policy_version=self.node.policy_version,
-                                       in_flight=len(self.node.in_flight), tokens_generated=self.node.stats.tokens_sent),
-                             timeout_s=1.0)
+            self.client.send(
+                Heartbeat(
+                    node_id=self.node.node_id,
+                    policy_version=self.node.policy_version,
+                    in_flight=len(self.node.in_flight),
+                    tokens_generated=self.node.stats.tokens_sent,
+                ),
+                timeout_s=1.0,
+            )
         except TransportError as e:
             log.warning("heartbeat to the learner failed: %s", e)
 
@@ -109,8 +123,9 @@ class ControlLoop(threading.Thread):
             error = f"{type(e).__name__}: {e}"
             log.error("weights version %d failed: %s", ready.version, error)
         try:
-            self.client.send(WeightsApplied(node_id=self.node.node_id, version=ready.version, seconds=seconds,
-                                            error=error))
+            self.client.send(
+                WeightsApplied(node_id=self.node.node_id, version=ready.version, seconds=seconds, error=error)
+            )
         except TransportError as e:  # the learner times the transfer out and evicts; keep serving
             log.warning("could not confirm weights version %d: %s", ready.version, e)
         if not error:
@@ -145,13 +160,18 @@ def resolve_learner(learner: str, cfg: Config) -> str:
     try:
         return json.loads(path.read_text())["control_addr"]
     except (OSError, ValueError, KeyError) as e:
-        raise ConfigError(f"--learner {learner or '(empty)'}: no learner address at {path} ({e}); give "
-                          "tcp://HOST:PORT or the run folder of a running learner") from None
+        raise ConfigError(
+            f"--learner {learner or '(empty)'}: no learner address at {path} ({e}); give "
+            "tcp://HOST:PORT or the run folder of a running learner"
+        ) from None
 
 
 def register(client: ControlClient, node_id: str, backend: str, device: str, timeout_s: float) -> Welcome:
-    welcome = client.request(Register(node_id=node_id, host=socket.gethostname(), device=device, backend=backend),
-                             timeout_s=timeout_s, expect=(Welcome, Stop))
+    welcome = client.request(
+        Register(node_id=node_id, host=socket.gethostname(), device=device, backend=backend),
+        timeout_s=timeout_s,
+        expect=(Welcome, Stop),
+    )
     if isinstance(welcome, Stop):
         raise TransportError(f"the learner refused node {node_id}: {welcome.reason}")
     return welcome
@@ -179,11 +199,20 @@ async def serve(cfg: Config, learner_addr: str, node_id: str) -> int:
         beat = LedgerHeartbeat(ledger, node_id)
         beat.start()
         try:
-            with TrajectorySender(welcome.trajectory_addr, node_id, cfg.transport.hwm,
-                                  cfg.transport.send_timeout_s) as tx:
+            with TrajectorySender(
+                welcome.trajectory_addr, node_id, cfg.transport.hwm, cfg.transport.send_timeout_s
+            ) as tx:
                 seed = cfg.run.seed + sum(node_id.encode()) % 997  # nodes draw prompts in different orders
-                node = RolloutNode(cfg, node_id, engine, PromptSource(cfg.data, tokenizer, seed=seed),
-                                   scorer, LedgerSink(ledger, tx), tokenizer, credits=LedgerCredits(ledger, node_id))
+                node = RolloutNode(
+                    cfg,
+                    node_id,
+                    engine,
+                    PromptSource(cfg.data, tokenizer, seed=seed),
+                    scorer,
+                    LedgerSink(ledger, tx),
+                    tokenizer,
+                    credits=LedgerCredits(ledger, node_id),
+                )
                 return await _generate(cfg, client, ledger, node, welcome, beat)
         finally:
             beat.stopping.set()
@@ -193,8 +222,9 @@ async def serve(cfg: Config, learner_addr: str, node_id: str) -> int:
         client.close()
 
 
-async def _generate(cfg: Config, client: ControlClient, ledger: Ledger, node, welcome: Welcome,
-                    beat: LedgerHeartbeat) -> int:
+async def _generate(
+    cfg: Config, client: ControlClient, ledger: Ledger, node, welcome: Welcome, beat: LedgerHeartbeat
+) -> int:
     loop = asyncio.get_running_loop()
     control = ControlLoop(client, node, loop)
     signalled: list[str] = []
@@ -211,8 +241,9 @@ async def _generate(cfg: Config, client: ControlClient, ledger: Ledger, node, we
         if welcome.policy_version > 0:  # joining mid-run: the current weights before any generation
             timeout_s = cfg.weights.timeout_s * 3
             if not await asyncio.to_thread(control.first_weights.wait, timeout_s):
-                raise TransportError(f"no weights (version {welcome.policy_version}) from the learner within "
-                                     f"{timeout_s:g} s of joining")
+                raise TransportError(
+                    f"no weights (version {welcome.policy_version}) from the learner within {timeout_s:g} s of joining"
+                )
         stats = node.stats if control.stop_reason or signalled else await node.run()
     finally:
         control.stopping.set()

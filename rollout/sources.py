@@ -67,8 +67,10 @@ def _read_dataset(path: pathlib.Path) -> list[dict]:
     data = datasets.load_from_disk(str(path))
     if isinstance(data, datasets.DatasetDict):
         if "train" not in data:
-            raise PromptSourceError(f"data.path = {path} holds splits {sorted(data)} and no 'train'; "
-                                    f"save the split to use with dataset['<split>'].save_to_disk(...)")
+            raise PromptSourceError(
+                f"data.path = {path} holds splits {sorted(data)} and no 'train'; "
+                f"save the split to use with dataset['<split>'].save_to_disk(...)"
+            )
         data = data["train"]
     return data.to_list()
 
@@ -77,16 +79,20 @@ def read_rows(path: str) -> list[dict | _Malformed]:
     """Every row of a .jsonl, .parquet or saved-dataset folder (undecodable jsonl lines as markers)."""
     p = pathlib.Path(path).expanduser()
     if not p.exists():
-        raise PromptSourceError(f"data.path = {path} does not exist; give a .jsonl, .parquet or a folder "
-                                "written by Dataset.save_to_disk (or leave it empty for the demo task)")
+        raise PromptSourceError(
+            f"data.path = {path} does not exist; give a .jsonl, .parquet or a folder "
+            "written by Dataset.save_to_disk (or leave it empty for the demo task)"
+        )
     if p.is_dir():
         return _read_dataset(p)
     if p.suffix == ".jsonl":
         return _read_jsonl(p)
     if p.suffix == ".parquet":
         return _read_parquet(p)
-    raise PromptSourceError(f"data.path = {path}: unknown format {p.suffix!r}; use .jsonl, .parquet or a "
-                            "folder written by Dataset.save_to_disk")
+    raise PromptSourceError(
+        f"data.path = {path}: unknown format {p.suffix!r}; use .jsonl, .parquet or a "
+        "folder written by Dataset.save_to_disk"
+    )
 
 
 class PromptSource:
@@ -120,9 +126,13 @@ class PromptSource:
             self.epochs += 1
             if not self.cfg.loop or produced == 0:
                 if produced == 0:
-                    log.warning("prompt source %s has no usable prompt (%d rows, %d malformed, %d overlong)",
-                                self.cfg.path or "<demo>", len(self.rows), self.skipped_malformed,
-                                self.skipped_overlong)
+                    log.warning(
+                        "prompt source %s has no usable prompt (%d rows, %d malformed, %d overlong)",
+                        self.cfg.path or "<demo>",
+                        len(self.rows),
+                        self.skipped_malformed,
+                        self.skipped_overlong,
+                    )
                 return
 
     def _prompt(self, i: int) -> Prompt | None:
@@ -140,8 +150,12 @@ class PromptSource:
         if len(ids) > self.cfg.max_prompt_tokens:
             if first:
                 self.skipped_overlong += 1
-                log.info("row %d skipped: %d prompt tokens > data.max_prompt_tokens = %d",
-                         i, len(ids), self.cfg.max_prompt_tokens)
+                log.info(
+                    "row %d skipped: %d prompt tokens > data.max_prompt_tokens = %d",
+                    i,
+                    len(ids),
+                    self.cfg.max_prompt_tokens,
+                )
             return None
         return Prompt(prompt_ids=ids, row=row, row_number=i)
 
@@ -153,20 +167,30 @@ class PromptSource:
             return self._chat(messages)
         text = row.get(self.cfg.prompt_column)
         if not isinstance(text, str) or not text:
-            raise ValueError(f"no non-empty string in column {self.cfg.prompt_column!r} and no "
-                             f"{self.cfg.messages_column!r} list (columns: {sorted(row)})")
+            raise ValueError(
+                f"no non-empty string in column {self.cfg.prompt_column!r} and no "
+                f"{self.cfg.messages_column!r} list (columns: {sorted(row)})"
+            )
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
     def _chat(self, messages) -> list[int]:
-        ok = isinstance(messages, list) and messages and all(
-            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-            for m in messages)
+        ok = (
+            isinstance(messages, list)
+            and messages
+            and all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                for m in messages
+            )
+        )
         if not ok:
-            raise ValueError(f"column {self.cfg.messages_column!r} is not a non-empty list of "
-                             "{'role': str, 'content': str}")
+            raise ValueError(
+                f"column {self.cfg.messages_column!r} is not a non-empty list of {{'role': str, 'content': str}}"
+            )
         if not getattr(self.tokenizer, "chat_template", None):
-            raise PromptSourceError(f"rows have a {self.cfg.messages_column!r} column but the tokenizer has no "
-                                    "chat template; set tokenizer.chat_template or use a prompt column")
+            raise PromptSourceError(
+                f"rows have a {self.cfg.messages_column!r} column but the tokenizer has no "
+                "chat template; set tokenizer.chat_template or use a prompt column"
+            )
         text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 

@@ -46,9 +46,16 @@ def engine_args(model_path: str, model: ModelConfig, rollout: RolloutConfig, see
     if importlib.util.find_spec("streamrl.rollout.worker_ext") is not None:
         extra["worker_extension_cls"] = WORKER_EXTENSION
     return AsyncEngineArgs(
-        model=model_path, dtype=model.dtype, max_model_len=model.max_model_len, seed=seed,
-        enforce_eager=rollout.enforce_eager, trust_remote_code=model.trust_remote_code,
-        logprobs_mode=logprobs_mode(rollout), disable_log_stats=True, **extra)
+        model=model_path,
+        dtype=model.dtype,
+        max_model_len=model.max_model_len,
+        seed=seed,
+        enforce_eager=rollout.enforce_eager,
+        trust_remote_code=model.trust_remote_code,
+        logprobs_mode=logprobs_mode(rollout),
+        disable_log_stats=True,
+        **extra,
+    )
 
 
 class _Collector:
@@ -63,8 +70,10 @@ class _Collector:
     def add(self, output, version: int) -> None:
         new_ids = list(output.token_ids)
         if output.logprobs is None or len(output.logprobs) != len(new_ids):
-            raise RuntimeError(f"vLLM returned {len(new_ids)} tokens but "
-                               f"{0 if output.logprobs is None else len(output.logprobs)} logprob entries")
+            raise RuntimeError(
+                f"vLLM returned {len(new_ids)} tokens but "
+                f"{0 if output.logprobs is None else len(output.logprobs)} logprob entries"
+            )
         self.token_ids += new_ids
         self.logprobs += [position[token].logprob for token, position in zip(new_ids, output.logprobs)]
         self.versions += [version] * len(new_ids)
@@ -72,15 +81,18 @@ class _Collector:
             self.finish_reason = output.finish_reason
 
     def build(self) -> Completion:
-        return Completion(token_ids=self.token_ids, logprobs=self.logprobs,
-                          finish_reason=self.finish_reason or "length", token_versions=self.versions)
+        return Completion(
+            token_ids=self.token_ids,
+            logprobs=self.logprobs,
+            finish_reason=self.finish_reason or "length",
+            token_versions=self.versions,
+        )
 
 
 class VLLMEngine:
     """`GenerationEngine` over vLLM's AsyncLLM (engine core in its own process)."""
 
-    def __init__(self, model_path: str, model: ModelConfig, rollout: RolloutConfig, seed: int = 0,
-                 device: str = "cpu"):
+    def __init__(self, model_path: str, model: ModelConfig, rollout: RolloutConfig, seed: int = 0, device: str = "cpu"):
         from vllm.v1.engine.async_llm import AsyncLLM
 
         check_sampling(rollout)
@@ -95,19 +107,29 @@ class VLLMEngine:
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
-        return SamplingParams(n=n, max_tokens=max_tokens, temperature=self.rollout.temperature,
-                              top_p=self.rollout.top_p, top_k=self.rollout.top_k, logprobs=0,
-                              output_kind=RequestOutputKind.DELTA, detokenize=False)
+        return SamplingParams(
+            n=n,
+            max_tokens=max_tokens,
+            temperature=self.rollout.temperature,
+            top_p=self.rollout.top_p,
+            top_k=self.rollout.top_k,
+            logprobs=0,
+            output_kind=RequestOutputKind.DELTA,
+            detokenize=False,
+        )
 
     async def generate(self, prompt_ids: list[int], n: int, max_tokens: int) -> list[Completion]:
         room = self.max_model_len - len(prompt_ids)
         if room < 1:
-            raise ValueError(f"prompt of {len(prompt_ids)} tokens leaves no room under model.max_model_len = "
-                             f"{self.max_model_len}; lower data.max_prompt_tokens")
+            raise ValueError(
+                f"prompt of {len(prompt_ids)} tokens leaves no room under model.max_model_len = "
+                f"{self.max_model_len}; lower data.max_prompt_tokens"
+            )
         samples = [_Collector() for _ in range(n)]
         request_id = f"{self._prefix}-{next(self._ids)}"
-        stream = self._engine.generate({"prompt_token_ids": list(prompt_ids)},
-                                       self._params(n, min(max_tokens, room)), request_id)
+        stream = self._engine.generate(
+            {"prompt_token_ids": list(prompt_ids)}, self._params(n, min(max_tokens, room)), request_id
+        )
         async for out in stream:
             version = self.policy_version
             for output in out.outputs:

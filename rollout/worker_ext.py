@@ -63,12 +63,18 @@ async def apply_to_async_llm(engine, ready: WeightsReady) -> dict:
         results = await engine.collective_rpc("receive_weights", args=(messages.encode(ready),))
         errors = [r["error"] for r in results if r.get("error")]
         if errors:
-            raise WeightTransferError(f"learner@{ready.store_host}:{ready.store_port}", "apply",
-                                      f"{len(errors)}/{len(results)} worker(s) failed: {errors[0]}")
+            raise WeightTransferError(
+                f"learner@{ready.store_host}:{ready.store_port}",
+                "apply",
+                f"{len(errors)}/{len(results)} worker(s) failed: {errors[0]}",
+            )
         versions = {r["version"] for r in results}
         if versions != {ready.version}:
-            raise WeightTransferError(f"learner@{ready.store_host}:{ready.store_port}", "apply",
-                                      f"workers loaded versions {sorted(versions)}, expected {ready.version}")
+            raise WeightTransferError(
+                f"learner@{ready.store_host}:{ready.store_port}",
+                "apply",
+                f"workers loaded versions {sorted(versions)}, expected {ready.version}",
+            )
         await engine.reset_prefix_cache(reset_running_requests=True)
     finally:
         await engine.resume_generation()
@@ -84,7 +90,8 @@ def apply_to_hf_model(model: torch.nn.Module, ready: WeightsReady, device: torch
         if target is None:
             raise WeightTransferError(peer, "apply", f"tensor {name!r} is not in the model (same architecture?)")
         if target.shape != tensor.shape:
-            raise WeightTransferError(peer, "apply", f"tensor {name!r} is {list(tensor.shape)}, "
-                                                     f"the model has {list(target.shape)}")
+            raise WeightTransferError(
+                peer, "apply", f"tensor {name!r} is {list(tensor.shape)}, the model has {list(target.shape)}"
+            )
     with torch.no_grad():
         torch._foreach_copy_([targets[name] for name, _ in received], [tensor for _, tensor in received])

@@ -83,10 +83,18 @@ def _torchrun(ranks: int, script, *args, timeout_s: float = 300.0) -> str:
     import sys
 
     env = dict(os.environ, OMP_NUM_THREADS="1", TORCHDYNAMO_DISABLE="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}",
-           str(script), *map(str, args)]
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={ranks}",
+        str(script),
+        *map(str, args),
+    ]
+    proc = subprocess.Popen(
+        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
     label = f"torchrun {' '.join(map(str, args[-2:]))} on {ranks} ranks"
     try:
         output, _ = proc.communicate(timeout=timeout_s)

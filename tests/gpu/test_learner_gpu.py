@@ -11,8 +11,17 @@ pytestmark = pytest.mark.gpu
 
 
 def traj(i, prompt, completion):
-    return Trajectory(sample_id=f"s{i}", group_id="g", node_id="n", seq=i, prompt_ids=prompt, completion_ids=completion,
-                      behavior_logprobs=[-6.0] * len(completion), reward=0.0, policy_version=0)
+    return Trajectory(
+        sample_id=f"s{i}",
+        group_id="g",
+        node_id="n",
+        seq=i,
+        prompt_ids=prompt,
+        completion_ids=completion,
+        behavior_logprobs=[-6.0] * len(completion),
+        reward=0.0,
+        policy_version=0,
+    )
 
 
 def test_chunked_head_in_bf16_matches_fp32_reference():

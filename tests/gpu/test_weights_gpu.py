@@ -22,7 +22,9 @@ def state(device):
     return {k: v.to(device) for k, v in sd.items()}
 """
 
-RECEIVER = STATE + """
+RECEIVER = (
+    STATE
+    + """
 import sys
 from streamrl.engine import messages, weights
 torch.cuda.set_device("cuda:1")
@@ -35,6 +37,7 @@ for line in sys.stdin:
                               v.view(torch.int16 if v.element_size() == 2 else torch.int32))]
     print("bad:" + ",".join(bad), flush=True)
 """
+)
 
 GHOST = """
 import time
@@ -69,8 +72,9 @@ def test_nccl_transfer_is_bit_exact_and_reuses_the_group(two_gpus):
     exec(STATE, namespace)
     sd = namespace["state"]("cuda:0")
     sender = WeightSender("gpu-node", backend="nccl", device="cuda:0", timeout_s=60.0)
-    child = subprocess.Popen([sys.executable, "-c", RECEIVER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                             text=True, env=_env())
+    child = subprocess.Popen(
+        [sys.executable, "-c", RECEIVER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=_env()
+    )
     try:
         prefixes = []
         for version in (1, 2):

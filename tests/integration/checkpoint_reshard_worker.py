@@ -26,10 +26,19 @@ def batch(step: int, rank: int, world: int):
     trajs = []
     for i in range(8):
         completion = [rng.randrange(3, 500) for _ in range(rng.randint(2, 8))]
-        trajs.append(Trajectory(sample_id=f"s{step}-{i}", group_id=f"g{i // 4}", node_id="n", seq=i,
-                                prompt_ids=[rng.randrange(3, 500) for _ in range(rng.randint(2, 6))],
-                                completion_ids=completion, behavior_logprobs=[-6.0] * len(completion),
-                                reward=0.0, policy_version=0))
+        trajs.append(
+            Trajectory(
+                sample_id=f"s{step}-{i}",
+                group_id=f"g{i // 4}",
+                node_id="n",
+                seq=i,
+                prompt_ids=[rng.randrange(3, 500) for _ in range(rng.randint(2, 6))],
+                completion_ids=completion,
+                behavior_logprobs=[-6.0] * len(completion),
+                reward=0.0,
+                policy_version=0,
+            )
+        )
     advantages = [rng.uniform(-1.5, 1.5) for _ in trajs]
     tokens = sum(len(t.completion_ids) for t in trajs)
     return pack(trajs[rank::world], advantages[rank::world], token_budget=32), tokens
@@ -60,8 +69,9 @@ def main(model_dir: str, run_dir: str, mode: str, out_file: str) -> None:
             for step in (1, 2):
                 trainer.step(*batch(step, rank, world))
             state = checkpoint.LearnerState(step=2, version=trainer.version)
-            checkpoint.save(checkpoint.checkpoints_dir(run_dir), lm, trainer.optimizer, trainer.scheduler, state,
-                            model_dir)
+            checkpoint.save(
+                checkpoint.checkpoints_dir(run_dir), lm, trainer.optimizer, trainer.scheduler, state, model_dir
+            )
             out["saved"] = snapshot(trainer)
         else:
             state = checkpoint.load(checkpoint.resolve("latest", run_dir), lm, trainer.optimizer, trainer.scheduler)

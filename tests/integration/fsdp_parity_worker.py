@@ -22,9 +22,19 @@ def fixed_batch() -> tuple[list[Trajectory], list[float]]:
     for i in range(8):
         prompt = [rng.randrange(3, 500) for _ in range(rng.randint(2, 9))]
         completion = [rng.randrange(3, 500) for _ in range(rng.randint(1, 12))]
-        trajs.append(Trajectory(sample_id=f"s{i}", group_id=f"g{i // 4}", node_id="n", seq=i, prompt_ids=prompt,
-                                completion_ids=completion, reward=0.0, policy_version=0,
-                                behavior_logprobs=[-6.2 + rng.uniform(-0.3, 0.3) for _ in completion]))
+        trajs.append(
+            Trajectory(
+                sample_id=f"s{i}",
+                group_id=f"g{i // 4}",
+                node_id="n",
+                seq=i,
+                prompt_ids=prompt,
+                completion_ids=completion,
+                reward=0.0,
+                policy_version=0,
+                behavior_logprobs=[-6.2 + rng.uniform(-0.3, 0.3) for _ in completion],
+            )
+        )
         advantages.append(rng.uniform(-1.5, 1.5))
     return trajs, advantages
 
@@ -45,8 +55,10 @@ def main(model_dir: str, out_file: str, unit_params: str = "") -> None:
         state = parallel.full_state_dict(trainer.model)
         if parallel.is_rank0():
             units = [m for m in trainer.model.modules() if isinstance(m, torch.distributed.fsdp.FSDPModule)]
-            torch.save({"metrics": metrics, "state": state, "micro_batches": len(micro_batches),
-                        "fsdp_units": len(units)}, out_file)
+            torch.save(
+                {"metrics": metrics, "state": state, "micro_batches": len(micro_batches), "fsdp_units": len(units)},
+                out_file,
+            )
     finally:
         parallel.shutdown()
 

@@ -34,7 +34,10 @@ def test_save_on_n_ranks_resume_on_m(tiny_model, tmp_path, save_ranks, resume_ra
     # and the next step agrees with the run that went on without stopping (up to the rank split's
     # float summation order). Not k_proj.bias: softmax ignores a shift shared by every key, so its
     # gradient is 0 but for rounding, and AdamW scales that rounding noise up to lr-sized steps.
-    bad = {k: (v - loaded["after"][k]).abs().max().item() for k, v in saved["after"].items()
-           if not k.endswith("k_proj.bias") and not torch.allclose(v, loaded["after"][k], atol=1e-5, rtol=0)}
+    bad = {
+        k: (v - loaded["after"][k]).abs().max().item()
+        for k, v in saved["after"].items()
+        if not k.endswith("k_proj.bias") and not torch.allclose(v, loaded["after"][k], atol=1e-5, rtol=0)
+    }
     assert not bad, bad
     assert any(not torch.equal(v, saved["saved"][0][k]) for k, v in saved["after"].items())

@@ -12,8 +12,9 @@ pytestmark = pytest.mark.slow
 
 def _doctor(*args, env_extra=None) -> subprocess.CompletedProcess:
     env = {**os.environ, "COLUMNS": "400", **(env_extra or {})}
-    return subprocess.run([sys.executable, "-m", "streamrl.cli", "doctor", *args], capture_output=True, text=True,
-                          timeout=300, env=env)
+    return subprocess.run(
+        [sys.executable, "-m", "streamrl.cli", "doctor", *args], capture_output=True, text=True, timeout=300, env=env
+    )
 
 
 def _rows(out: str) -> dict[str, str]:

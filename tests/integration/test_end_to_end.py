@@ -25,8 +25,18 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 
 def _config(tmp_path, name: str, steps: int, *extra: str):
-    return build({}, [*DEMO, f"run.dir='{tmp_path}'", f"run.name='{name}'", f"run.steps={steps}",
-                      "run.device='cpu'", "telemetry.tensorboard=false", *extra])
+    return build(
+        {},
+        [
+            *DEMO,
+            f"run.dir='{tmp_path}'",
+            f"run.name='{name}'",
+            f"run.steps={steps}",
+            "run.device='cpu'",
+            "telemetry.tensorboard=false",
+            *extra,
+        ],
+    )
 
 
 def _wait_for_step(launcher: Launcher, step: int, timeout_s: float) -> list[dict]:

@@ -17,8 +17,7 @@ NEW_TOKENS = 12
 
 def _run(cmd: list[str], timeout_s: float) -> str:
     env = dict(os.environ, OMP_NUM_THREADS="1", TORCHDYNAMO_DISABLE="1")
-    proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                          timeout=timeout_s)
+    proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout_s)
     assert proc.returncode == 0, f"{' '.join(cmd[:4])} failed (rc {proc.returncode}):\n{proc.stdout[-3000:]}"
     return proc.stdout
 
@@ -27,11 +26,35 @@ def _run(cmd: list[str], timeout_s: float) -> str:
 def exported(tiny_model, tmp_path_factory):
     """A 1-rank learner's checkpoint after 2 steps, exported by the CLI; (export folder, learner weights)."""
     run = tmp_path_factory.mktemp("export-run")
-    _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1", str(WORKER),
-          tiny_model, str(run), "save", str(run / "saved.pt")], 300)
+    _run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=1",
+            str(WORKER),
+            tiny_model,
+            str(run),
+            "save",
+            str(run / "saved.pt"),
+        ],
+        300,
+    )
     out = run / "hf"
-    printed = _run([sys.executable, "-m", "streamrl.cli", "export", str(run / "checkpoints" / "step_2"), str(out),
-                    "--max-shard-size", "400KB"], 300)
+    printed = _run(
+        [
+            sys.executable,
+            "-m",
+            "streamrl.cli",
+            "export",
+            str(run / "checkpoints" / "step_2"),
+            str(out),
+            "--max-shard-size",
+            "400KB",
+        ],
+        300,
+    )
     assert f"exported to {out}" in printed
     return out, torch.load(run / "saved.pt", weights_only=False)["saved"][0]
 
@@ -45,7 +68,7 @@ def greedy_with_logprobs(model, prompt):
             token = int(logp.argmax())
             ids.append(token)
             lps.append(float(logp[token]))
-    return ids[len(prompt):], torch.tensor(lps)
+    return ids[len(prompt) :], torch.tensor(lps)
 
 
 def test_export_generates_like_the_learner_in_vllm(exported, tiny_model):
@@ -61,8 +84,9 @@ def test_export_generates_like_the_learner_in_vllm(exported, tiny_model):
     learner.load_state_dict(learner_weights)
     expected = {p: greedy_with_logprobs(learner, p) for p in map(tuple, PROMPTS)}
 
-    llm = vllm.LLM(model=str(out), enforce_eager=True, kv_cache_memory_bytes=64 << 20, dtype="float32",
-                   max_model_len=256, seed=0)
+    llm = vllm.LLM(
+        model=str(out), enforce_eager=True, kv_cache_memory_bytes=64 << 20, dtype="float32", max_model_len=256, seed=0
+    )
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=0)
     outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in PROMPTS], params, use_tqdm=False)
     moved = 0.0

@@ -17,9 +17,18 @@ def _ledger(url, run, **cfg) -> Ledger:
 
 
 def _trajectory(sample_id, version=0, reward=1.0, token_versions=(), node="n0"):
-    return Trajectory(sample_id=sample_id, group_id=sample_id.split(":")[0], node_id=node, seq=0, prompt_ids=[1],
-                      completion_ids=[5] * len(token_versions or [0]), behavior_logprobs=[-0.5] * len(token_versions or [0]),
-                      reward=reward, policy_version=version, token_versions=list(token_versions))
+    return Trajectory(
+        sample_id=sample_id,
+        group_id=sample_id.split(":")[0],
+        node_id=node,
+        seq=0,
+        prompt_ids=[1],
+        completion_ids=[5] * len(token_versions or [0]),
+        behavior_logprobs=[-0.5] * len(token_versions or [0]),
+        reward=reward,
+        policy_version=version,
+        token_versions=list(token_versions),
+    )
 
 
 def _state(ledger, sample_id):
@@ -84,8 +93,12 @@ def test_receive_drops_stale_samples_and_failed_rewards(redis_url, ledger_run):
     ids = ledger.take_credit("n0", "g0", 4)
     # at version 3 with max_staleness 1: version 2 is fresh (lag 1), version 1 is stale (lag 2),
     # and a sample whose first token came from version 3 but one token from version 1 is stale too
-    batch = [_trajectory(ids[0], version=2), _trajectory(ids[1], version=1),
-             _trajectory(ids[2], version=3, token_versions=[1, 3]), _trajectory(ids[3], version=3, reward=None)]
+    batch = [
+        _trajectory(ids[0], version=2),
+        _trajectory(ids[1], version=1),
+        _trajectory(ids[2], version=3, token_versions=[1, 3]),
+        _trajectory(ids[3], version=3, reward=None),
+    ]
     ledger.mark_generated(batch)
     ledger.publish_version(3, step=3)
     got = ledger.receive(batch, current_version=3)

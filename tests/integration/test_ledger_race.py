@@ -41,9 +41,15 @@ def test_racing_nodes_never_exceed_capacity(redis_url, ledger_run):
     ledger = Ledger(connect(redis_url), ledger_run, LedgerConfig(max_staleness=1))
     capacity = ledger.init_run(groups_per_step=1)  # (1 + 1) * 1 = 2 groups for 4 nodes
     rounds = 150
-    procs = [subprocess.Popen([sys.executable, "-c", WORKER, redis_url, ledger_run, f"n{i}", str(rounds),
-                               str(capacity)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for i in range(4)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", WORKER, redis_url, ledger_run, f"n{i}", str(rounds), str(capacity)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(4)
+    ]
     try:
         results = [p.communicate(timeout=120) for p in procs]
     finally:

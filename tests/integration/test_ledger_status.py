@@ -22,8 +22,20 @@ def _small_run(url, run) -> Ledger:
     ledger.init_run(groups_per_step=2)
     ledger.heartbeat("node-a")
     ids = ledger.take_credit("node-a", "g0", 4)
-    batch = [Trajectory(sample_id=s, group_id="g0", node_id="node-a", seq=i, prompt_ids=[1], completion_ids=[2],
-                        behavior_logprobs=[-1.0], reward=1.0, policy_version=0) for i, s in enumerate(ids)]
+    batch = [
+        Trajectory(
+            sample_id=s,
+            group_id="g0",
+            node_id="node-a",
+            seq=i,
+            prompt_ids=[1],
+            completion_ids=[2],
+            behavior_logprobs=[-1.0],
+            reward=1.0,
+            policy_version=0,
+        )
+        for i, s in enumerate(ids)
+    ]
     ledger.mark_generated(batch[:3])
     ledger.publish_version(1, step=1)
     ledger.receive(batch[:2], current_version=1)

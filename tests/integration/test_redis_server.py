@@ -5,8 +5,8 @@ import pathlib
 
 import pytest
 
-from streamrl.engine.ledger import Ledger
 from streamrl.engine.config import LedgerConfig
+from streamrl.engine.ledger import Ledger
 from streamrl.engine.redis_server import RedisServer, RedisUnavailableError, bundled_redis_server, connect, free_port
 
 
@@ -68,7 +68,9 @@ def test_password_is_required_and_redacted_in_errors(tmp_path):
 
 def test_unreachable_redis_fails_naming_the_url():
     url = f"redis://:topsecret@127.0.0.1:{free_port()}/0"
-    with pytest.raises(RedisUnavailableError, match=r"cannot reach Redis at redis://:\*\*\*@127.0.0.1:\d+/0 after 2 attempts"):
+    with pytest.raises(
+        RedisUnavailableError, match=r"cannot reach Redis at redis://:\*\*\*@127.0.0.1:\d+/0 after 2 attempts"
+    ):
         connect(url, retries=2, backoff_s=0.01)
 
 

@@ -46,9 +46,20 @@ def _states(ledger: Ledger) -> dict[str, str]:
 
 @pytest.fixture
 def launcher(tmp_path):
-    cfg = build({}, [*DEMO, f"run.dir='{tmp_path}'", "run.name='resume'", f"run.steps={STEPS}", "run.device='cpu'",
-                     "telemetry.tensorboard=false", "checkpoint.every=2", "checkpoint.export_every=3",
-                     "ledger.heartbeat_ttl_s=4.0"])
+    cfg = build(
+        {},
+        [
+            *DEMO,
+            f"run.dir='{tmp_path}'",
+            "run.name='resume'",
+            f"run.steps={STEPS}",
+            "run.device='cpu'",
+            "telemetry.tensorboard=false",
+            "checkpoint.every=2",
+            "checkpoint.export_every=3",
+            "ledger.heartbeat_ttl_s=4.0",
+        ],
+    )
     launcher = Launcher(cfg)
     yield launcher
     launcher.stop_all()
@@ -60,8 +71,12 @@ def test_learner_killed_and_resumed(launcher):
     launcher.start(nodes=1)
     metrics = launcher.run_dir / "metrics.jsonl"
     root = checkpoint.checkpoints_dir(launcher.run_dir)
-    _wait(launcher, lambda: checkpoint.list_checkpoints(root) and read_metrics(metrics)[-1]["step"] >= 3,
-          "a checkpoint and step 3", 600)
+    _wait(
+        launcher,
+        lambda: checkpoint.list_checkpoints(root) and read_metrics(metrics)[-1]["step"] >= 3,
+        "a checkpoint and step 3",
+        600,
+    )
     os.kill(launcher.learner.process.pid, signal.SIGKILL)
     launcher.learner.process.wait(timeout=30)
     ledger = Ledger(connect(launcher.ledger_url), launcher.cfg.run.name)
@@ -91,8 +106,17 @@ def test_learner_killed_and_resumed(launcher):
     assert trained_at_death + sum(r["samples"] for r in after) == counts.trained, (counts, after)
     states = _states(ledger)
     assert all(states[s] == "dropped:preempted" for s in received_at_death), received_at_death
-    print(json.dumps({"resumed_from": resumed_from, "version_at_death": version_at_death, "trained": counts.trained,
-                      "dropped": counts.dropped_by_reason, "received_at_death": len(received_at_death)}))
+    print(
+        json.dumps(
+            {
+                "resumed_from": resumed_from,
+                "version_at_death": version_at_death,
+                "trained": counts.trained,
+                "dropped": counts.dropped_by_reason,
+                "received_at_death": len(received_at_death),
+            }
+        )
+    )
 
     assert [s for s, _ in checkpoint.list_checkpoints(root)][-1] == STEPS
     exported = AutoModelForCausalLM.from_pretrained(launcher.run_dir / "exports" / f"step_{STEPS}")

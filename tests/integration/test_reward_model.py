@@ -58,15 +58,19 @@ def test_raw_scores_in_minus_15_to_minus_8_are_mapped_into_the_configured_range(
 def test_a_model_far_outside_the_range_warns_at_start_naming_the_fix(tiny_reward_model, caplog):
     with caplog.at_level(logging.WARNING, "streamrl.rewards"):
         model = RewardModel(rm_config(tiny_reward_model, clip_low=-1.0, clip_high=1.0))
-    assert any("far outside" in r.getMessage() and "reward.model.scale / shift" in r.getMessage()
-               for r in caplog.records)
+    assert any(
+        "far outside" in r.getMessage() and "reward.model.scale / shift" in r.getMessage() for r in caplog.records
+    )
     assert model.score(*map(list, zip(*SAMPLES))) == [-1.0] * 4  # raw -15..-8 clipped flat: why it warned
 
 
 def test_reward_model_combines_with_functions_in_the_scorer(tiny_reward_model):
-    cfg = RewardConfig(functions=["reward_model", "demo"], weights=[2.0, 1.0], workers=1,
-                       model=rm_config(tiny_reward_model, transform="tanh", scale=0.5, shift=5.75,
-                                       clip_low=-1.0, clip_high=1.0))
+    cfg = RewardConfig(
+        functions=["reward_model", "demo"],
+        weights=[2.0, 1.0],
+        workers=1,
+        model=rm_config(tiny_reward_model, transform="tanh", scale=0.5, shift=5.75, clip_low=-1.0, clip_high=1.0),
+    )
     with build_scorer(cfg) as scorer:
         prompts, completions = map(list, zip(*SAMPLES))
         rewards = scorer.score(prompts, completions, [[1]] * 4, [{"answer": "o"}] * 4)
@@ -82,8 +86,9 @@ def test_a_causal_lm_judge_scores_one_tokens_logit_at_the_last_position(tiny_mod
 
     from streamrl.engine.models import load_tokenizer
 
-    model = RewardModel(rm_config(tiny_model, kind="causal_lm", token="a", clip_low=-100.0, clip_high=100.0),
-                        probe=False)
+    model = RewardModel(
+        rm_config(tiny_model, kind="causal_lm", token="a", clip_low=-100.0, clip_high=100.0), probe=False
+    )
     tokenizer = load_tokenizer(tiny_model)
     token = tokenizer.encode("a", add_special_tokens=False)[0]
     reference = AutoModelForCausalLM.from_pretrained(tiny_model).eval()

@@ -11,7 +11,7 @@ import pytest
 from streamrl.engine.config import RewardConfig
 from streamrl.rewards import build_scorer
 
-USER_REWARDS = textwrap.dedent('''
+USER_REWARDS = textwrap.dedent("""
     import asyncio
     import os
     import time
@@ -37,7 +37,7 @@ USER_REWARDS = textwrap.dedent('''
 
     def wrong_length(prompts, completions, completion_ids, **columns):
         return [1.0]
-''')
+""")
 
 
 @pytest.fixture(scope="module")
@@ -105,8 +105,9 @@ def test_a_worker_killed_while_idle_is_replaced_before_the_next_call(user_file):
 
 def test_a_user_async_reward_from_a_file_gets_columns_as_lists(user_file):
     with pool_scorer(user_file, "async_match", workers=1) as scorer:
-        rewards = scorer.score(["p", "p"], ["7", "8"], [[1], [2]],
-                               [{"answer": "7", "level": 3}, {"answer": "7", "level": 5}])
+        rewards = scorer.score(
+            ["p", "p"], ["7", "8"], [[1], [2]], [{"answer": "7", "level": 3}, {"answer": "7", "level": 5}]
+        )
     assert rewards == [3.0, 0.0]  # "7" == "7" -> 1 * level 3; "8" != "7" -> 0
 
 
@@ -119,8 +120,9 @@ def test_a_reward_of_the_wrong_length_is_an_error_not_a_score(user_file):
 def test_builtins_and_math_run_in_the_pool_combined_with_weights(user_file):
     cfg = RewardConfig(functions=["demo", "math", f"{user_file}:raiser"], weights=[1.0, 2.0, 0.5], workers=2)
     with build_scorer(cfg) as scorer:
-        rewards = scorer.score(["p", "p", "p"], ["aa", r"\boxed{0.5}", "boom"], [[1], [2], [3]],
-                               [{"answer": "1/2"}] * 3)
+        rewards = scorer.score(
+            ["p", "p", "p"], ["aa", r"\boxed{0.5}", "boom"], [[1], [2], [3]], [{"answer": "1/2"}] * 3
+        )
     # demo compares each character with the whole answer "1/2": always 0 here.
     # "aa": math 0; raiser len 2 -> 0.5 * 2 = 1.0
     # "\boxed{0.5}": math 1 -> 2 * 1 = 2.0; raiser len 11 -> 0.5 * 11 = 5.5; total 7.5
@@ -139,9 +141,20 @@ def test_a_none_reward_is_dropped_as_reward_error_in_the_ledger(user_file, redis
     ids = ledger.take_credit("node0", "g0", 2)
     with pool_scorer(user_file, "raiser", workers=1) as scorer:
         rewards = score(scorer, ["ok", "boom"])
-    samples = [Trajectory(sample_id=i, group_id="g0", node_id="node0", seq=k, prompt_ids=[1], completion_ids=[2],
-                          behavior_logprobs=[-0.5], reward=r, policy_version=0)
-               for k, (i, r) in enumerate(zip(ids, rewards))]
+    samples = [
+        Trajectory(
+            sample_id=i,
+            group_id="g0",
+            node_id="node0",
+            seq=k,
+            prompt_ids=[1],
+            completion_ids=[2],
+            behavior_logprobs=[-0.5],
+            reward=r,
+            policy_version=0,
+        )
+        for k, (i, r) in enumerate(zip(ids, rewards))
+    ]
     ledger.mark_generated(samples)
     received = ledger.receive(samples, current_version=0)
     assert [s.sample_id for s in received.fresh] == [ids[0]]
@@ -150,7 +163,7 @@ def test_a_none_reward_is_dropped_as_reward_error_in_the_ledger(user_file, redis
     ledger.mark_trained([ids[0]])
 
 
-ORPHAN_SCRIPT = textwrap.dedent('''
+ORPHAN_SCRIPT = textwrap.dedent("""
     import sys
     from streamrl.engine.config import RewardConfig
     from streamrl.rewards import build_scorer
@@ -159,7 +172,7 @@ ORPHAN_SCRIPT = textwrap.dedent('''
         scorer = build_scorer(RewardConfig(functions=[sys.argv[1] + ":sleeper"], workers=1, timeout_s=3600))
         print(scorer.pool.workers[0].proc.pid, flush=True)
         scorer.score(["p"], ["hang"], [[1]], [{}])
-''')
+""")
 
 
 def _alive(pid: int) -> bool:

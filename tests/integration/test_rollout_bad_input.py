@@ -33,8 +33,9 @@ def test_unreachable_learner_fails_within_the_timeout_naming_the_address(caplog)
 
 
 def test_temperature_with_top_p_is_rejected_before_the_engine_starts(caplog, tiny_model):
-    cfg = _cfg(model={"path": tiny_model}, rollout={"temperature": 0.7, "top_p": 0.9, "backend": "vllm"},
-               reward={"workers": 0})
+    cfg = _cfg(
+        model={"path": tiny_model}, rollout={"temperature": 0.7, "top_p": 0.9, "backend": "vllm"}, reward={"workers": 0}
+    )
     with TrajectoryReceiver() as receiver, caplog.at_level(logging.ERROR):
         assert main(cfg, receiver.addr, node_id="n") == 2
         assert receiver.recv(0.1) is None

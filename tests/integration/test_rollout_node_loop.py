@@ -88,8 +88,9 @@ def _prompts(n: int):
 
 
 def _node(engine, prompts, credits=None, group_size=2, concurrent=2):
-    cfg = Config(rollout=RolloutConfig(group_size=group_size, max_tokens=3, max_concurrent_groups=concurrent),
-                 data=DataConfig())
+    cfg = Config(
+        rollout=RolloutConfig(group_size=group_size, max_tokens=3, max_concurrent_groups=concurrent), data=DataConfig()
+    )
     sink = ListSink()
     return RolloutNode(cfg, "n0", engine, prompts, ShareOfA(), sink, Tok(), credits), sink
 
@@ -127,8 +128,11 @@ def test_weights_landing_mid_sample_give_per_token_versions():
     async def scenario():
         run = asyncio.create_task(node.run())
         await asyncio.sleep(0.07)  # after the first token (t=0.05), before the second (t=0.10)
-        await node.apply_weights(WeightsReady(version=5, store_host="h", store_port=1, group_prefix="p",
-                                              world_size=2, timeout_s=1.0, buckets=[]))
+        await node.apply_weights(
+            WeightsReady(
+                version=5, store_host="h", store_port=1, group_prefix="p", world_size=2, timeout_s=1.0, buckets=[]
+            )
+        )
         return await run
 
     stats = asyncio.run(scenario())

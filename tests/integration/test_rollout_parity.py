@@ -83,7 +83,7 @@ def _assert_within_top_k(hf, completion, groups, k: int) -> None:
     prompt = next(p for p, g in zip(PROMPTS, groups) if any(c is completion for c in g))
     ids = torch.tensor([prompt + completion.token_ids])
     with torch.no_grad():
-        logprobs = hf.model(ids).logits[0, len(prompt) - 1:-1].float().log_softmax(-1)
+        logprobs = hf.model(ids).logits[0, len(prompt) - 1 : -1].float().log_softmax(-1)
     top = logprobs.topk(k, -1)
     for pos, token in enumerate(completion.token_ids):
         assert token in top.indices[pos].tolist()

@@ -19,8 +19,17 @@ class _Sender:
 
 
 def _traj(sample_id: str, group_id: str) -> Trajectory:
-    return Trajectory(sample_id=sample_id, group_id=group_id, node_id="n0", seq=0, prompt_ids=[1],
-                      completion_ids=[2], behavior_logprobs=[-0.5], reward=1.0, policy_version=0)
+    return Trajectory(
+        sample_id=sample_id,
+        group_id=group_id,
+        node_id="n0",
+        seq=0,
+        prompt_ids=[1],
+        completion_ids=[2],
+        behavior_logprobs=[-0.5],
+        reward=1.0,
+        policy_version=0,
+    )
 
 
 def test_credits_admit_and_a_sample_no_longer_ours_is_not_sent(redis_url, ledger_run):

@@ -43,7 +43,7 @@ device = "cpu"
 path = "{model}"
 max_model_len = 256
 [data]
-path = "{folder / 'prompts.jsonl'}"
+path = "{folder / "prompts.jsonl"}"
 max_prompt_tokens = 32
 loop = false
 shuffle = false
@@ -68,9 +68,24 @@ def streamed(sharp_model, tmp_path_factory):
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", TORCHDYNAMO_DISABLE="1", TMPDIR=str(folder))
     log_path = folder / "node.log"
     with TrajectoryReceiver() as receiver, open(log_path, "w") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "streamrl.rollout.main", "--config", config,
-                                 "--trajectory-addr", receiver.addr, "--node-id", "node-7",
-                                 "--max-groups", str(GROUPS)], env=env, stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "streamrl.rollout.main",
+                "--config",
+                config,
+                "--trajectory-addr",
+                receiver.addr,
+                "--node-id",
+                "node-7",
+                "--max-groups",
+                str(GROUPS),
+            ],
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
         try:
             got, deadline = [], time.monotonic() + 400
             while len(got) < GROUPS * GROUP_SIZE and time.monotonic() < deadline and proc.poll() is None:
@@ -139,8 +154,8 @@ def test_behavior_logprobs_match_a_transformers_forward_pass(streamed, sharp_mod
     for t in streamed[0]:
         ids = torch.tensor([t.prompt_ids + t.completion_ids])
         with torch.no_grad():
-            logits = model(ids).logits[0, len(t.prompt_ids) - 1:-1].float()
-        target = ids[0, len(t.prompt_ids):, None]
+            logits = model(ids).logits[0, len(t.prompt_ids) - 1 : -1].float()
+        target = ids[0, len(t.prompt_ids) :, None]
         scaled = (logits / TEMPERATURE).log_softmax(-1).gather(-1, target)[:, 0]
         raw = logits.log_softmax(-1).gather(-1, target)[:, 0]
         behavior = torch.tensor(t.behavior_logprobs)

@@ -8,8 +8,9 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 @pytest.fixture(scope="module")
 def llm(tiny_model):
     vllm = pytest.importorskip("vllm")
-    engine = vllm.LLM(model=tiny_model, enforce_eager=True, kv_cache_memory_bytes=64 << 20, dtype="float32",
-                      max_model_len=256, seed=0)
+    engine = vllm.LLM(
+        model=tiny_model, enforce_eager=True, kv_cache_memory_bytes=64 << 20, dtype="float32", max_model_len=256, seed=0
+    )
     yield engine
     del engine
 
@@ -33,7 +34,7 @@ def test_vllm_logprobs_of_sampled_tokens_match_transformers(llm, tiny_model):
             ids = list(sample.token_ids)
             vllm_lp = torch.tensor([step[t].logprob for step, t in zip(sample.logprobs, ids)])
             with torch.no_grad():
-                logits = model(torch.tensor([prompt + ids])).logits[0, len(prompt) - 1:-1]
+                logits = model(torch.tensor([prompt + ids])).logits[0, len(prompt) - 1 : -1]
             hf_lp = torch.log_softmax(logits.float(), -1).gather(-1, torch.tensor(ids)[:, None])[:, 0]
             assert torch.allclose(vllm_lp, hf_lp, atol=1e-3), (vllm_lp - hf_lp).abs().max()
             checked += len(ids)

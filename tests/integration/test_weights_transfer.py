@@ -42,9 +42,13 @@ class NodeProc:
         env = dict(os.environ, TMPDIR=str(folder), VLLM_ENABLE_V1_MULTIPROCESSING="0", TORCHDYNAMO_DISABLE="1")
         self.node_id, self.log = node_id, folder / "node.log"
         with open(self.log, "wb") as log:
-            self.proc = subprocess.Popen([sys.executable, str(WORKER), "--model", model, "--node-id", node_id,
-                                          "--fd", str(theirs.fileno())], pass_fds=[theirs.fileno()], env=env,
-                                         stdout=log, stderr=subprocess.STDOUT)
+            self.proc = subprocess.Popen(
+                [sys.executable, str(WORKER), "--model", model, "--node-id", node_id, "--fd", str(theirs.fileno())],
+                pass_fds=[theirs.fileno()],
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
         theirs.close()
         self.conn = Connection(ours.detach())
 
@@ -94,8 +98,14 @@ class Learner:
 
     def push(self, nodes=None, on_bucket=None, new_version: bool = True):
         self.version += int(new_version)
-        return self.broadcaster.broadcast(self.model.state_dict(), self.version, self.send_control,
-                                          self.wait_applied, nodes=nodes, on_bucket=on_bucket)
+        return self.broadcaster.broadcast(
+            self.model.state_dict(),
+            self.version,
+            self.send_control,
+            self.wait_applied,
+            nodes=nodes,
+            on_bucket=on_bucket,
+        )
 
     def join(self, node: NodeProc) -> dict:
         """A node's Register -> add it -> current weights before anything else."""
@@ -190,7 +200,7 @@ def test_in_flight_request_continues_on_the_new_weights(cluster):
     assert 0 < switch < 220, f"the request ended before the transfer ({switch} tokens): nothing to observe"
     assert tokens[0] != PLANTED  # sampled from the perturbed weights
     # +2: a token or two from before the pause may still be on its way out of the engine when counted
-    assert tokens[switch + 2:] == [PLANTED] * (228 - switch)
+    assert tokens[switch + 2 :] == [PLANTED] * (228 - switch)
 
 
 def test_learner_that_never_sends_leaves_the_node_generating_on_its_weights(cluster):

@@ -34,8 +34,15 @@ def make_engine(model: str):
 
     from streamrl.rollout.worker_ext import WORKER_EXTENSION
 
-    args = AsyncEngineArgs(model=model, dtype="float32", enforce_eager=True, kv_cache_memory_bytes=64 << 20,
-                           max_model_len=256, seed=0, worker_extension_cls=WORKER_EXTENSION)
+    args = AsyncEngineArgs(
+        model=model,
+        dtype="float32",
+        enforce_eager=True,
+        kv_cache_memory_bytes=64 << 20,
+        max_model_len=256,
+        seed=0,
+        worker_extension_cls=WORKER_EXTENSION,
+    )
     return AsyncLLM.from_engine_args(args)
 
 
@@ -72,8 +79,10 @@ class Node:
 
         params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0)
         outs = await asyncio.gather(*(self.run_one(seq, params) for seq in req["seqs"]))
-        lps = [[pos[tok].logprob for pos, tok in zip(out.prompt_logprobs[1:], seq[1:])]
-               for out, seq in zip(outs, req["seqs"])]
+        lps = [
+            [pos[tok].logprob for pos, tok in zip(out.prompt_logprobs[1:], seq[1:])]
+            for out, seq in zip(outs, req["seqs"])
+        ]
         return {"logprobs": lps, "version": self.version}
 
     async def generate(self, req: dict) -> dict:
@@ -85,7 +94,6 @@ class Node:
         outs = await asyncio.gather(*(self.run_one(req["prompt"], params) for _ in range(req["n"])))
         return {"tokens": [list(out.outputs[0].token_ids) for out in outs], "version": self.version}
 
-
     async def start_long(self, req: dict) -> dict:
         """Start one long request and return once its first tokens streamed in (it stays in flight)."""
         from vllm import SamplingParams
@@ -95,8 +103,9 @@ class Node:
         first = asyncio.Event()
 
         async def stream():
-            async for out in self.engine.generate(TokensPrompt(prompt_token_ids=req["prompt"]), params,
-                                                  uuid.uuid4().hex):
+            async for out in self.engine.generate(
+                TokensPrompt(prompt_token_ids=req["prompt"]), params, uuid.uuid4().hex
+            ):
                 self.long_tokens[:] = out.outputs[0].token_ids
                 first.set()
 

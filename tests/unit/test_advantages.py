@@ -3,7 +3,6 @@ import torch
 
 from streamrl.learner.advantages import group_advantages
 
-
 REWARDS = torch.tensor([[1.0, 0.0, 0.0, 1.0], [2.0, 2.0, 2.0, 2.0]])
 
 

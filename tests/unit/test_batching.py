@@ -1,16 +1,24 @@
 import random
 
 import pytest
-import torch
 
 from streamrl.engine.messages import Trajectory
 from streamrl.learner.batching import pack, plan
 
 
 def traj(sid, prompt, completion, logprobs, version=0, token_versions=()):
-    return Trajectory(sample_id=sid, group_id="g", node_id="n", seq=0, prompt_ids=list(prompt),
-                      completion_ids=list(completion), behavior_logprobs=list(logprobs), reward=1.0,
-                      policy_version=version, token_versions=list(token_versions))
+    return Trajectory(
+        sample_id=sid,
+        group_id="g",
+        node_id="n",
+        seq=0,
+        prompt_ids=list(prompt),
+        completion_ids=list(completion),
+        behavior_logprobs=list(logprobs),
+        reward=1.0,
+        policy_version=version,
+        token_versions=list(token_versions),
+    )
 
 
 A = traj("a", [1, 2, 3], [4, 5], [-0.1, -0.2], version=3)

@@ -12,10 +12,32 @@ import pytest
 @pytest.mark.parametrize("extra, suffix", [([], "_1cpu_tiny"), (["--unit-params", "1"], "_1cpu_3units_tiny")])
 def test_learner_step_bench_smoke(tmp_path, extra, suffix):
     profile = tmp_path / "profile.txt"
-    out = subprocess.run([sys.executable, "-m", "streamrl.bench.learner_step", "--shape", "tiny", "--samples", "8",
-                          "--budget", "512", "--micro-batches", "2", "--warmup", "1", "--steps", "1",
-                          "--profile", str(profile), *extra],
-                         capture_output=True, text=True, timeout=300, env=dict(os.environ, TORCHDYNAMO_DISABLE="1"))
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "streamrl.bench.learner_step",
+            "--shape",
+            "tiny",
+            "--samples",
+            "8",
+            "--budget",
+            "512",
+            "--micro-batches",
+            "2",
+            "--warmup",
+            "1",
+            "--steps",
+            "1",
+            "--profile",
+            str(profile),
+            *extra,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=dict(os.environ, TORCHDYNAMO_DISABLE="1"),
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     figure = json.loads(out.stdout.strip().splitlines()[-1])
     assert figure["figure"] == "learner_step_streamrl" + suffix

@@ -27,9 +27,20 @@ def trained(tiny_model, tmp_path_factory):
     trainer = Trainer(parallel.wrap_model(lm, CFG, torch.device("cpu")), LossConfig(), CFG, torch.device("cpu"))
     rng = random.Random(0)
     for step in (1, 2):
-        trajs = [Trajectory(sample_id=f"s{step}-{i}", group_id="g", node_id="n", seq=i, prompt_ids=[5, 6, 7],
-                            completion_ids=[rng.randrange(3, 500) for _ in range(6)], behavior_logprobs=[-6.0] * 6,
-                            reward=0.0, policy_version=0) for i in range(4)]
+        trajs = [
+            Trajectory(
+                sample_id=f"s{step}-{i}",
+                group_id="g",
+                node_id="n",
+                seq=i,
+                prompt_ids=[5, 6, 7],
+                completion_ids=[rng.randrange(3, 500) for _ in range(6)],
+                behavior_logprobs=[-6.0] * 6,
+                reward=0.0,
+                policy_version=0,
+            )
+            for i in range(4)
+        ]
         trainer.step(pack(trajs, [1.0, -1.0, 1.0, -1.0], token_budget=40))
     root = tmp_path_factory.mktemp("run") / "checkpoints"
     state = checkpoint.LearnerState(step=2, version=trainer.version)
@@ -71,7 +82,8 @@ def test_export_loads_in_transformers_and_generates_like_the_learner(trained, ti
     assert greedy(initial, prompts) != learner_out  # the trained weights made a difference
     tok = AutoTokenizer.from_pretrained(out)
     assert tok.decode(tok.encode("hello world")) == AutoTokenizer.from_pretrained(tiny_model).decode(
-        AutoTokenizer.from_pretrained(tiny_model).encode("hello world"))
+        AutoTokenizer.from_pretrained(tiny_model).encode("hello world")
+    )
 
 
 def test_export_refuses_a_non_empty_folder(trained, tmp_path):

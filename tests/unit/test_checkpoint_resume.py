@@ -32,10 +32,20 @@ def make_trainer(model_dir, seed=0):
 
 def batch(step):
     rng = random.Random(step)
-    trajs = [Trajectory(sample_id=f"s{step}-{i}", group_id="g", node_id="n", seq=i,
-                        prompt_ids=[rng.randrange(3, 500) for _ in range(4)],
-                        completion_ids=[rng.randrange(3, 500) for _ in range(5)],
-                        behavior_logprobs=[-6.0] * 5, reward=0.0, policy_version=0) for i in range(4)]
+    trajs = [
+        Trajectory(
+            sample_id=f"s{step}-{i}",
+            group_id="g",
+            node_id="n",
+            seq=i,
+            prompt_ids=[rng.randrange(3, 500) for _ in range(4)],
+            completion_ids=[rng.randrange(3, 500) for _ in range(5)],
+            behavior_logprobs=[-6.0] * 5,
+            reward=0.0,
+            policy_version=0,
+        )
+        for i in range(4)
+    ]
     return pack(trajs, [1.0, -1.0, 0.5, -0.5], token_budget=20)
 
 

@@ -4,8 +4,16 @@ from streamrl.engine import config as c
 
 
 def test_defaults_build_and_overrides_apply():
-    cfg = c.build({}, ["learner.lr=2e-6", "run.steps=3", "reward.functions=['demo', 'exact_match']",
-                       "rollout.backend=hf", "run.name=exp-1"])
+    cfg = c.build(
+        {},
+        [
+            "learner.lr=2e-6",
+            "run.steps=3",
+            "reward.functions=['demo', 'exact_match']",
+            "rollout.backend=hf",
+            "run.name=exp-1",
+        ],
+    )
     assert cfg.learner.lr == 2e-6 and cfg.run.steps == 3 and cfg.rollout.backend == "hf"
     assert cfg.reward.functions == ["demo", "exact_match"] and cfg.run.name == "exp-1"
 
@@ -17,17 +25,20 @@ def test_toml_file_then_overrides_win(tmp_path):
     assert (cfg.learner.lr, cfg.learner.groups_per_step, cfg.model.dtype) == (3e-4, 8, "bfloat16")
 
 
-@pytest.mark.parametrize("override, expected", [
-    ("learner.lr=-1", ["`learner.lr` = -1", "> 0.0"]),
-    ("learner.lrr=1", ["`learner.lrr` does not exist", "lr, weight_decay"]),
-    ("nope.x=1", ["`nope` does not exist", "run, model"]),
-    ("rollout.backend=tgi", ["`rollout.backend` = 'tgi'", "'vllm', 'hf'"]),
-    ("rollout.temperature=0", ["`rollout.temperature` = 0", "> 0.0"]),
-    ("run.name='a b'", ["`run.name` = 'a b'", "matching regex"]),
-    ("loss.kind=3", ["`loss.kind` = 3", "Expected `str`"]),
-    ("learner.betas=[0.9]", ["`learner.betas`", "length 2"]),
-    ("reward.weights=[1.0, 2.0]", ["reward.weights has 2 entries", "reward.functions has 1"]),
-])
+@pytest.mark.parametrize(
+    "override, expected",
+    [
+        ("learner.lr=-1", ["`learner.lr` = -1", "> 0.0"]),
+        ("learner.lrr=1", ["`learner.lrr` does not exist", "lr, weight_decay"]),
+        ("nope.x=1", ["`nope` does not exist", "run, model"]),
+        ("rollout.backend=tgi", ["`rollout.backend` = 'tgi'", "'vllm', 'hf'"]),
+        ("rollout.temperature=0", ["`rollout.temperature` = 0", "> 0.0"]),
+        ("run.name='a b'", ["`run.name` = 'a b'", "matching regex"]),
+        ("loss.kind=3", ["`loss.kind` = 3", "Expected `str`"]),
+        ("learner.betas=[0.9]", ["`learner.betas`", "length 2"]),
+        ("reward.weights=[1.0, 2.0]", ["reward.weights has 2 entries", "reward.functions has 1"]),
+    ],
+)
 def test_bad_values_name_the_field_the_value_and_what_is_allowed(override, expected):
     with pytest.raises(c.ConfigError) as err:
         c.build({}, [override])

@@ -20,8 +20,14 @@ def test_chunked_logprobs_match_log_softmax_and_its_gradient(keep_logits_bytes):
     ref_entropy = -(p * torch.log_softmax(logits, -1)).sum(-1)
     ref_grads = torch.autograd.grad((ref * g).sum(), (hidden, weight))
 
-    lp, entropy = chunked_logprobs(hidden, weight, targets, chunk=3, temperature=0.7,  # chunks 3+3+3+1
-                                   keep_logits_bytes=keep_logits_bytes)
+    lp, entropy = chunked_logprobs(
+        hidden,
+        weight,
+        targets,
+        chunk=3,
+        temperature=0.7,  # chunks 3+3+3+1
+        keep_logits_bytes=keep_logits_bytes,
+    )
     grads = torch.autograd.grad((lp * g).sum(), (hidden, weight))
     assert torch.allclose(lp.double(), ref, atol=1e-5)
     assert torch.allclose(entropy.double(), ref_entropy, atol=1e-5)
@@ -30,8 +36,17 @@ def test_chunked_logprobs_match_log_softmax_and_its_gradient(keep_logits_bytes):
 
 
 def traj(sid, prompt, completion):
-    return Trajectory(sample_id=sid, group_id="g", node_id="n", seq=0, prompt_ids=prompt, completion_ids=completion,
-                      behavior_logprobs=[0.0] * len(completion), reward=0.0, policy_version=0)
+    return Trajectory(
+        sample_id=sid,
+        group_id="g",
+        node_id="n",
+        seq=0,
+        prompt_ids=prompt,
+        completion_ids=completion,
+        behavior_logprobs=[0.0] * len(completion),
+        reward=0.0,
+        policy_version=0,
+    )
 
 
 def test_packed_forward_equals_each_sequence_alone(tiny_model):
@@ -42,8 +57,9 @@ def test_packed_forward_equals_each_sequence_alone(tiny_model):
     a, b = traj("a", [5, 6, 7], [8, 9, 10, 11]), traj("b", [20, 21], [22, 23, 24])
     with torch.no_grad():
         (packed,) = pack([a, b], [0.0, 0.0], 64)
-        lp_packed, _ = policy(packed.input_ids, packed.position_ids, packed.targets, packed.cu_seqlens,
-                              packed.max_seqlen)
+        lp_packed, _ = policy(
+            packed.input_ids, packed.position_ids, packed.targets, packed.cu_seqlens, packed.max_seqlen
+        )
         alone = []
         for t in (a, b):
             (mb,) = pack([t], [0.0], 64)

@@ -6,21 +6,31 @@ from streamrl.engine.ledger import Counts, _check_reason, is_stale, sample_ids
 from streamrl.engine.redis_server import redact
 
 
-@pytest.mark.parametrize("sample, current, bound, stale", [
-    (5, 5, 0, False),  # lag 0 <= 0
-    (4, 5, 0, True),  # lag 1 > 0
-    (4, 5, 1, False),  # lag 1 <= 1: the off-policy bound allows one version behind
-    (3, 5, 1, True),  # lag 2 > 1
-    (2, 5, 3, False),  # lag 3 <= 3
-])
+@pytest.mark.parametrize(
+    "sample, current, bound, stale",
+    [
+        (5, 5, 0, False),  # lag 0 <= 0
+        (4, 5, 0, True),  # lag 1 > 0
+        (4, 5, 1, False),  # lag 1 <= 1: the off-policy bound allows one version behind
+        (3, 5, 1, True),  # lag 2 > 1
+        (2, 5, 3, False),  # lag 3 <= 3
+    ],
+)
 def test_is_stale_counts_versions_behind(sample, current, bound, stale):
     assert is_stale(sample, current, bound) is stale
 
 
 def test_balanced_counts_have_no_errors():
     # total 10 = trained 4 + dropped 3 + in flight (1 + 1 + 1)
-    counts = Counts(total=10, admitted=1, generated=1, received=1, trained=4, dropped=3,
-                    dropped_by_reason={"stale": 2, "node_lost": 1})
+    counts = Counts(
+        total=10,
+        admitted=1,
+        generated=1,
+        received=1,
+        trained=4,
+        dropped=3,
+        dropped_by_reason={"stale": 2, "node_lost": 1},
+    )
     assert counts.in_flight == 3
     assert counts.balance_errors() == []
 

@@ -60,8 +60,13 @@ ADV2 = [2.0, 1.0]
 
 def two_token_loss(**kw):
     lp = leaf(LP2)
-    loss, stats = policy_loss(lp, torch.tensor(MU2, dtype=torch.float64), torch.tensor(ADV2, dtype=torch.float64),
-                              torch.ones(2, dtype=torch.bool), cfg(**kw))
+    loss, stats = policy_loss(
+        lp,
+        torch.tensor(MU2, dtype=torch.float64),
+        torch.tensor(ADV2, dtype=torch.float64),
+        torch.ones(2, dtype=torch.bool),
+        cfg(**kw),
+    )
     loss.backward()
     return loss.item(), lp.grad.tolist(), summarize({k: v.item() for k, v in stats.items()})
 
@@ -95,8 +100,14 @@ def test_decoupled_clips_against_proximal_not_behavior():
     lp = leaf([-0.5])
     prox = torch.tensor([-1.0], dtype=torch.float64)
     mu = torch.tensor([-1.0 - math.log(1.25)], dtype=torch.float64)
-    loss, stats = policy_loss(lp, mu, torch.tensor([1.0], dtype=torch.float64), torch.ones(1, dtype=torch.bool),
-                              cfg(importance="decoupled"), proximal_logprobs=prox)
+    loss, stats = policy_loss(
+        lp,
+        mu,
+        torch.tensor([1.0], dtype=torch.float64),
+        torch.ones(1, dtype=torch.bool),
+        cfg(importance="decoupled"),
+        proximal_logprobs=prox,
+    )
     # r = exp(-0.5 + 1) = 1.64872 -> clipped to 1.28; w = 1.25: loss = -1.25 * 1.28 = -1.6
     assert loss.item() == pytest.approx(-1.6)
     # ppo_kl = prox - lp = -0.5
@@ -110,9 +121,14 @@ def test_aggregations(aggregation, expected):
     # constant C = 4 (Dr.GRPO): mean(-4 / 4, -6 / 4) = mean(-1, -1.5) = -1.25
     lp = leaf([-1.0] * 4)
     seq_ids = torch.tensor([0, 1, 1, 1])
-    loss, _ = policy_loss(lp, lp.detach(), torch.tensor([4.0, 1.0, 2.0, 3.0], dtype=torch.float64),
-                          torch.ones(4, dtype=torch.bool), cfg(importance="none", aggregation=aggregation,
-                                                               norm_constant=4.0), seq_ids=seq_ids)
+    loss, _ = policy_loss(
+        lp,
+        lp.detach(),
+        torch.tensor([4.0, 1.0, 2.0, 3.0], dtype=torch.float64),
+        torch.ones(4, dtype=torch.bool),
+        cfg(importance="none", aggregation=aggregation, norm_constant=4.0),
+        seq_ids=seq_ids,
+    )
     assert loss.item() == pytest.approx(expected)
 
 
@@ -135,8 +151,14 @@ def test_split_with_global_normaliser_equals_whole(aggregation):
 def test_k3_kl_to_reference():
     lp = leaf([-1.0])
     ref = torch.tensor([-1.0 + math.log(2.0)], dtype=torch.float64)
-    loss, stats = policy_loss(lp, lp.detach(), torch.zeros(1, dtype=torch.float64), torch.ones(1, dtype=torch.bool),
-                              cfg(kl_coef=0.1), ref_logprobs=ref)
+    loss, stats = policy_loss(
+        lp,
+        lp.detach(),
+        torch.zeros(1, dtype=torch.float64),
+        torch.ones(1, dtype=torch.bool),
+        cfg(kl_coef=0.1),
+        ref_logprobs=ref,
+    )
     # ref / pi = 2: k3 = (2 - 1) - ln 2 = 0.306853; loss = 0.1 * 0.306853
     assert loss.item() == pytest.approx(0.0306853, abs=1e-7)
     loss.backward()
@@ -169,16 +191,24 @@ def test_step_zero_behavior_equals_current_gives_ratio_one():
 def test_mismatch_kl_only_on_tokens_of_the_current_version():
     lp = leaf([-1.0, -1.0])
     mu = torch.tensor([-0.9, -3.0], dtype=torch.float64)
-    _, stats = policy_loss(lp, mu, torch.zeros(2, dtype=torch.float64), torch.ones(2, dtype=torch.bool), cfg(),
-                           same_version=torch.tensor([True, False]), entropy=torch.tensor([2.0, 4.0]))
+    _, stats = policy_loss(
+        lp,
+        mu,
+        torch.zeros(2, dtype=torch.float64),
+        torch.ones(2, dtype=torch.bool),
+        cfg(),
+        same_version=torch.tensor([True, False]),
+        entropy=torch.tensor([2.0, 4.0]),
+    )
     m = summarize({k: v.item() for k, v in stats.items()})
     # k3 with pi / mu = exp(-0.1): 0.904837 - 1 + 0.1 = 0.004837 (token 1 is an older version)
     assert m["mismatch_kl"] == pytest.approx(0.004837, abs=1e-6)
     assert m["entropy"] == pytest.approx(3.0)
 
 
-@pytest.mark.parametrize("override, field", [("loss.dual_clip=0.5", "loss.dual_clip"),
-                                             ("loss.is_mask_low=3.0", "loss.is_mask_low")])
+@pytest.mark.parametrize(
+    "override, field", [("loss.dual_clip=0.5", "loss.dual_clip"), ("loss.is_mask_low=3.0", "loss.is_mask_low")]
+)
 def test_bad_loss_config_names_the_field(override, field):
     from streamrl.engine.config import ConfigError, build
 

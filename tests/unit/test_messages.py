@@ -7,23 +7,49 @@ from streamrl.engine import messages as m
 
 
 def _trajectory(**overrides) -> m.Trajectory:
-    fields = dict(sample_id="g1:0", group_id="g1", node_id="node-a", seq=7, prompt_ids=[1, 2, 3],
-                  completion_ids=[4, 5], behavior_logprobs=[-0.25, -1.5], reward=0.5, policy_version=3,
-                  token_versions=[3, 4], finish_reason="stop", group_size=4,
-                  timings=m.Timings(submitted=1.0, finished=2.0, rewarded=2.5))
+    fields = dict(
+        sample_id="g1:0",
+        group_id="g1",
+        node_id="node-a",
+        seq=7,
+        prompt_ids=[1, 2, 3],
+        completion_ids=[4, 5],
+        behavior_logprobs=[-0.25, -1.5],
+        reward=0.5,
+        policy_version=3,
+        token_versions=[3, 4],
+        finish_reason="stop",
+        group_size=4,
+        timings=m.Timings(submitted=1.0, finished=2.0, rewarded=2.5),
+    )
     fields.update(overrides)
     return m.Trajectory(**fields)
 
 
 CONTROL = [
     m.Register(node_id="n", host="h", weight_ranks=2, device="cuda", backend="hf"),
-    m.Welcome(node_id="n", trajectory_addr="tcp://127.0.0.1:5000", redis_url="redis://x", run_name="r",
-              policy_version=2),
+    m.Welcome(
+        node_id="n", trajectory_addr="tcp://127.0.0.1:5000", redis_url="redis://x", run_name="r", policy_version=2
+    ),
     m.Heartbeat(node_id="n", policy_version=1, in_flight=3, tokens_generated=99),
-    m.WeightsReady(version=5, store_host="127.0.0.1", store_port=1234, group_prefix="n/5", world_size=2,
-                   timeout_s=30.0, buckets=[m.BucketSpec(dtype="bfloat16", numel=6, tensors=[
-                       m.TensorSpec(name="a", shape=[2, 2], offset=0, numel=4),
-                       m.TensorSpec(name="b", shape=[2], offset=4, numel=2)])]),
+    m.WeightsReady(
+        version=5,
+        store_host="127.0.0.1",
+        store_port=1234,
+        group_prefix="n/5",
+        world_size=2,
+        timeout_s=30.0,
+        buckets=[
+            m.BucketSpec(
+                dtype="bfloat16",
+                numel=6,
+                tensors=[
+                    m.TensorSpec(name="a", shape=[2, 2], offset=0, numel=4),
+                    m.TensorSpec(name="b", shape=[2], offset=4, numel=2),
+                ],
+            )
+        ],
+    ),
     m.WeightsApplied(node_id="n", version=5, seconds=0.25, error=""),
     m.Stop(reason="done"),
     m.Goodbye(node_id="n", reason="sigterm"),
@@ -52,12 +78,15 @@ def test_min_version_is_the_oldest_token():
     assert _trajectory(token_versions=[]).min_version == 3
 
 
-@pytest.mark.parametrize("bad", [
-    dict(behavior_logprobs=[-0.1]),  # one logprob for two tokens
-    dict(token_versions=[1]),
-    dict(prompt_ids=[]),
-    dict(seq=-1),
-])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        dict(behavior_logprobs=[-0.1]),  # one logprob for two tokens
+        dict(token_versions=[1]),
+        dict(prompt_ids=[]),
+        dict(seq=-1),
+    ],
+)
 def test_invariants_broken_on_the_wire_raise_decode_error(bad):
     fields = msgspec.to_builtins(_trajectory())
     names = m.Trajectory.__struct_fields__

@@ -28,8 +28,9 @@ def test_tiny_model_loads_and_generates(tiny_model):
         out = model.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=tok.pad_token_id)
     assert out.shape[1] == ids.shape[1] + 4
     assert tok.eos_token == models.EOS and tok.pad_token_id == tok.eos_token_id
-    assert "<|im_start|>assistant" in tok.apply_chat_template([{"role": "user", "content": "hi"}],
-                                                              add_generation_prompt=True, tokenize=False)
+    assert "<|im_start|>assistant" in tok.apply_chat_template(
+        [{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False
+    )
 
 
 def test_missing_folder_names_the_fix(tmp_path):
@@ -56,8 +57,9 @@ def test_unknown_architecture_and_remote_code(tiny_model, tmp_path):
     folder = tmp_path / "m"
     shutil.copytree(tiny_model, folder)
     config = json.loads((folder / "config.json").read_text())
-    (folder / "config.json").write_text(json.dumps({**config, "architectures": ["FancyNetForCausalLM"],
-                                                    "model_type": "fancynet"}))
+    (folder / "config.json").write_text(
+        json.dumps({**config, "architectures": ["FancyNetForCausalLM"], "model_type": "fancynet"})
+    )
     with pytest.raises(models.ModelLoadError, match="FancyNetForCausalLM is unknown to transformers"):
         models.load_model(str(folder))
     (folder / "config.json").write_text(json.dumps({**config, "auto_map": {"AutoModel": "x.Y"}}))

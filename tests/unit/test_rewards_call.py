@@ -16,8 +16,9 @@ from streamrl.rewards.registry import RewardSpecError, resolve
 
 def batch(*completions: str) -> Batch:
     n = len(completions)
-    return Batch(prompts=["p"] * n, completions=list(completions), completion_ids=[[1]] * n,
-                 columns={"answer": ["x"] * n})
+    return Batch(
+        prompts=["p"] * n, completions=list(completions), completion_ids=[[1]] * n, columns={"answer": ["x"] * n}
+    )
 
 
 def picky(prompts, completions, completion_ids, **columns):
@@ -60,13 +61,15 @@ def test_async_rewards_run_with_or_without_a_running_loop():
 
 def test_a_reward_loaded_from_a_file_path(tmp_path):
     path = tmp_path / "rw.py"
-    path.write_text(textwrap.dedent("""
+    path.write_text(
+        textwrap.dedent("""
         def starts_with_answer(prompts, completions, completion_ids, answer, **columns):
             return [float(c.startswith(a)) for c, a in zip(completions, answer)]
 
         def too_few(prompts, completions):
             return []
-    """))
+    """)
+    )
     scorer = Scorer(RewardConfig(functions=[f"{path}:starts_with_answer"], workers=0))
     assert scorer.score(["p", "p"], ["yes!", "no"], [[1], [2]], [{"answer": "yes"}] * 2) == [1.0, 0.0]
     with pytest.raises(RewardSpecError, match="takes 2 positional arguments"):
@@ -92,8 +95,10 @@ def test_score_async_from_an_event_loop_and_per_function_metrics():
     scorer = Scorer(RewardConfig(functions=["demo", "exact_match"], workers=0))
 
     async def main():
-        return await asyncio.gather(scorer.score_async(["p"], ["a"], [[1]], [{"answer": "a"}]),
-                                    scorer.score_async(["p"], ["b"], [[1]], [{"answer": "a"}]))
+        return await asyncio.gather(
+            scorer.score_async(["p"], ["a"], [[1]], [{"answer": "a"}]),
+            scorer.score_async(["p"], ["b"], [[1]], [{"answer": "a"}]),
+        )
 
     assert asyncio.run(main()) == [[2.0], [0.0]]  # "a": demo 1 + exact 1; "b": 0 + 0
     metrics = scorer.stats.as_metrics()

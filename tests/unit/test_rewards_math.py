@@ -18,13 +18,7 @@ EQUIVALENT = [
     (r"$\sqrt{2}$", r"$\boxed{\sqrt 2}$"),
     ("12", "The answer is 12."),
 ]
-DIFFERENT = [
-    ("2", r"$\boxed{3}$"),
-    ("1/3", "0.33"),
-    ("12", "I think 13"),
-    ("1", ""),
-    ("x+1", r"$\boxed{x-1}$"),
-]
+DIFFERENT = [("2", r"$\boxed{3}$"), ("1/3", "0.33"), ("12", "I think 13"), ("1", ""), ("x+1", r"$\boxed{x-1}$")]
 
 
 @pytest.mark.parametrize(("answer", "completion"), EQUIVALENT)

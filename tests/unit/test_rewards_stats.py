@@ -34,7 +34,9 @@ def test_a_step_without_variance_warns(caplog):
     with caplog.at_level(logging.WARNING, "streamrl.rewards"):
         assert warn_if_flat(flat, step=7)
         assert not warn_if_flat(batch_stats([0.0, 1.0], ["a", "a"]), step=8)
-    assert len(caplog.records) == 1 and "step 7: all 2 groups have zero reward variance" in caplog.records[0].getMessage()
+    assert (
+        len(caplog.records) == 1 and "step 7: all 2 groups have zero reward variance" in caplog.records[0].getMessage()
+    )
 
 
 def test_mismatched_lengths_are_rejected():

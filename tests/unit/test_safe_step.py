@@ -25,9 +25,20 @@ def trainer(tiny_model):
 
 
 def batch(advantages):
-    trajs = [Trajectory(sample_id=f"s{i}", group_id="g", node_id="n", seq=i, prompt_ids=[3, 4, 5 + i],
-                        completion_ids=[10 + i, 11, 12], behavior_logprobs=[-6.0] * 3, reward=0.0, policy_version=0)
-             for i in range(len(advantages))]
+    trajs = [
+        Trajectory(
+            sample_id=f"s{i}",
+            group_id="g",
+            node_id="n",
+            seq=i,
+            prompt_ids=[3, 4, 5 + i],
+            completion_ids=[10 + i, 11, 12],
+            behavior_logprobs=[-6.0] * 3,
+            reward=0.0,
+            policy_version=0,
+        )
+        for i in range(len(advantages))
+    ]
     return pack(trajs, advantages, token_budget=12)
 
 

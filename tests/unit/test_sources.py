@@ -28,11 +28,16 @@ def _cfg(path: str, **kw) -> DataConfig:
 
 
 def test_jsonl_skips_malformed_rows_with_their_numbers(tmp_path, tokenizer):
-    path = _jsonl(tmp_path, [json.dumps({"prompt": "alpha beta", "answer": "a"}),
-                             "{not json",
-                             json.dumps({"question": "no prompt column"}),
-                             json.dumps([1, 2]),
-                             json.dumps({"prompt": "red cat", "answer": "b"})])
+    path = _jsonl(
+        tmp_path,
+        [
+            json.dumps({"prompt": "alpha beta", "answer": "a"}),
+            "{not json",
+            json.dumps({"question": "no prompt column"}),
+            json.dumps([1, 2]),
+            json.dumps({"prompt": "red cat", "answer": "b"}),
+        ],
+    )
     source = PromptSource(_cfg(path), tokenizer)
     prompts = list(source)
     assert [p.row_number for p in prompts] == [0, 4]

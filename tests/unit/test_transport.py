@@ -10,14 +10,21 @@ import zmq
 
 from streamrl.engine import messages
 from streamrl.engine.messages import Register, Stop, Trajectory, Welcome
-from streamrl.engine.transport import (ControlClient, ControlServer, TrajectoryReceiver, TrajectorySender,
-                                       TransportError)
+from streamrl.engine.transport import ControlClient, ControlServer, TrajectoryReceiver, TrajectorySender, TransportError
 
 
 def _traj(sample_id: str = "s", completion: int = 3) -> Trajectory:
-    return Trajectory(sample_id=sample_id, group_id="g", node_id="", seq=0, prompt_ids=[1, 2],
-                      completion_ids=list(range(completion)), behavior_logprobs=[-0.5] * completion,
-                      reward=1.0, policy_version=0)
+    return Trajectory(
+        sample_id=sample_id,
+        group_id="g",
+        node_id="",
+        seq=0,
+        prompt_ids=[1, 2],
+        completion_ids=list(range(completion)),
+        behavior_logprobs=[-0.5] * completion,
+        reward=1.0,
+        policy_version=0,
+    )
 
 
 def _dead_port() -> int:
@@ -59,8 +66,10 @@ def test_receiver_counts_gaps_and_drops_duplicates(receiver):
 
 
 def test_nodes_are_numbered_independently(receiver):
-    with TrajectorySender(receiver.addr, "a", send_timeout_s=10) as a, \
-            TrajectorySender(receiver.addr, "b", send_timeout_s=10) as b:
+    with (
+        TrajectorySender(receiver.addr, "a", send_timeout_s=10) as a,
+        TrajectorySender(receiver.addr, "b", send_timeout_s=10) as b,
+    ):
         a.send(_traj())
         b.send(_traj())
         a.send(_traj())
@@ -83,8 +92,10 @@ def test_undecodable_frame_is_counted_and_skipped(receiver):
 
 def test_slow_consumer_blocks_sender_and_nothing_is_dropped():
     big = 200_000  # tokens per message, so socket buffers fill after a few messages
-    with TrajectoryReceiver(hwm=1) as receiver, \
-            TrajectorySender(receiver.addr, "n", hwm=1, send_timeout_s=0.5) as sender:
+    with (
+        TrajectoryReceiver(hwm=1) as receiver,
+        TrajectorySender(receiver.addr, "n", hwm=1, send_timeout_s=0.5) as sender,
+    ):
         sent = 0
         with pytest.raises(TransportError, match=receiver.addr.replace(".", r"\.")):
             for _ in range(200):
@@ -119,8 +130,9 @@ def test_control_request_reply_and_pushed_messages_are_kept():
         peer, msg = server.recv(10)
         assert peer == b"node-1" and isinstance(msg, Register) and msg.host == "h"
         server.send(peer, Stop(reason="first"))
-        server.send(peer, Welcome(node_id="node-1", trajectory_addr="tcp://x:1", redis_url="", run_name="r",
-                                  policy_version=3))
+        server.send(
+            peer, Welcome(node_id="node-1", trajectory_addr="tcp://x:1", redis_url="", run_name="r", policy_version=3)
+        )
         reply = client.request(Register(node_id="node-1", host="h"), expect=Welcome)
         assert reply.policy_version == 3
         assert server.recv(10)[1].node_id == "node-1"

@@ -21,8 +21,12 @@ def _layout(buckets):
 
 
 def test_plan_buckets_by_dtype_and_size():
-    tensors = {"a": torch.zeros(2, 3), "b": torch.zeros(4), "c": torch.zeros(5, dtype=torch.bfloat16),
-               "d": torch.zeros(10)}
+    tensors = {
+        "a": torch.zeros(2, 3),
+        "b": torch.zeros(4),
+        "c": torch.zeros(5, dtype=torch.bfloat16),
+        "d": torch.zeros(10),
+    }
     # 48-byte buckets: a (6 f32 = 24 B) + b (4 f32 -> 40 B) fit; d would make (10 + 10) * 4 = 80 B > 48,
     # so d opens a second f32 bucket; c (bf16) has its own, listed when opened (before d's).
     assert _layout(plan_buckets(tensors, 48)) == [
@@ -64,13 +68,23 @@ def _planted_state() -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(0)
     special = torch.tensor([float("nan"), -0.0, float("inf"), 1e-45, -3.4e38])
     embed = torch.randn(300, 16, generator=g)
-    return {"embed": embed, "norm": torch.cat([special, torch.randn(11, generator=g)]),
-            "proj": torch.randn(40, 16, generator=g).to(torch.bfloat16), "ids": torch.arange(-5, 20),
-            "head": embed}  # tied: sent once, received under both names
+    return {
+        "embed": embed,
+        "norm": torch.cat([special, torch.randn(11, generator=g)]),
+        "proj": torch.randn(40, 16, generator=g).to(torch.bfloat16),
+        "ids": torch.arange(-5, 20),
+        "head": embed,
+    }  # tied: sent once, received under both names
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.view(torch.int16) if t.element_size() == 2 else t.view(torch.int32) if t.element_size() == 4 else t.view(torch.int64)
+    return (
+        t.view(torch.int16)
+        if t.element_size() == 2
+        else t.view(torch.int32)
+        if t.element_size() == 4
+        else t.view(torch.int64)
+    )
 
 
 RECEIVER = """
@@ -88,8 +102,12 @@ for n, line in enumerate(sys.stdin):
 def test_send_receive_bit_exact_over_two_process_gloo(tmp_path):
     state = _planted_state()
     sender = WeightSender("node-a", timeout_s=30.0)
-    child = subprocess.Popen([sys.executable, "-c", RECEIVER, str(tmp_path / "got")], stdin=subprocess.PIPE,
-                             stdout=subprocess.PIPE, text=True)
+    child = subprocess.Popen(
+        [sys.executable, "-c", RECEIVER, str(tmp_path / "got")],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         prefixes = []
         for version in (1, 2):  # the second transfer reuses the group built by the first
