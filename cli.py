@@ -43,7 +43,7 @@ def doctor(
     redis_url: Annotated[str, typer.Option(help="Check this Redis (default: ledger.url, else the embedded one).")] = "",
 ) -> None:
     """Check the environment; every failing row names the command that fixes it."""
-    from streamrl.engine.doctor import render, run_checks
+    from streamrl.ops.doctor import render, run_checks
 
     cfg = _load(config, overrides)
     results = run_checks(
@@ -69,31 +69,22 @@ def make_tiny_model(
 
 @app.command()
 def learner(config: ConfigOpt = None, overrides: SetOpt = None, resume: ResumeOpt = "") -> None:
-    """Run the learner (rank 0 binds the sockets); more ranks: learner.ranks under torchrun."""
+    """Run the learner (rank 0 binds the sockets); more ranks: learner.ranks, under torchrun."""
+    import os
     import sys
 
-    from streamrl.learner.main import main as learner_main
-
-    args = (["--config", str(config)] if config else []) + [a for o in overrides or [] for a in ("--set", o)]
-    args += ["--resume", resume] if resume else []
-    ranks = _load(config, overrides).learner.ranks
-    if ranks > 1:  # become torchrun: Ctrl-C and SIGTERM then reach it (and so its workers) directly
-        import os
-
+    cfg = _load(config, overrides)
+    if cfg.learner.ranks > 1 and "RANK" not in os.environ:
+        # become torchrun, which starts this same command once per rank; Ctrl-C and SIGTERM then
+        # reach it (and so its workers) directly
         os.execv(
             sys.executable,
-            [
-                sys.executable,
-                "-m",
-                "torch.distributed.run",
-                "--standalone",
-                f"--nproc-per-node={ranks}",
-                "-m",
-                "streamrl.learner.main",
-                *args,
-            ],
-        )
-    raise typer.Exit(learner_main(args))
+            [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={cfg.learner.ranks}",
+             "-m", "streamrl", "learner", *sys.argv[2:]],
+        )  # fmt: skip
+    from streamrl.learner.main import main as learner_main
+
+    raise typer.Exit(learner_main(cfg, resume))
 
 
 @app.command()
@@ -102,11 +93,12 @@ def rollout(
     overrides: SetOpt = None,
     learner: Annotated[str, typer.Option(help="Learner control address tcp://HOST:PORT, or its run folder.")] = "",
     node_id: Annotated[str | None, typer.Option(help="Unique node name (default: host-pid).")] = None,
+    max_groups: Annotated[int | None, typer.Option(min=1, help="Stop after starting this many groups.")] = None,
 ) -> None:
     """Run one rollout node: register with the learner, take its weights, generate until stopped."""
     from streamrl.rollout.service import main as rollout_main
 
-    raise typer.Exit(rollout_main(_load(config, overrides), learner, node_id))
+    raise typer.Exit(rollout_main(_load(config, overrides), learner, node_id, max_groups))
 
 
 @app.command()
@@ -119,7 +111,7 @@ def status(
     deep: Annotated[bool, typer.Option(help="Also recount every sample record.")] = False,
 ) -> None:
     """The run's books: generated, in flight, trained, dropped by reason; exit 1 when they do not balance."""
-    from streamrl.engine.status import status_command
+    from streamrl.ops.status import status_command
 
     if redis_url:
         raise typer.Exit(status_command(run, redis_url, deep=deep))
@@ -148,7 +140,8 @@ def run(
     resume: ResumeOpt = "",
 ) -> None:
     """Everything on this machine: embedded Redis, a learner and N rollout nodes, with a live view."""
-    from streamrl.engine.run_local import DEMO, run_local
+    from streamrl.engine.config import RunConfig
+    from streamrl.ops.run import DEMO, run_local
 
     builtin = config is None and not model and not data  # the built-in demo: its settings, then yours
     sets = (DEMO if builtin else []) + list(overrides or [])
@@ -157,14 +150,9 @@ def run(
     sets += [f"reward.functions={list(reward)!r}"] if reward else []
     sets += [f"run.steps={steps}"] if steps else []
     sets += [f"run.device={device!r}"] if device else []
-    raise typer.Exit(
-        run_local(
-            _load(config, sets),
-            rollout_nodes,
-            explicit_name=any(s.startswith("run.name") for s in sets) or _names_run(config),
-            resume=resume,
-        )
-    )
+    cfg = _load(config, sets)
+    # a run named by you keeps its folder; the default name gets a fresh one when taken
+    raise typer.Exit(run_local(cfg, rollout_nodes, explicit_name=cfg.run.name != RunConfig().name, resume=resume))
 
 
 @app.command()
@@ -180,11 +168,12 @@ def export(
     """Write a checkpoint as an HF model folder (sharded safetensors, config, tokenizer) that
     transformers and vLLM load without streamrl."""
     from streamrl.learner.checkpoint import CheckpointError
-    from streamrl.learner.export import export_checkpoint
+    from streamrl.learner.export import ExportError
+    from streamrl.ops.export import export_checkpoint
 
     try:
         folder = export_checkpoint(checkpoint, out, max_shard_size, overwrite)
-    except CheckpointError as e:
+    except (CheckpointError, ExportError) as e:
         typer.secho(f"error: {e}", fg="red", err=True)
         raise typer.Exit(2) from None
     typer.echo(f"exported to {folder}")
@@ -213,12 +202,6 @@ def bench(ctx: typer.Context, name: Annotated[str, typer.Argument(help=f"One of:
         raise typer.Exit(2)
     sys.argv = [f"streamrl bench {name}", *ctx.args]
     runpy.run_module(f"streamrl.bench.{name}", run_name="__main__")
-
-
-def _names_run(config: pathlib.Path | None) -> bool:
-    import tomllib
-
-    return bool(config and "name" in tomllib.loads(config.read_text()).get("run", {}))
 
 
 def main() -> None:

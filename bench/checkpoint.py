@@ -25,8 +25,8 @@ from streamrl.engine.messages import Trajectory
 from streamrl.engine.models import tiny_config
 from streamrl.learner import checkpoint, parallel
 from streamrl.learner.batching import pack
-from streamrl.learner.export import export_checkpoint
 from streamrl.learner.train_step import Trainer
+from streamrl.ops.export import export_checkpoint
 
 MODELS = {
     "tiny": dict(vocab_size=512),

@@ -17,11 +17,11 @@ import tempfile
 import time
 
 from streamrl.engine.config import build
-from streamrl.engine.launcher import Launcher
 from streamrl.engine.ledger import Ledger
 from streamrl.engine.models import make_tiny_model
 from streamrl.engine.redis_server import connect
 from streamrl.engine.telemetry import read_metrics
+from streamrl.ops.launcher import Launcher
 
 SHAPES = {
     "tiny": {},

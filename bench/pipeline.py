@@ -15,9 +15,9 @@ import tempfile
 import time
 
 from streamrl.engine.config import build
-from streamrl.engine.launcher import Launcher
-from streamrl.engine.run_local import DEMO
 from streamrl.engine.telemetry import read_metrics
+from streamrl.ops.launcher import Launcher
+from streamrl.ops.run import DEMO
 
 WARMUP_STEPS = 2
 

@@ -302,6 +302,15 @@ class TelemetryConfig(_Section):
     log_level: Annotated[Literal["DEBUG", "INFO", "WARNING", "ERROR"], _doc("Log level of rank 0.")] = "INFO"
     tensorboard: Annotated[bool, _doc("Also write TensorBoard events when tensorboard is installed.")] = True
     prometheus_port: Annotated[int, _doc("Serve Prometheus /metrics on this port; 0 disables.", ge=0, le=65535)] = 0
+    prometheus_host: Annotated[
+        str, _doc("Address the Prometheus endpoint binds; 0.0.0.0 lets a remote Prometheus scrape it.", min_length=1)
+    ] = "127.0.0.1"
+    wandb: Annotated[bool, _doc("Also log every step to Weights & Biases (needs `pip install wandb`).")] = False
+    wandb_project: Annotated[str, _doc("W&B project; the run is named after run.name.", min_length=1)] = "streamrl"
+    wandb_mode: Annotated[
+        Literal["offline", "online"],
+        _doc("offline writes to RUN/wandb with no network (sync later with `wandb sync`); online needs a login."),
+    ] = "offline"
 
 
 class Config(_Section):
@@ -408,31 +417,6 @@ def load(path: str | pathlib.Path | None = None, overrides: list[str] = ()) -> C
 
 def dump(config: Config) -> str:
     """The config as TOML text (for logs and the run folder); `build(tomllib.loads(dump(c))) == c`."""
-    lines: list[str] = []
-    _dump_table(msgspec.to_builtins(config), "", lines)
-    return "\n".join(lines)
+    import tomli_w
 
-
-def _dump_table(values: dict[str, Any], prefix: str, lines: list[str]) -> None:
-    tables = {k: v for k, v in values.items() if isinstance(v, dict)}
-    if prefix and (len(tables) < len(values)):
-        lines.append(f"[{prefix}]")
-    for key, value in values.items():
-        if key not in tables:
-            lines.append(f"{key} = {_toml_value(value)}")
-    if prefix:
-        lines.append("")
-    for key, table in tables.items():
-        _dump_table(table, f"{prefix}.{key}" if prefix else key, lines)
-
-
-def _toml_value(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, str):
-        return msgspec.json.encode(value).decode()
-    if isinstance(value, float) and value == float("inf"):
-        return "inf"
-    if isinstance(value, (list, tuple)):
-        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
-    return repr(value)
+    return tomli_w.dumps(msgspec.to_builtins(config))

@@ -305,6 +305,17 @@ class Ledger:
             rejected=rejected,
         )
 
+    def drop_received(self, reason: str) -> int:
+        """Drop every sample in state `received` (a learner that died took them in and never trained
+        them: nobody delivers them again) with `reason`; how many. Scans the run's records once."""
+        keys = list(self.client.scan_iter(match=self.prefix + "s:*", count=1000))
+        pipe = self.client.pipeline(transaction=False)
+        for key in keys:
+            pipe.hget(key, "state")
+        states = pipe.execute() if keys else []
+        ids = [key.removeprefix(self.prefix + "s:") for key, state in zip(keys, states) if state == "received"]
+        return sum(self.drop(ids, reason)) if ids else 0
+
     # ---- reading the books ------------------------------------------------------------------
 
     def record(self, sample_id: str) -> dict[str, str]:

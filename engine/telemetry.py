@@ -2,21 +2,23 @@
 
 - `setup_logging(run_dir, role, console)`: `RUN/logs/<role>.log` always; the console only where
   `console` is true (learner rank 0, or a rollout node started by hand).
-- `MetricsSink`: one JSON object per learner step in `RUN/metrics.jsonl`; TensorBoard events when
-  tensorboard is installed; a Prometheus text endpoint when a port is given.
-- `read_metrics(path)`: what the live view and the tests read back.
+- `MetricsSink`: one JSON object per learner step in `RUN/metrics.jsonl`; and, as configured,
+  TensorBoard events, a Prometheus endpoint (`prometheus_client`) and Weights & Biases.
+- `MetricsTail`: reads a metrics.jsonl as it grows, only the new lines each time (the live view);
+  `read_metrics(path)` reads a whole one (tests, benchmarks).
 """
 
 from __future__ import annotations
 
-import http.server
 import json
 import logging
 import math
 import pathlib
-import threading
+import re
 import time
 from typing import Any
+
+from streamrl.engine.config import TelemetryConfig
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
@@ -47,117 +49,134 @@ def _finite(value: Any) -> Any:
     return value
 
 
-class MetricsSink:
-    """Rank 0's metrics: jsonl always, TensorBoard and Prometheus when asked for."""
+def _numeric(metrics: dict[str, Any]) -> dict[str, float]:
+    return {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
 
-    def __init__(self, run_dir: str | pathlib.Path, tensorboard: bool = True, prometheus_port: int = 0):
-        self.path = pathlib.Path(run_dir) / "metrics.jsonl"
+
+class MetricsSink:
+    """Rank 0's metrics: jsonl always; TensorBoard, Prometheus and W&B as `cfg` asks."""
+
+    def __init__(self, run_dir: str | pathlib.Path, cfg: TelemetryConfig | None = None):
+        cfg = cfg or TelemetryConfig(tensorboard=False)
+        run_dir = pathlib.Path(run_dir)
+        self.path = run_dir / "metrics.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._file = self.path.open("a", buffering=1)
-        self._tb = _tensorboard_writer(pathlib.Path(run_dir) / "tensorboard") if tensorboard else None
-        self._latest: dict[str, float] = {}
-        self._server = _serve_prometheus(prometheus_port, self) if prometheus_port else None
+        self._tb = _tensorboard_writer(run_dir / "tensorboard") if cfg.tensorboard else None
+        self._prometheus = _Prometheus(cfg.prometheus_host, cfg.prometheus_port) if cfg.prometheus_port else None
+        self._wandb = _wandb_run(run_dir, cfg) if cfg.wandb else None
+
+    @property
+    def prometheus_port(self) -> int | None:
+        return self._prometheus.port if self._prometheus is not None else None
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         record = {"step": step, "time": time.time(), **{k: _finite(v) for k, v in metrics.items()}}
         self._file.write(json.dumps(record) + "\n")
-        numeric = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
-        self._latest = {"step": float(step), **numeric}
+        numeric = _numeric(metrics)
         if self._tb is not None:
             for key, value in numeric.items():
                 self._tb.add_scalar(key, value, step)
             self._tb.flush()
-
-    def prometheus_text(self) -> str:
-        lines = []
-        for key, value in sorted(self._latest.items()):
-            name = "streamrl_" + "".join(c if c.isalnum() else "_" for c in key)
-            lines.append(f"# TYPE {name} gauge\n{name} {value!r}")
-        return "\n".join(lines) + "\n"
+        if self._prometheus is not None:
+            self._prometheus.set({"step": float(step), **numeric})
+        if self._wandb is not None:
+            self._wandb.log(numeric, step=step)
 
     def close(self) -> None:
         self._file.close()
         if self._tb is not None:
             self._tb.close()
-        if self._server is not None:
-            self._server.shutdown()
-            self._server.server_close()
+        if self._prometheus is not None:
+            self._prometheus.close()
+        if self._wandb is not None:
+            self._wandb.finish()
 
 
 def _tensorboard_writer(folder: pathlib.Path):
     try:
         from torch.utils.tensorboard import SummaryWriter
     except ImportError:  # tensorboard is optional
+        logging.getLogger("streamrl").warning(
+            "telemetry.tensorboard = true but tensorboard is not installed: no events are written "
+            "(`pip install tensorboard`, or set telemetry.tensorboard = false)"
+        )
         return None
     return SummaryWriter(str(folder))
 
 
-def _serve_prometheus(port: int, sink: MetricsSink) -> http.server.ThreadingHTTPServer:
-    class Handler(http.server.BaseHTTPRequestHandler):
-        def do_GET(self):  # noqa: N802 - the http.server API
-            if self.path.rstrip("/") != "/metrics":
-                self.send_error(404)
-                return
-            body = sink.prometheus_text().encode()
-            self.send_response(200)
-            self.send_header("Content-Type", "text/plain; version=0.0.4")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
+class _Prometheus:
+    """A gauge per metric (`streamrl_<name>`, created when first seen) on the run's own registry."""
 
-        def log_message(self, *args):  # keep scrapes out of the logs
-            pass
+    def __init__(self, host: str, port: int):
+        from prometheus_client import CollectorRegistry, start_http_server
 
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", port), Handler)
-    threading.Thread(target=server.serve_forever, name="prometheus", daemon=True).start()
-    return server
+        self.registry = CollectorRegistry()
+        self._gauges: dict[str, Any] = {}
+        self._server, self._thread = start_http_server(port, addr=host, registry=self.registry)
+        self.port = self._server.server_port
+
+    def set(self, values: dict[str, float]) -> None:
+        from prometheus_client import Gauge
+
+        for key, value in values.items():
+            gauge = self._gauges.get(key)
+            if gauge is None:
+                name = "streamrl_" + re.sub(r"[^A-Za-z0-9_]", "_", key)
+                gauge = self._gauges[key] = Gauge(name, f"streamrl metric {key}", registry=self.registry)
+            gauge.set(value)
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+
+
+def _wandb_run(run_dir: pathlib.Path, cfg: TelemetryConfig):
+    try:
+        import wandb
+    except ImportError:
+        raise RuntimeError(
+            "telemetry.wandb = true but wandb is not installed: `pip install wandb` (or ./install.sh), "
+            "or set telemetry.wandb = false"
+        ) from None
+    return wandb.init(
+        project=cfg.wandb_project, name=run_dir.name, dir=str(run_dir), mode=cfg.wandb_mode, reinit="finish_previous"
+    )
+
+
+class MetricsTail:
+    """The records of a growing metrics.jsonl: `poll()` reads only what was appended since the last call
+    (a half-written last line waits for the next poll)."""
+
+    def __init__(self, path: str | pathlib.Path):
+        self.path = pathlib.Path(path)
+        self.records: list[dict[str, Any]] = []
+        self._offset = 0
+        self._partial = b""
+
+    def poll(self) -> list[dict[str, Any]]:
+        """The new records (all records so far are in `records`)."""
+        try:
+            with self.path.open("rb") as f:
+                f.seek(self._offset)
+                chunk = f.read()
+        except FileNotFoundError:
+            return []
+        self._offset += len(chunk)
+        lines = (self._partial + chunk).split(b"\n")
+        self._partial = lines.pop()  # b"" after a complete last line
+        new = []
+        for line in lines:
+            try:
+                new.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+        self.records.extend(new)
+        return new
 
 
 def read_metrics(path: str | pathlib.Path) -> list[dict[str, Any]]:
     """Every complete record of a metrics.jsonl (a half-written last line is skipped)."""
-    records = []
-    try:
-        text = pathlib.Path(path).read_text()
-    except FileNotFoundError:
-        return records
-    for line in text.splitlines():
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return records
-
-
-def live_table(records: list[dict[str, Any]], steps: int, nodes: dict[str, bool], elapsed_s: float, note: str = ""):
-    """The `streamrl run` live view: the latest step's figures and the nodes' state."""
-    from rich.table import Table
-
-    last = records[-1] if records else {}
-    first_reward = records[0].get("reward/mean") if records else None
-    table = Table(title=f"streamrl — step {last.get('step', 0)}/{steps} — {elapsed_s:.0f} s", show_header=False)
-    table.add_column("what", style="bold")
-    table.add_column("value")
-
-    def fmt(key: str, spec: str = ".3f") -> str:
-        value = last.get(key)
-        return format(value, spec) if isinstance(value, (int, float)) else "-"
-
-    reward = f"{fmt('reward/mean')} ± {fmt('reward/std')}"
-    if first_reward is not None and len(records) > 1:
-        reward += f"   (step 1: {first_reward:.3f})"
-    rows = [
-        ("reward", reward),
-        ("loss", fmt("loss", ".4f")),
-        ("policy version", fmt("version", ".0f")),
-        ("tokens/s (trained)", fmt("tokens_per_s", ".0f")),
-        ("staleness mean / max", f"{fmt('staleness_mean', '.2f')} / {fmt('staleness_max', '.0f')}"),
-        ("mismatch_kl / behavior_kl", f"{fmt('mismatch_kl', '.2e')} / {fmt('behavior_kl', '.2e')}"),
-        ("skipped steps", fmt("skipped_steps", ".0f")),
-        ("weights push (s)", fmt("weights_s", ".2f")),
-        ("nodes", ", ".join(f"{n} {'up' if up else 'down'}" for n, up in nodes.items()) or "-"),
-    ]
-    for row in rows:
-        table.add_row(*row)
-    if note:
-        table.add_row("note", note)
-    return table
+    tail = MetricsTail(path)
+    tail.poll()
+    return tail.records

@@ -53,6 +53,15 @@ class MicroBatch:
         return MicroBatch(**moved)
 
 
+@dataclass
+class StepBatch:
+    """One rank's share of an optimizer step, as rank 0's orchestrator made it."""
+
+    micro_batches: list[MicroBatch]
+    version: int  # the policy version the step starts from
+    loss_tokens: int  # loss tokens of the whole step over every rank (the token normaliser)
+
+
 def sequence_cost(trajectory: Trajectory) -> int:
     """Positions the trajectory takes in a micro-batch."""
     return len(trajectory.prompt_ids) + len(trajectory.completion_ids) - 1
@@ -161,4 +170,35 @@ def pack(
     return [
         collate([trajectories[keep[j]] for j in b], [advantages[keep[j]] for j in b], pad_to)
         for b in plan(costs, token_budget)
+    ]
+
+
+def split_by_tokens(costs: list[int], ranks: int) -> list[list[int]]:
+    """Indices dealt to `ranks` ranks so their token totals differ by at most the largest single cost.
+
+    Longest first, each to the rank with the fewest tokens so far (LPT): when a rank takes an item it
+    had the least, so no rank ends more than one item's cost above another. Each rank's indices
+    come back in their original order.
+    """
+    if ranks < 1:
+        raise ValueError(f"ranks = {ranks}: must be >= 1")
+    shares: list[list[int]] = [[] for _ in range(ranks)]
+    loads = [0] * ranks
+    for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
+        r = min(range(ranks), key=lambda r: (loads[r], r))
+        shares[r].append(i)
+        loads[r] += costs[i]
+    return [sorted(s) for s in shares]
+
+
+def pack_for_ranks(
+    trajectories: list[Trajectory], advantages: list[float], ranks: int, token_budget: int, pad_to_budget: bool = False
+) -> list[list[MicroBatch]]:
+    """Each rank's packed micro-batches, the samples split between ranks by tokens (`split_by_tokens`)."""
+    if len(trajectories) != len(advantages):
+        raise ValueError(f"{len(trajectories)} trajectories but {len(advantages)} advantages; give one each")
+    shares = split_by_tokens([sequence_cost(t) for t in trajectories], ranks)
+    return [
+        pack([trajectories[i] for i in share], [advantages[i] for i in share], token_budget, pad_to_budget)
+        for share in shares
     ]

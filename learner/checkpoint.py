@@ -26,8 +26,10 @@ import time
 
 import msgspec
 import torch
-import torch.distributed as dist
 from torch import nn
+
+from streamrl.learner import parallel
+from streamrl.learner.export import export_state
 
 FORMAT = 1
 META = "meta.json"
@@ -206,14 +208,14 @@ def save(
     model_sd, optim_sd = get_state_dict(lm, optimizer)  # first: FSDP2's hook shows the sharded fp32 parameters
     _on_rank0_then_share(lambda: _prepare(root, tmp, estimate_bytes(lm)))
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
-    rngs = _gather(_rng_state())
-    if _rank() == 0:
+    rngs = parallel.gather_objects(_rng_state())
+    if parallel.is_rank0():
         torch.save({"scheduler": scheduler.state_dict(), "rng": rngs}, tmp / "extra.pt")
         write_hf_files(lm, model_source, tmp / "hf")
         shapes, dtypes = param_shapes(lm)
         meta = Meta(
             FORMAT,
-            msgspec.structs.replace(state, world_size=_world(), time=time.time()),
+            msgspec.structs.replace(state, world_size=parallel.world_size(), time=time.time()),
             fingerprint(lm),
             shapes,
             dtypes,
@@ -224,7 +226,7 @@ def save(
         os.rename(tmp, final)
         _fsync_dir(root)
         prune(root, keep_last, keep_every)
-    _barrier()
+    parallel.barrier()
     return final
 
 
@@ -283,8 +285,24 @@ def load(path: str | os.PathLike, lm: nn.Module, optimizer, scheduler) -> Learne
     scheduler.load_state_dict(extra["scheduler"])
     rngs = extra["rng"]
     # Same world size: each rank its own stream. Resharded: every rank takes rank 0's, as at a fresh start.
-    _set_rng_state(rngs[_rank()] if len(rngs) == _world() else rngs[0])
+    _set_rng_state(rngs[parallel.rank()] if len(rngs) == parallel.world_size() else rngs[0])
     return meta.state
+
+
+def load_weights(spec: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """The model's full weights from a checkpoint (`spec` as for `resolve`), read in this one process
+    whatever world size saved it; no process group needed."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    path = resolve(spec)
+    meta = read_meta(path)
+    state = {name: torch.empty(shape, dtype=getattr(torch, meta.dtypes[name])) for name, shape in meta.params.items()}
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
+        dcp.load({"model": state}, checkpoint_id=str(path), no_dist=True)
+    return state
 
 
 # ---- the learner loop's handle ---------------------------------------------------------------
@@ -305,7 +323,7 @@ class Keeper:
             _on_rank0_then_share(lambda: check_writable(self.root, estimate_bytes(lm)))
         if cfg.export_every:
             _on_rank0_then_share(lambda: check_writable(self.exports, estimate_bytes(lm) // 3))
-            if _rank() == 0:
+            if parallel.is_rank0():
                 write_hf_files(lm, model_source, self.exports / ".hf")
 
     def resume(self, spec: str, run_dir: str | os.PathLike) -> LearnerState:
@@ -313,14 +331,14 @@ class Keeper:
         path = resolve(spec, run_dir)
         state = load(path, self.lm, self.trainer.optimizer, self.trainer.scheduler)
         self.trainer.version, self.trainer.skipped_steps = state.version, state.skipped_steps
-        if _rank() == 0:
+        if parallel.is_rank0():
             logging.getLogger("streamrl.learner").info(
                 "resumed from %s: step %d, version %d, saved by %d ranks, loaded on %d",
                 path,
                 state.step,
                 state.version,
                 state.world_size,
-                _world(),
+                parallel.world_size(),
             )
         return state
 
@@ -344,60 +362,22 @@ class Keeper:
                 self.cfg.keep_last,
                 self.cfg.keep_every,
             )
-        if due(self.cfg.export_every) and _rank() == 0:
-            from streamrl.learner.export import export_state
-
+        if due(self.cfg.export_every) and parallel.is_rank0():
             export_state(full_state, self.exports / ".hf", self.exports / f"step_{step}", overwrite=True)
-
-
-def preempt_received(ledger) -> int:
-    """Samples a dead learner took in (`received`) but never trained: nobody will deliver them again,
-    so they are dropped as `preempted` (returning their credits). Scans the run's records once."""
-    keys = list(ledger.client.scan_iter(match=ledger.prefix + "s:*", count=1000))
-    pipe = ledger.client.pipeline(transaction=False)
-    for key in keys:
-        pipe.hget(key, "state")
-    states = pipe.execute() if keys else []
-    ids = [key.removeprefix(ledger.prefix + "s:") for key, state in zip(keys, states) if state == "received"]
-    return sum(ledger.drop(ids, "preempted")) if ids else 0
 
 
 # ---- ranks, RNG, files -----------------------------------------------------------------------
 
 
-def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
-
-
-def _world() -> int:
-    return dist.get_world_size() if dist.is_initialized() else 1
-
-
-def _barrier() -> None:
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.barrier()
-
-
-def _gather(obj) -> list:
-    if not (dist.is_initialized() and dist.get_world_size() > 1):
-        return [obj]
-    out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
-    return out
-
-
 def _on_rank0_then_share(fn) -> None:
     """Run `fn` on rank 0; every rank raises its error (so no rank waits in a collective for it)."""
     error = None
-    if _rank() == 0:
+    if parallel.is_rank0():
         try:
             fn()
         except CheckpointError as e:
             error = str(e)
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        box = [error]
-        dist.broadcast_object_list(box, src=0)
-        error = box[0]
+    error = parallel.from_rank0(error)
     if error:
         raise CheckpointError(error)
 

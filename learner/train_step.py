@@ -183,7 +183,7 @@ class Trainer:
             for name, p in self.named_params
             if p.grad is not None and not bool(torch.isfinite(_local(p.grad)).all())
         ]
-        return parallel.gather_names([parallel._hf_name(n.removeprefix("lm.")) for n in local]) or ["?"]
+        return parallel.gather_names([parallel.hf_name(n.removeprefix("lm.")) for n in local]) or ["?"]
 
     def _skip(self, names: list[str], grad_norm: float) -> None:
         self.skipped_steps += 1

@@ -64,18 +64,3 @@ def check_sampling(cfg: RolloutConfig) -> None:
             "renormalised over the top-k/top-p tokens, neither of which is the temperature-scaled "
             "distribution the learner recomputes. Set rollout.temperature = 1.0, or top_p = 1.0 and top_k = 0"
         )
-
-
-def build_engine(cfg, device: str = "cpu") -> GenerationEngine:
-    """The backend `cfg.rollout.backend` names, on the model `cfg.model` names (built-in tiny model when empty)."""
-    from streamrl.engine.models import default_tiny_model
-
-    model_path = cfg.model.path or str(default_tiny_model())
-    check_sampling(cfg.rollout)
-    if cfg.rollout.backend == "vllm":
-        from streamrl.rollout.vllm_engine import VLLMEngine
-
-        return VLLMEngine(model_path, cfg.model, cfg.rollout, seed=cfg.run.seed, device=device)
-    from streamrl.rollout.hf_engine import HFEngine
-
-    return HFEngine(model_path, cfg.model, cfg.rollout, seed=cfg.run.seed, device=device)

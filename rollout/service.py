@@ -12,7 +12,6 @@ sent in the ledger (`preempted`) and says goodbye.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import logging
@@ -20,11 +19,10 @@ import os
 import pathlib
 import signal
 import socket
-import sys
 import threading
 import time
 
-from streamrl.engine.config import Config, ConfigError, load
+from streamrl.engine.config import Config, ConfigError
 from streamrl.engine.ledger import Ledger
 from streamrl.engine.messages import (
     Goodbye,
@@ -177,21 +175,51 @@ def register(client: ControlClient, node_id: str, backend: str, device: str, tim
     return welcome
 
 
-async def serve(cfg: Config, learner_addr: str, node_id: str) -> int:
-    from streamrl.engine.models import default_tiny_model, load_tokenizer
-    from streamrl.engine.redis_server import connect
-    from streamrl.rewards import build_scorer
-    from streamrl.rollout.engine import build_engine
-    from streamrl.rollout.main import resolve_device
-    from streamrl.rollout.node import RolloutNode
-    from streamrl.rollout.sources import PromptSource
+def check_reachable(addr: str, timeout_s: float) -> None:
+    """A TCP connection to the learner's control address, before the model is loaded: a wrong
+    address fails in seconds, naming it, instead of after the engine's start."""
+    host, _, port = addr.removeprefix("tcp://").rpartition(":")
+    if not addr.startswith("tcp://") or not port.isdigit():
+        return  # ipc:// and friends: the registration's own deadline applies
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
+    except OSError as e:
+        raise TransportError(
+            f"no learner at {addr} within {timeout_s:g}s ({e.strerror or e}): is the learner running "
+            "and the address right? (`streamrl rollout --learner RUN_FOLDER` reads it from the run folder)"
+        ) from None
 
-    model_path = cfg.model.path or str(default_tiny_model())
-    tokenizer = load_tokenizer(model_path, cfg.model.trust_remote_code)
-    device = resolve_device(cfg.run.device)
-    engine = build_engine(cfg, device)  # before registering: weights can be taken at once
+
+class _Inputs:
+    """What a node checks locally before it loads the model or contacts the learner."""
+
+    def __init__(self, cfg: Config, node_id: str):
+        from streamrl.engine.models import default_tiny_model, load_tokenizer
+        from streamrl.rewards import build_scorer
+        from streamrl.rollout.engine import check_sampling
+        from streamrl.rollout.sources import PromptSource
+
+        self.tokenizer = load_tokenizer(cfg.model.path or str(default_tiny_model()), cfg.model.trust_remote_code)
+        seed = cfg.run.seed + sum(node_id.encode()) % 997  # nodes draw prompts in different orders
+        self.source = PromptSource(cfg.data, self.tokenizer, seed=seed)
+        check_sampling(cfg.rollout)
+        self.scorer = build_scorer(cfg.reward, answer_column=cfg.data.answer_column)
+
+
+async def serve(cfg: Config, learner_addr: str, node_id: str, max_groups: int | None = None) -> int:
+    from streamrl.engine.redis_server import connect
+    from streamrl.rollout.backends import build_engine, resolve_device
+    from streamrl.rollout.node import RolloutNode
+
+    inputs = _Inputs(cfg, node_id)
+    try:
+        check_reachable(learner_addr, cfg.transport.send_timeout_s)
+        device = resolve_device(cfg.run.device)
+        engine = build_engine(cfg, device)  # before registering: weights can be taken at once
+    except BaseException:
+        inputs.scorer.close()
+        raise
     client = ControlClient(learner_addr, node_id, cfg.transport.recv_timeout_s)
-    scorer = build_scorer(cfg.reward, answer_column=cfg.data.answer_column)
     try:
         welcome = register(client, node_id, cfg.rollout.backend, device, cfg.transport.recv_timeout_s)
         ledger = Ledger(connect(welcome.redis_url, cfg.ledger.connect_retries), welcome.run_name, cfg.ledger)
@@ -199,31 +227,29 @@ async def serve(cfg: Config, learner_addr: str, node_id: str) -> int:
         beat = LedgerHeartbeat(ledger, node_id)
         beat.start()
         try:
-            with TrajectorySender(
-                welcome.trajectory_addr, node_id, cfg.transport.hwm, cfg.transport.send_timeout_s
-            ) as tx:
-                seed = cfg.run.seed + sum(node_id.encode()) % 997  # nodes draw prompts in different orders
+            t = cfg.transport
+            with TrajectorySender(welcome.trajectory_addr, node_id, t.hwm, t.send_timeout_s) as tx:
+                sink, credits = LedgerSink(ledger, tx), LedgerCredits(ledger, node_id)
                 node = RolloutNode(
-                    cfg,
-                    node_id,
-                    engine,
-                    PromptSource(cfg.data, tokenizer, seed=seed),
-                    scorer,
-                    LedgerSink(ledger, tx),
-                    tokenizer,
-                    credits=LedgerCredits(ledger, node_id),
+                    cfg, node_id, engine, inputs.source, inputs.scorer, sink, inputs.tokenizer, credits=credits
                 )
-                return await _generate(cfg, client, ledger, node, welcome, beat)
+                return await _generate(cfg, client, ledger, node, welcome, beat, max_groups)
         finally:
             beat.stopping.set()
     finally:
         await engine.close()
-        scorer.close()
+        inputs.scorer.close()
         client.close()
 
 
 async def _generate(
-    cfg: Config, client: ControlClient, ledger: Ledger, node, welcome: Welcome, beat: LedgerHeartbeat
+    cfg: Config,
+    client: ControlClient,
+    ledger: Ledger,
+    node,
+    welcome: Welcome,
+    beat: LedgerHeartbeat,
+    max_groups: int | None = None,
 ) -> int:
     loop = asyncio.get_running_loop()
     control = ControlLoop(client, node, loop)
@@ -244,7 +270,7 @@ async def _generate(
                 raise TransportError(
                     f"no weights (version {welcome.policy_version}) from the learner within {timeout_s:g} s of joining"
                 )
-        stats = node.stats if control.stop_reason or signalled else await node.run()
+        stats = node.stats if control.stop_reason or signalled else await node.run(max_groups)
     finally:
         control.stopping.set()
         await asyncio.to_thread(control.join, 5.0)
@@ -255,37 +281,33 @@ async def _generate(
                 client.send(Goodbye(node_id=node.node_id, reason=control.stop_reason or "stopped"), timeout_s=1.0)
             except TransportError:
                 pass  # the learner is gone already
-    log.info("node %s done: %d groups sent, %d samples resolved on leaving", node.node_id, stats.groups_sent, left)
+    source = node.source
+    log.info(
+        "node %s done: %d groups sent, %d samples resolved on leaving; prompts skipped: %d overlong, %d malformed",
+        node.node_id,
+        stats.groups_sent,
+        left,
+        getattr(source, "skipped_overlong", 0),
+        getattr(source, "skipped_malformed", 0),
+    )
     return 0
 
 
-def main(cfg: Config, learner: str = "", node_id: str | None = None) -> int:
-    """Run one registered rollout node; the process exit status."""
+def main(cfg: Config, learner: str = "", node_id: str | None = None, max_groups: int | None = None) -> int:
+    """Run one registered rollout node; the process exit status: 0 done, 1 the learner unreachable or
+    gone, 2 bad input (config, model, data, rewards)."""
+    from streamrl.engine.models import ModelLoadError
     from streamrl.engine.telemetry import setup_logging
+    from streamrl.rewards import RewardSpecError
+    from streamrl.rollout.sources import PromptSourceError
 
     node_id = node_id or f"{socket.gethostname()}-{os.getpid()}"
     setup_logging(cfg.run.path, f"rollout-{node_id}", console=True, level=cfg.telemetry.log_level)
     try:
-        return asyncio.run(serve(cfg, resolve_learner(learner, cfg), node_id))
-    except (TransportError, ConfigError) as e:
+        return asyncio.run(serve(cfg, resolve_learner(learner, cfg), node_id, max_groups))
+    except TransportError as e:
         log.error("%s", e)
         return 1
-
-
-def cli(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m streamrl.rollout.service", description=__doc__.splitlines()[0])
-    parser.add_argument("--config", help="TOML config file (defaults when omitted)")
-    parser.add_argument("--learner", default="", help="tcp://HOST:PORT, or a run folder (default: the run's own)")
-    parser.add_argument("--node-id", help="unique node name (default: host-pid)")
-    parser.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE", help="override")
-    args = parser.parse_args(argv)
-    try:
-        cfg = load(args.config, args.set)
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
+    except (ConfigError, ModelLoadError, PromptSourceError, RewardSpecError, ValueError) as e:
+        log.error("bad input: %s", e)
         return 2
-    return main(cfg, args.learner, args.node_id)
-
-
-if __name__ == "__main__":
-    sys.exit(cli())

@@ -74,6 +74,65 @@ def ledger_run(request) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]", "_", request.node.name)[:80]
 
 
+class FakeLearner:
+    """The learner's sockets without a learner: answers `Register` with a `Welcome` (version 0) that
+    points at a real trajectory socket and a real ledger, so a real rollout node runs against it."""
+
+    def __init__(self, redis_url: str, run: str):
+        import threading
+
+        from streamrl.engine.ledger import Ledger
+        from streamrl.engine.redis_server import connect
+        from streamrl.engine.transport import ControlServer, TrajectoryReceiver
+
+        self.ledger = Ledger(connect(redis_url), run)
+        self.ledger.init_run(groups_per_step=4)
+        self.redis_url, self.run = redis_url, run
+        self.receiver = TrajectoryReceiver()
+        self.control = ControlServer()
+        self.messages: list = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    @property
+    def addr(self) -> str:
+        return self.control.addr
+
+    def _serve(self) -> None:
+        from streamrl.engine.messages import Register, Welcome
+
+        while not self._stop.is_set():
+            got = self.control.recv(0.05)
+            if got is None:
+                continue
+            peer, msg = got
+            self.messages.append(msg)
+            if isinstance(msg, Register):
+                welcome = Welcome(node_id=msg.node_id, trajectory_addr=self.receiver.addr, redis_url=self.redis_url,
+                                  run_name=self.run, policy_version=0)  # fmt: skip
+                self.control.send(peer, welcome)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        self.control.close()
+        self.receiver.close()
+
+
+@pytest.fixture(scope="session")
+def fake_learner_cls():
+    """The class itself, for module-scoped fixtures (conftest is not importable under importlib mode)."""
+    return FakeLearner
+
+
+@pytest.fixture
+def fake_learner(redis_url, ledger_run):
+    learner = FakeLearner(redis_url, ledger_run)
+    yield learner
+    learner.close()
+
+
 # ---- learner fixtures ----
 def _torchrun(ranks: int, script, *args, timeout_s: float = 300.0) -> str:
     """Run `script args...` on `ranks` CPU ranks under torchrun; its output, or a failed test that

@@ -1,7 +1,8 @@
 """Run under torchrun: two learner steps on a fixed batch, rank 0 saves loss, metrics and weights.
 
 usage: torchrun --nproc_per_node N fsdp_parity_worker.py MODEL_DIR OUT_FILE [FSDP_UNIT_PARAMS]
-Micro-batches are dealt round-robin to the ranks, so with 2 ranks one rank gets fewer.
+Rank 0 splits the batch between the ranks by tokens and sends each its micro-batches as tensors
+(`parallel.scatter_step`), as the learner loop does; a rank with fewer micro-batches runs fillers.
 """
 
 import random
@@ -12,7 +13,7 @@ import torch
 from streamrl.engine.config import LearnerConfig, LossConfig
 from streamrl.engine.messages import Trajectory
 from streamrl.learner import parallel
-from streamrl.learner.batching import pack
+from streamrl.learner.batching import StepBatch, pack, pack_for_ranks, sequence_cost
 from streamrl.learner.train_step import Trainer
 
 
@@ -48,15 +49,29 @@ def main(model_dir: str, out_file: str, unit_params: str = "") -> None:
         lm = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa")
         cfg = LearnerConfig(lr=1e-3, max_grad_norm=1.0, fsdp_unit_params=int(unit_params or 10**9))
         trainer = Trainer(parallel.wrap_model(lm, cfg, device), LossConfig(aggregation="sequence"), cfg, device)
-        micro_batches = pack(*fixed_batch(), token_budget=32)
-        world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
-        mine = micro_batches[rank::world]
+        trajs, advantages = fixed_batch()
+        micro_batches = pack(trajs, advantages, token_budget=32)
+        per_rank = None
+        if parallel.is_rank0():
+            shares = pack_for_ranks(trajs, advantages, parallel.world_size(), token_budget=32)
+            loss_tokens = sum(len(t.completion_ids) for t in trajs)
+            per_rank = [StepBatch(mbs, 0, loss_tokens) for mbs in shares]
+        batch = parallel.scatter_step(per_rank, device)
+        mine = batch.micro_batches
         metrics = [trainer.step(mine), trainer.step(mine)]
+        positions = parallel.gather_objects(sum(mb.num_tokens for mb in mine))
         state = parallel.full_state_dict(trainer.model)
         if parallel.is_rank0():
             units = [m for m in trainer.model.modules() if isinstance(m, torch.distributed.fsdp.FSDPModule)]
             torch.save(
-                {"metrics": metrics, "state": state, "micro_batches": len(micro_batches), "fsdp_units": len(units)},
+                {
+                    "metrics": metrics,
+                    "state": state,
+                    "micro_batches": len(micro_batches),
+                    "fsdp_units": len(units),
+                    "rank_positions": positions,
+                    "largest_sample": max(sequence_cost(t) for t in trajs),
+                },
                 out_file,
             )
     finally:

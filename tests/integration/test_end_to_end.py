@@ -15,11 +15,11 @@ import time
 import pytest
 
 from streamrl.engine.config import build
-from streamrl.engine.launcher import Launcher
 from streamrl.engine.ledger import Ledger
 from streamrl.engine.redis_server import connect
-from streamrl.engine.run_local import DEMO
 from streamrl.engine.telemetry import read_metrics
+from streamrl.ops.launcher import Launcher
+from streamrl.ops.run import DEMO
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 

@@ -21,7 +21,10 @@ def test_one_and_two_ranks_agree(tiny_model, tmp_path, torchrun, unit_params, un
     one = run_ranks(torchrun, 1, tiny_model, tmp_path / "one.pt", unit_params)
     two = run_ranks(torchrun, 2, tiny_model, tmp_path / "two.pt", unit_params)
     assert one["fsdp_units"] == two["fsdp_units"] == units
-    assert one["micro_batches"] >= 3  # dealt 2 + 1: the rank with fewer runs a filler micro-batch
+    assert one["micro_batches"] >= 3
+    # each rank trained on a share balanced by tokens: within one sample's length of the other's
+    low, high = min(two["rank_positions"]), max(two["rank_positions"])
+    assert sum(two["rank_positions"]) == sum(one["rank_positions"]) and high - low <= two["largest_sample"]
     for m1, m2 in zip(one["metrics"], two["metrics"]):
         assert m1["skipped"] == m2["skipped"] == 0.0
         assert m2["loss"] == pytest.approx(m1["loss"], abs=1e-5)

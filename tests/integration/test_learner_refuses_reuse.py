@@ -16,7 +16,8 @@ def test_learner_refuses_a_trained_run_without_resume(redis_url, ledger_run, tin
         [
             sys.executable,
             "-m",
-            "streamrl.learner.main",
+            "streamrl",
+            "learner",
             "--set",
             f"ledger.url='{redis_url}'",
             "--set",

@@ -8,7 +8,7 @@ from streamrl.engine.config import LedgerConfig
 from streamrl.engine.ledger import Ledger
 from streamrl.engine.messages import Trajectory
 from streamrl.engine.redis_server import connect, free_port
-from streamrl.engine.status import status_command
+from streamrl.ops.status import status_command
 
 
 def _run_status(run, url, deep=False):

@@ -14,12 +14,12 @@ import time
 import pytest
 
 from streamrl.engine.config import build
-from streamrl.engine.launcher import Launcher
 from streamrl.engine.ledger import Ledger
 from streamrl.engine.redis_server import connect
-from streamrl.engine.run_local import DEMO
 from streamrl.engine.telemetry import read_metrics
 from streamrl.learner import checkpoint
+from streamrl.ops.launcher import Launcher
+from streamrl.ops.run import DEMO
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 STEPS = 6
@@ -120,7 +120,7 @@ def test_learner_killed_and_resumed(launcher):
 
     assert [s for s, _ in checkpoint.list_checkpoints(root)][-1] == STEPS
     exported = AutoModelForCausalLM.from_pretrained(launcher.run_dir / "exports" / f"step_{STEPS}")
-    from streamrl.learner.export import load_checkpoint_weights
+    from streamrl.learner.checkpoint import load_weights as load_checkpoint_weights
 
     final = load_checkpoint_weights(root / f"step_{STEPS}")
     assert all((v == final[k]).all() for k, v in exported.state_dict().items())

@@ -62,30 +62,18 @@ send_timeout_s = 60.0
 
 
 @pytest.fixture(scope="module")
-def streamed(sharp_model, tmp_path_factory):
+def streamed(sharp_model, tmp_path_factory, redis_server, fake_learner_cls):
+    """A real `streamrl rollout` process, registered with a stand-in learner, streams GROUPS groups."""
     folder = tmp_path_factory.mktemp("rollout")
     config = _write_inputs(folder, sharp_model)
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", TORCHDYNAMO_DISABLE="1", TMPDIR=str(folder))
     log_path = folder / "node.log"
-    with TrajectoryReceiver() as receiver, open(log_path, "w") as log:
-        proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "streamrl.rollout.main",
-                "--config",
-                config,
-                "--trajectory-addr",
-                receiver.addr,
-                "--node-id",
-                "node-7",
-                "--max-groups",
-                str(GROUPS),
-            ],
-            env=env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
+    learner = fake_learner_cls(redis_server.url, "rollout-stream")
+    receiver = learner.receiver
+    command = [sys.executable, "-m", "streamrl", "rollout", "--config", config, "--learner", learner.addr]
+    command += ["--node-id", "node-7", "--max-groups", str(GROUPS), "--set", f"run.dir='{folder}'"]
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
         try:
             got, deadline = [], time.monotonic() + 400
             while len(got) < GROUPS * GROUP_SIZE and time.monotonic() < deadline and proc.poll() is None:
@@ -103,7 +91,8 @@ def streamed(sharp_model, tmp_path_factory):
                 except subprocess.TimeoutExpired:
                     proc.kill()
                     proc.wait(timeout=30)
-        counters = (receiver.gaps, receiver.duplicates, receiver.decode_errors)
+            counters = (receiver.gaps, receiver.duplicates, receiver.decode_errors)
+            learner.close()
     return got, rc, log_path.read_text(), counters
 
 

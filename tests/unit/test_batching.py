@@ -3,7 +3,7 @@ import random
 import pytest
 
 from streamrl.engine.messages import Trajectory
-from streamrl.learner.batching import pack, plan
+from streamrl.learner.batching import pack, pack_for_ranks, plan, split_by_tokens
 
 
 def traj(sid, prompt, completion, logprobs, version=0, token_versions=()):
@@ -85,3 +85,31 @@ def test_pad_to_budget_adds_one_loss_free_sequence():
     assert mb.position_ids.tolist() == [0, 1, 2, 3, 0, 1, 2, 0, 1, 2]
     assert mb.loss_mask[7:].tolist() == [False] * 3 and mb.cu_seqlens.tolist() == [0, 4, 7, 10]
     assert mb.seq_ids[7:].tolist() == [2, 2, 2] and mb.sample_ids == ["a", "b"]
+
+
+def test_ranks_get_shares_balanced_by_tokens_within_one_sample():
+    # costs 9 7 5 4 3 2 over 2 ranks, longest first to the lighter rank (ties: the lower rank):
+    # 9 -> r0 (0 = 0); 7 -> r1 (0 < 9); 5 -> r1 (7 < 9, r1 = 12); 4 -> r0 (9 < 12, r0 = 13);
+    # 3 -> r1 (12 < 13, r1 = 15); 2 -> r0 (13 < 15, r0 = 15): r0 holds 9 4 2, r1 holds 7 5 3
+    shares = split_by_tokens([9, 7, 5, 4, 3, 2], 2)
+    assert shares == [[0, 3, 5], [1, 2, 4]]
+
+
+@pytest.mark.parametrize("ranks", [1, 2, 3, 8])
+def test_random_batches_split_within_the_largest_sample(ranks):
+    rng = random.Random(ranks)
+    for _ in range(50):
+        costs = [rng.randint(1, 400) for _ in range(rng.randint(ranks, 64))]
+        shares = split_by_tokens(costs, ranks)
+        assert sorted(i for share in shares for i in share) == list(range(len(costs)))
+        loads = [sum(costs[i] for i in share) for share in shares]
+        assert max(loads) - min(loads) <= max(costs)
+
+
+def test_pack_for_ranks_packs_each_share():
+    trajs = [traj(f"s{i}", [1] * (i + 2), [2] * (i + 1), [-0.5] * (i + 1)) for i in range(6)]
+    per_rank = pack_for_ranks(trajs, [float(i) for i in range(6)], ranks=2, token_budget=64)
+    ids = [sorted(sid for mb in mbs for sid in mb.sample_ids) for mbs in per_rank]
+    assert sorted(ids[0] + ids[1]) == [f"s{i}" for i in range(6)] and set(ids[0]).isdisjoint(ids[1])
+    positions = [sum(mb.num_tokens for mb in mbs) for mbs in per_rank]
+    assert abs(positions[0] - positions[1]) <= max(2 * i + 2 for i in range(6))

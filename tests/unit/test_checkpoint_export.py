@@ -10,8 +10,9 @@ from streamrl.engine.config import LearnerConfig, LossConfig
 from streamrl.engine.messages import Trajectory
 from streamrl.learner import checkpoint, parallel
 from streamrl.learner.batching import pack
-from streamrl.learner.export import export_checkpoint, export_state
+from streamrl.learner.export import ExportError, export_state
 from streamrl.learner.train_step import Trainer
+from streamrl.ops.export import export_checkpoint
 
 CFG = LearnerConfig(lr=5e-2)
 
@@ -90,7 +91,7 @@ def test_export_refuses_a_non_empty_folder(trained, tmp_path):
     path, full = trained
     (tmp_path / "taken").mkdir()
     (tmp_path / "taken" / "x").write_text("mine")
-    with pytest.raises(checkpoint.CheckpointError, match="taken exists and is not empty.*--overwrite"):
+    with pytest.raises(ExportError, match="taken exists and is not empty.*--overwrite"):
         export_checkpoint(path, tmp_path / "taken")
     assert (tmp_path / "taken" / "x").read_text() == "mine"
 
@@ -98,5 +99,5 @@ def test_export_refuses_a_non_empty_folder(trained, tmp_path):
 def test_export_of_weights_that_do_not_fit_names_them(trained, tmp_path):
     path, full = trained
     partial = {k: v for k, v in full.items() if not k.startswith("model.norm")}
-    with pytest.raises(checkpoint.CheckpointError, match=r"missing \['model.norm.weight'\]"):
+    with pytest.raises(ExportError, match=r"missing \['model.norm.weight'\]"):
         export_state(partial, path / "hf", tmp_path / "out")

@@ -1,7 +1,7 @@
 import pathlib
 
 from streamrl.engine.config import build, load
-from streamrl.engine.run_local import DEMO
+from streamrl.ops.run import DEMO
 
 EXAMPLES = pathlib.Path(__file__).resolve().parents[2] / "examples"
 

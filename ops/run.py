@@ -10,8 +10,9 @@ from rich.console import Console
 from rich.live import Live
 
 from streamrl.engine.config import Config
-from streamrl.engine.launcher import Launcher
-from streamrl.engine.telemetry import live_table, read_metrics
+from streamrl.engine.telemetry import MetricsTail, read_metrics
+from streamrl.ops.launcher import Launcher
+from streamrl.ops.live import live_table
 
 # The built-in demo: the random-init tiny model learns to write the letter of the demo task's
 # `answer` column. Measured on 2 CPU cores with 2 nodes: mean reward 0.06 -> 1.0 in 30 steps.
@@ -79,11 +80,12 @@ def _interrupt(signum, frame):
 
 
 def _watch(launcher: Launcher, cfg: Config, console: Console, started: float) -> int:
-    metrics = launcher.run_dir / "metrics.jsonl"
+    tail = MetricsTail(launcher.run_dir / "metrics.jsonl")
+    records = tail.records
     with Live(console=console, refresh_per_second=2, transient=False) as live:
         while launcher.learner.alive:
             nodes = {name: child.alive for name, child in launcher.nodes.items()}
-            records = read_metrics(metrics)
+            tail.poll()
             finishing = bool(records) and records[-1]["step"] >= cfg.run.steps  # nodes were told to stop
             if nodes and not any(nodes.values()) and not finishing:
                 failed = launcher.failed_nodes()
@@ -101,7 +103,8 @@ def _watch(launcher: Launcher, cfg: Config, console: Console, started: float) ->
             live.update(live_table(records, cfg.run.steps, nodes, time.monotonic() - started, note))
             time.sleep(0.5)
         nodes = {name: child.alive for name, child in launcher.nodes.items()}
-        live.update(live_table(read_metrics(metrics), cfg.run.steps, nodes, time.monotonic() - started))
+        tail.poll()
+        live.update(live_table(records, cfg.run.steps, nodes, time.monotonic() - started))
     console.print()
     code = launcher.learner.process.returncode
     if code != 0:
@@ -116,6 +119,6 @@ def _books(launcher: Launcher, cfg: Config, console: Console) -> int:
     """The ledger's table; non-zero when the books do not balance."""
     if launcher.ledger_url is None:
         return 0
-    from streamrl.engine.status import status_command
+    from streamrl.ops.status import status_command
 
     return status_command(cfg.run.name, launcher.ledger_url, console=console)

@@ -1,9 +1,9 @@
 """`streamrl run`: a whole run on one machine — embedded Redis, one learner, N rollout nodes.
 
-Every child is a process of its own (`python -m streamrl.learner.main`, `python -m
-streamrl.rollout.service`), writing to its own log in `RUN/logs/`; the console shows only the
-live view. Ctrl-C (or the learner finishing) stops every child this launcher started, by pid:
-SIGTERM, a grace period, then SIGKILL. Nodes can be added (`add_node`) or stopped (`stop_node`)
+Every child is a process of its own (`python -m streamrl learner`, `python -m streamrl rollout`),
+writing to its own log in `RUN/logs/`; the console shows only the live view. Ctrl-C (or the
+learner finishing) stops every child this launcher started, by pid: SIGTERM, a grace period, then
+SIGKILL. Nodes can be added (`add_node`) or stopped (`stop_node`)
 while the run goes on.
 """
 
@@ -83,18 +83,9 @@ class Launcher:
             self.add_node()
 
     def _learner_command(self) -> list[str]:
-        args = ["-m", "streamrl.learner.main", "--config", str(self.config_path)]
-        args += ["--resume", self.resume] if self.resume else []
-        if self.cfg.learner.ranks > 1:
-            return [
-                sys.executable,
-                "-m",
-                "torch.distributed.run",
-                "--standalone",
-                f"--nproc-per-node={self.cfg.learner.ranks}",
-                *args,
-            ]
-        return [sys.executable, *args]
+        """`streamrl learner`, which becomes torchrun itself when learner.ranks > 1."""
+        resume = ["--resume", self.resume] if self.resume else []
+        return [sys.executable, "-m", "streamrl", "learner", "--config", str(self.config_path), *resume]
 
     def restart_learner(self, resume: str = "latest", timeout_s: float = 300.0) -> None:
         """A new learner for this run after the last one died, continuing from checkpoint `resume`."""
@@ -135,17 +126,8 @@ class Launcher:
     def add_node(self) -> str:
         name = f"node-{self._next_node}"
         self._next_node += 1
-        command = [
-            sys.executable,
-            "-m",
-            "streamrl.rollout.service",
-            "--config",
-            str(self.config_path),
-            "--learner",
-            str(self.run_dir),
-            "--node-id",
-            name,
-        ]
+        command = [sys.executable, "-m", "streamrl", "rollout", "--config", str(self.config_path)]
+        command += ["--learner", str(self.run_dir), "--node-id", name]
         self.nodes[name] = self._spawn(f"rollout-{name}", command, self._node_gpu(self._next_node - 1))
         return name
 

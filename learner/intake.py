@@ -1,0 +1,137 @@
+"""Trajectories in: the PULL socket, admission through the ledger, and group assembly.
+
+Every frame is admitted through the ledger at once (`Ledger.receive`): stale samples, failed
+rewards and duplicates are resolved there and never trained. Admitted samples wait here in their
+group until the group is whole (or has waited `GROUP_PATIENCE_S`, then it is used with the members
+it has); a member that went stale while it waited is dropped when the group is taken, since
+staleness is judged at consumption. What is held here is the learner's; `drop_held` resolves it.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import time
+from collections.abc import Callable
+
+from streamrl.engine.ledger import Ledger, is_stale
+from streamrl.engine.messages import Trajectory
+from streamrl.engine.transport import TrajectoryReceiver
+
+log = logging.getLogger("streamrl.learner")
+
+WAITING_WARN_S = 30.0
+GROUP_PATIENCE_S = 30.0  # a group missing members this long is used with the members it has
+
+
+@dataclasses.dataclass
+class _Group:
+    first_seen: float
+    size: int
+    fresh: list[Trajectory] = dataclasses.field(default_factory=list)
+    resolved: int = 0  # members dropped or rejected on arrival
+
+    @property
+    def complete(self) -> bool:
+        return len(self.fresh) + self.resolved >= self.size
+
+
+class Intake:
+    """Receives, admits and assembles groups; `collect` hands out whole groups of fresh samples."""
+
+    def __init__(self, receiver: TrajectoryReceiver, ledger: Ledger, max_staleness: int):
+        self.receiver, self.ledger, self.max_staleness = receiver, ledger, max_staleness
+        self.groups: dict[str, _Group] = {}
+        self.counters = collections.Counter()
+
+    @property
+    def addr(self) -> str:
+        return self.receiver.addr
+
+    def collect(
+        self, n_groups: int, version: int, between: Callable[[], None], waiting_hint: Callable[[], str]
+    ) -> list[list[Trajectory]]:
+        """Block until `n_groups` whole groups of samples fresh at `version` are here; return them,
+        oldest first. `between` runs between receives (node service); `waiting_hint` says what is
+        waited for when the wait is long."""
+        waiting_since = last_warn = time.monotonic()
+        while True:
+            between()
+            batch = self.drain(0.05)
+            if batch:
+                self._admit(batch, version)
+                waiting_since = last_warn = time.monotonic()
+            ready = self._take_ready(n_groups, version)
+            if ready is not None:
+                return ready
+            if time.monotonic() - last_warn > WAITING_WARN_S:
+                log.warning(
+                    "waited %.0f s for trajectories: %d groups partly here; %s",
+                    time.monotonic() - waiting_since,
+                    len(self.groups),
+                    waiting_hint(),
+                )
+                last_warn = time.monotonic()
+
+    def drain(self, timeout_s: float, limit: int = 4096) -> list[Trajectory]:
+        out: list[Trajectory] = []
+        first = self.receiver.recv(timeout_s)
+        while first is not None and len(out) < limit:
+            out.append(first)
+            first = self.receiver.recv(0.0)
+        return out
+
+    def _admit(self, batch: list[Trajectory], version: int) -> None:
+        received = self.ledger.receive(batch, version)
+        self.counters.update(
+            received=len(received.fresh),
+            stale=len(received.stale),
+            reward_error=len(received.reward_errors),
+            rejected=len(received.rejected),
+        )
+        fresh_ids = {t.sample_id for t in received.fresh}
+        now = time.monotonic()
+        for traj in batch:
+            group = self.groups.setdefault(traj.group_id, _Group(now, traj.group_size))
+            if traj.sample_id in fresh_ids:
+                group.fresh.append(traj)
+            else:
+                group.resolved += 1
+
+    def _take_ready(self, n_groups: int, version: int) -> list[list[Trajectory]] | None:
+        now = time.monotonic()
+        ready_ids = [
+            g for g, group in self.groups.items() if group.complete or now - group.first_seen > GROUP_PATIENCE_S
+        ]
+        usable = []
+        for group_id in ready_ids:
+            if self._fresh_members(self.groups[group_id], version):
+                usable.append(group_id)
+            else:
+                del self.groups[group_id]
+        if len(usable) < n_groups:
+            return None
+        return [self.groups.pop(g).fresh for g in usable[:n_groups]]
+
+    def _fresh_members(self, group: _Group, version: int) -> list[Trajectory]:
+        """Drop members that went stale while they waited here (staleness is judged at consumption)."""
+        stale = [t for t in group.fresh if is_stale(t.min_version, version, self.max_staleness)]
+        if stale:
+            self.ledger.drop([t.sample_id for t in stale], "stale")
+            self.counters.update(stale=len(stale))
+            group.fresh = [t for t in group.fresh if t not in stale]
+        return group.fresh
+
+    def forget_sender(self, node_id: str) -> None:
+        """A restarted node numbers its messages from 0 again."""
+        self.receiver.next_seq.pop(node_id, None)
+
+    def drop_held(self, reason: str) -> int:
+        """Resolve every sample received but not handed out (the run ends, or the learner stops)."""
+        held = [t.sample_id for group in self.groups.values() for t in group.fresh]
+        self.groups.clear()
+        return sum(self.ledger.drop(held, reason)) if held else 0
+
+    def close(self) -> None:
+        self.receiver.close()

@@ -1,0 +1,237 @@
+"""Learner rank 0's orchestrator: the run's I/O around the training step.
+
+receive → admit (`Intake`, through the ledger) → advantages → per-rank micro-batches balanced by
+tokens → (every rank trains) → commit (ledger) → push (`Publisher`) → report (metrics, console).
+It also serves the nodes between receives (`NodeRegistry`: joins get the latest weights, departures
+and lost nodes are resolved). The policy version is the trainer's (`version_of()` asks it); the
+orchestrator publishes it to the ledger at each commit and hands it to every node that registers.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import pathlib
+import time
+from collections.abc import Callable, Mapping
+
+import torch
+from torch import Tensor
+
+from streamrl.engine.config import Config, ConfigError
+from streamrl.engine.ledger import open_ledger
+from streamrl.engine.messages import Stop, Trajectory, Welcome
+from streamrl.engine.telemetry import MetricsSink
+from streamrl.engine.transport import ControlServer, TrajectoryReceiver, bind_address
+from streamrl.learner.advantages import group_advantages
+from streamrl.learner.batching import StepBatch, pack_for_ranks
+from streamrl.learner.intake import Intake
+from streamrl.learner.nodes import NodeRegistry
+from streamrl.learner.publisher import Publisher
+from streamrl.rewards.stats import batch_stats, warn_if_flat
+
+log = logging.getLogger("streamrl.learner")
+
+REAP_EVERY_S = 2.0
+
+
+class Orchestrator:
+    """Everything rank 0 does besides training; built once, `close()`d once."""
+
+    def __init__(self, cfg: Config, device: torch.device, version_of: Callable[[], int], resumed: bool = False):
+        self.cfg, self.version_of = cfg, version_of
+        self.ledger, self.redis = open_ledger(cfg.ledger, cfg.run.name, cfg.run.path)
+        try:
+            self._claim_run(resumed)
+            self.redis_url = cfg.ledger.url or self.redis.url
+            t = cfg.transport
+            self.intake = Intake(
+                TrajectoryReceiver(bind_address(t.host, t.trajectory_port), hwm=t.hwm),
+                self.ledger,
+                cfg.ledger.max_staleness,
+            )
+            server = ControlServer(bind_address(t.host, t.control_port), t.send_timeout_s)
+            self.registry = NodeRegistry(server, self._welcome)
+            self.publisher = Publisher(cfg, self.registry, device)
+            self.sink = MetricsSink(cfg.run.path, cfg.telemetry)
+        except BaseException:
+            if self.redis is not None:
+                self.redis.stop()
+            raise
+        self.pending: list[list[Trajectory]] = []  # the step's groups until committed
+        self._last_reap = 0.0
+        self.registry.start()
+        self._write_address_file(cfg.run.path)
+        log.info(
+            "learner up: control %s, trajectories %s, ledger %s",
+            self.registry.addr,
+            self.intake.addr,
+            self.redis_url.split("@")[-1],
+        )
+
+    @property
+    def ledger_version(self) -> int:
+        return self.ledger.current_version()
+
+    def _claim_run(self, resumed: bool) -> None:
+        """A fresh learner refuses a run that already trained (it would continue its versions with fresh
+        weights); a resumed one resolves what its predecessor took in but never trained."""
+        if not resumed and self.ledger.current_version() > 0:
+            raise ConfigError(
+                f"run {self.cfg.run.name!r} already trained to version {self.ledger.current_version()} (its "
+                "ledger says so): pass --resume latest to continue it, or set run.name to start a new run"
+            )
+        self.ledger.init_run(self.cfg.learner.groups_per_step)
+        if resumed:
+            dropped = self.ledger.drop_received("preempted")
+            log.info("resuming: %d samples received but not trained before are dropped as preempted", dropped)
+
+    def _welcome(self, node_id: str) -> Welcome:
+        return Welcome(
+            node_id=node_id,
+            trajectory_addr=self.intake.addr,
+            redis_url=self.redis_url,
+            run_name=self.cfg.run.name,
+            policy_version=self.version_of(),
+        )
+
+    def _write_address_file(self, run_dir: pathlib.Path) -> None:
+        """`RUN/learner.json`: where nodes find this learner (`streamrl rollout --learner RUN_FOLDER`)."""
+        path = run_dir / "learner.json"
+        tmp = path.with_suffix(".tmp")
+        addresses = {"control_addr": self.registry.addr, "trajectory_addr": self.intake.addr}
+        tmp.write_text(json.dumps({**addresses, "redis_url": self.redis_url, "run": self.cfg.run.name}))
+        tmp.rename(path)
+
+    # ---- receive → admit → pack --------------------------------------------------------------
+
+    def next_batch(self, ranks: int) -> list[StepBatch]:
+        """The next step's groups, as each rank's micro-batches (balanced by tokens)."""
+        version = self.version_of()
+        self.pending = self.intake.collect(self.cfg.learner.groups_per_step, version, self.serve_nodes, self._hint)
+        advantages, _ = group_advantages([[t.reward for t in g] for g in self.pending], self.cfg.loss.advantage)
+        flat = [t for group in self.pending for t in group]
+        per_rank = pack_for_ranks(
+            flat, [a for row in advantages for a in row], ranks, self.cfg.learner.micro_batch_tokens
+        )
+        loss_tokens = sum(len(t.completion_ids) for t in flat)
+        return [StepBatch(mbs, version, loss_tokens) for mbs in per_rank]
+
+    def _hint(self) -> str:
+        nodes = len(self.publisher.nodes)
+        if nodes:
+            return f"{nodes} nodes registered"
+        return f"no rollout node registered; start one with `streamrl rollout --learner {self.cfg.run.path}`"
+
+    # ---- nodes ----------------------------------------------------------------------------------
+
+    def serve_nodes(self) -> None:
+        """Registrations, departures and lost nodes; a new node gets the current weights first."""
+        for kind, node_id in self.registry.take_events():
+            if kind == "joined":
+                self.intake.forget_sender(node_id)  # a restarted node numbers its messages from 0
+                self.registry.reset(node_id)
+                self.publisher.add(node_id)
+                log.info("node %s joined (%d nodes)", node_id, len(self.publisher.nodes))
+            else:
+                self._remove(node_id)
+        if time.monotonic() - self._last_reap > REAP_EVERY_S:
+            self._last_reap = time.monotonic()
+            for node_id, samples in self.ledger.reap_lost_nodes().items():
+                log.warning(
+                    "node %s stopped beating: %d in-flight samples resolved (%s)",
+                    node_id,
+                    samples,
+                    self.cfg.ledger.on_node_lost,
+                )
+                self._remove(node_id)
+
+    def _remove(self, node_id: str) -> None:
+        self.publisher.remove(node_id)
+        self.registry.forget(node_id)
+
+    # ---- commit → push → report --------------------------------------------------------------
+
+    def commit(self, step: int, skipped: bool) -> None:
+        """The step's samples are trained (and the new version published), or dropped when the step
+        was skipped; either way they leave the learner's hands."""
+        ids = [t.sample_id for group in self.pending for t in group]
+        if skipped:
+            self.ledger.drop(ids, "nonfinite_step")
+        else:
+            self.ledger.commit_step(ids, self.version_of(), step)
+
+    def push(self, state: Mapping[str, Tensor]) -> dict:
+        return self.publisher.push(self.version_of(), state)
+
+    def report(self, step: int, trained_by: int, metrics: dict, pushed: dict, started: float) -> None:
+        """One metrics record and one console line for the step, whose samples `trained_by` (the version
+        the step started from) trained; the step's groups are done with."""
+        flat = [t for group in self.pending for t in group]
+        self.pending = []
+        rewards = batch_stats([t.reward for t in flat], [t.group_id for t in flat])
+        warn_if_flat(rewards, step)
+        record = {
+            **metrics,
+            **rewards.as_metrics(),
+            **_batch_figures(flat, trained_by, time.monotonic() - started),
+            "nodes": len(self.publisher.nodes),
+            "weights_s": max((r.seconds for r in pushed.values()), default=0.0),
+            "evicted": sum(not r.ok for r in pushed.values()),
+            **{f"samples_{k}": v for k, v in self.intake.counters.items()},
+            "gaps": self.intake.receiver.gaps,
+            "duplicates": self.intake.receiver.duplicates,
+        }
+        self.sink.log(step, record)
+        log.info(
+            "step %d v%d reward %.3f±%.3f loss %.4f tokens/s %.0f mismatch_kl %.2e staleness %.2f nodes %d",
+            step,
+            self.version_of(),
+            record["reward/mean"],
+            record["reward/std"],
+            record["loss"],
+            record["tokens_per_s"],
+            record.get("mismatch_kl", float("nan")),
+            record["staleness_mean"],
+            record["nodes"],
+        )
+
+    # ---- end ------------------------------------------------------------------------------------
+
+    def close(self, reason: str = "run finished", drain_s: float = 5.0) -> None:
+        """Tell every node to stop and keep taking (and discarding) what they still send until they said
+        goodbye or `drain_s` passed, so no node blocks on a send to a learner that is gone; everything
+        the learner still holds is resolved, then the books are checked."""
+        try:
+            if self.pending:  # a step cut short (a signal mid-step): its samples were never trained
+                self.ledger.drop([t.sample_id for g in self.pending for t in g], "preempted")
+            for node_id in list(self.registry.nodes):
+                self.registry.send(node_id, Stop(reason=reason))
+            deadline = time.monotonic() + drain_s
+            while self.registry.nodes and time.monotonic() < deadline:
+                self.intake.drain(0.05)
+                self.serve_nodes()
+            self.intake.drop_held("preempted")  # received, never trained: resolved, so the books close
+            self.registry.close()
+            self.publisher.close()
+            self.intake.close()
+            self.sink.close()
+            errors = self.ledger.check()
+            if errors:
+                log.error("the ledger does not balance: %s", "; ".join(errors))
+        finally:
+            if self.redis is not None:
+                self.redis.stop()
+
+
+def _batch_figures(flat: list[Trajectory], version: int, seconds: float) -> dict[str, float]:
+    """Tokens, throughput and staleness of the step's samples against the `version` that trained them."""
+    tokens = sum(len(t.completion_ids) for t in flat)
+    lags = [version - t.min_version for t in flat]
+    return {
+        "samples": len(flat),
+        "completion_tokens": tokens,
+        "tokens_per_s": tokens / max(seconds, 1e-9),
+        "staleness_mean": sum(lags) / len(lags),
+        "staleness_max": max(lags),
+    }
