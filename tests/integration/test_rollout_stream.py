@@ -10,8 +10,6 @@ import time
 
 import pytest
 
-from streamrl.engine.transport import TrajectoryReceiver
-
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 GROUPS, GROUP_SIZE, MAX_TOKENS, TEMPERATURE = 4, 3, 12, 0.7
