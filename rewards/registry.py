@@ -134,6 +134,8 @@ def check_signature(fn: RewardFn, spec: str, columns: Iterable[str] | None = Non
     if required:
         trl_only = [r for r in required if r in TRL_ONLY_KEYWORDS]
         hint = f"; {trl_only} are TRL trainer objects streamrl does not pass: give them a default" if trl_only else ""
+        if "answer" in required:
+            hint += "; data.answer_column names the column passed as `answer`"
         raise RewardSpecError(
             f"reward {spec!r} ({name}) requires {required}, which no dataset column provides (columns: "
             f"{sorted(columns)}){hint}. {CONVENTION}"

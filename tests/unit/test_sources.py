@@ -99,7 +99,10 @@ def test_a_source_without_a_usable_row_raises_with_a_summary(tmp_path, tokenizer
     with pytest.raises(PromptSourceError, match=r"0 of 0 rows usable; fix: the source has no rows"):
         list(PromptSource(_cfg(str(tmp_path / "empty.jsonl")), tokenizer))
     looping = PromptSource(_cfg(_jsonl(tmp_path, ["{bad"]), loop=True), tokenizer)
-    with pytest.raises(PromptSourceError, match=r"0 of 1 rows usable; 1 malformed \(row 0: not JSON.*fix: no row could be read as an object"):
+    with pytest.raises(
+        PromptSourceError,
+        match=r"0 of 1 rows usable; 1 malformed \(row 0: not JSON.*fix: no row could be read as an object",
+    ):
         list(looping)  # a looping source with nothing usable fails instead of spinning or ending quietly
 
 
