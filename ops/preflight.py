@@ -20,15 +20,14 @@ import traceback
 from collections.abc import Callable, Iterable
 from typing import Any, Literal
 
-import msgspec
-
 from streamrl.engine.config import Config
 
 ROLES = ("learner", "rollout")
 SCAN_ROWS = 100_000  # rows judged (tokenized) at most; the summary says when a source has more
 
 
-class Problem(msgspec.Struct, frozen=True, kw_only=True):
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Problem:
     """One finding: `message` is one line naming the problem and the fix."""
 
     check: str  # config, model, engine, data, reward, telemetry, gpu

@@ -11,6 +11,7 @@ looping source runs. `scan` judges the rows the same way without a node (the pre
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import pathlib
@@ -96,7 +97,8 @@ def read_rows(path: str) -> list[dict | _Malformed]:
     )
 
 
-class RowTally(msgspec.Struct, kw_only=True):
+@dataclasses.dataclass(kw_only=True)
+class RowTally:
     """What a source's rows are worth so far: counts, and the first bad rows grouped by reason."""
 
     path: str  # data.path, or "<demo>"
@@ -104,8 +106,8 @@ class RowTally(msgspec.Struct, kw_only=True):
     judged: int = 0
     usable: int = 0
     overlong: int = 0
-    malformed: list[tuple[int, str]] = msgspec.field(default_factory=list)  # (row number, why), every one
-    columns: list[str] = msgspec.field(default_factory=list)  # of the first usable row, else the first object row
+    malformed: list[tuple[int, str]] = dataclasses.field(default_factory=list)  # (row number, why), every one
+    columns: list[str] = dataclasses.field(default_factory=list)  # of the first usable row, else the first object row
     max_prompt_tokens: int = 0
 
     def add(self, row_number: int, row, outcome: str | None) -> None:

@@ -46,6 +46,10 @@ def test_a_good_setup_passes_and_counts_its_rows(tiny_model, tmp_path):
     assert set(report.seconds) == {"config", "model", "engine", "data", "reward", "telemetry", "gpu"}
     learner_only = run_preflight(tiny_model, f"data.path={data!r}", roles=["learner"])
     assert set(learner_only.seconds) == {"config", "model", "telemetry", "gpu"}  # a learner reads no data
+    with pytest.raises(
+        ValueError, match=r"preflight roles \['node'\]; give a non-empty subset of \['learner', 'rollout'\]"
+    ):
+        pf.preflight(build({}), ["node"])
 
 
 def test_a_missing_data_file(tiny_model, tmp_path):
@@ -124,6 +128,16 @@ def test_a_reward_with_a_bad_signature(tiny_model, tmp_path):
         run_preflight(tiny_model, f"data.path={data!r}", f"reward.functions=['{rewards}:needs_truth']"), "reward"
     )
     assert "requires ['ground_truth'], which no dataset column provides (columns: ['answer'])" in message
+    solutions = jsonl(tmp_path, [{"prompt": "cat", "solution": "a"}], name="solutions.jsonl")
+    message = only_error(
+        run_preflight(tiny_model, f"data.path={solutions!r}", "reward.functions=['exact_match']"), "reward"
+    )
+    assert "requires ['answer'], which no dataset column provides (columns: ['solution'])" in message
+    assert "data.answer_column names the column passed as `answer`" in message
+    fixed = run_preflight(
+        tiny_model, f"data.path={solutions!r}", "reward.functions=['exact_match']", "data.answer_column='solution'"
+    )
+    assert fixed.errors == []
 
 
 def test_a_missing_model_and_config_cross_checks(tmp_path):
