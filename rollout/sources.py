@@ -128,7 +128,7 @@ class RowTally:
         parts = [f"data.path = {self.path}: {self.usable} {of} rows usable"]
         if self.malformed:
             by_reason: dict[str, list[int]] = {}
-            for number, why in self.malformed:
+            for number, why in sorted(self.malformed):  # shuffled epochs judge rows out of order
                 by_reason.setdefault(why, []).append(number)
             reasons = [
                 f"{'rows' if len(rows) > 1 else 'row'} {', '.join(map(str, rows[:shown]))}"

@@ -110,8 +110,8 @@ def test_wrong_prompt_column_summary_names_rows_and_columns(tmp_path, tokenizer,
     rows = [json.dumps({"question": f"q{i}", "answer": "a"}) for i in range(8)]
     path = _jsonl(tmp_path, rows)
     with caplog.at_level("WARNING", "streamrl.rollout.sources"), pytest.raises(PromptSourceError) as error:
-        list(PromptSource(_cfg(path, loop=True), tokenizer))
-    message = str(error.value)
+        list(PromptSource(_cfg(path, loop=True, shuffle=True), tokenizer))
+    message = str(error.value)  # shuffled, yet the first row numbers come in order
     assert f"data.path = {path}: 0 of 8 rows usable; 8 malformed (rows 0, 1, 2, 3, 4, ...: no non-empty" in message
     assert "column 'prompt' and no 'messages' list (columns: ['answer', 'question']))" in message
     assert "fix: set data.prompt_column (text) or data.messages_column (chat)" in message
