@@ -4,8 +4,9 @@
     rewards = scorer.score(prompts, completions, completion_ids, columns=[{"answer": "a"}, ...])
     scorer.stats.as_metrics(); scorer.close()
 
-`columns[i]` is sample i's dataset row; user functions receive the columns TRL-style, one list
-per column (`answer=[...]`). Built-in rewards read the reference answer from the `answer` column.
+`columns[i]` is sample i's dataset row. Reward functions are called as TRL calls them, by keyword:
+`fn(prompts=[...], completions=[...], completion_ids=[...], answer=[...], ...)`, one list per dataset
+column, so `def reward(completions, **kwargs)` works. Built-in rewards read the `answer` column.
 """
 
 from .call import Batch

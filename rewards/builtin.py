@@ -1,6 +1,7 @@
-"""Built-in rewards with TRL's signature: `fn(prompts, completions, completion_ids, **columns)`.
+"""Built-in rewards, written as TRL's reward functions are: `fn(completions, answer, **kwargs)`.
 
-Columns arrive as lists, one value per sample (`answer=[...]`), as TRL passes them. Rewards that
+They are called by keyword (`prompts=`, `completions=`, `completion_ids=` and every dataset
+column as a list, one value per sample, e.g. `answer=[...]`), as TRL's GRPOTrainer calls them. Rewards that
 need a setting (a pattern, a target length) are made by a factory from `RewardConfig`, so the
 setting is typed config rather than a hidden global.
 """
@@ -17,9 +18,7 @@ def _normalize(text: str) -> str:
     return " ".join(str(text).split())
 
 
-def exact_match(
-    prompts: list[str], completions: list[str], completion_ids: list[list[int]], answer: list[str], **columns
-) -> list[float]:
+def exact_match(completions: list[str], answer: list[str], **kwargs) -> list[float]:
     """1.0 where the completion equals the row's `answer` up to whitespace runs and ends, else 0.0."""
     return [float(_normalize(c) == _normalize(a)) for c, a in zip(completions, answer, strict=True)]
 
@@ -33,7 +32,7 @@ def make_regex(pattern: str) -> RewardFn:
     except re.error as e:
         raise ValueError(f"reward.regex = {pattern!r} is not a valid regular expression: {e}") from None
 
-    def regex(prompts, completions, completion_ids, **columns) -> list[float]:
+    def regex(completions: list[str], **kwargs) -> list[float]:
         return [float(compiled.search(c) is not None) for c in completions]
 
     return regex
@@ -44,7 +43,7 @@ def make_length_penalty(target_tokens: int) -> RewardFn:
     if target_tokens < 1:
         raise ValueError(f"reward.length_target_tokens = {target_tokens}; give a token count >= 1")
 
-    def length_penalty(prompts, completions, completion_ids, **columns) -> list[float]:
+    def length_penalty(completion_ids: list[list[int]], **kwargs) -> list[float]:
         return [-min(1.0, max(0, len(ids) - target_tokens) / target_tokens) for ids in completion_ids]
 
     return length_penalty

@@ -1,5 +1,11 @@
 """Call one reward function on a batch, turning failures into `None` per sample.
 
+Rewards are called as TRL's GRPOTrainer calls them: by keyword, `fn(prompts=..., completions=...,
+completion_ids=..., **columns)`, every dataset column a list with one value per sample; so a reward
+written as TRL documents it (`def reward(completions, **kwargs)`) runs unchanged. Where it differs
+from TRL: prompts and completions are always text (TRL passes message lists for chat datasets), and
+TRL's `trainer_state`, `log_extra`, `log_metric` and `environments` keywords are not passed.
+
 The same code runs inline and inside pool workers. A batch call that raises is retried one
 sample at a time, so one bad sample costs only its own reward. A value that is not a finite
 number (NaN would poison the advantages) counts as a failure too.
@@ -50,8 +56,18 @@ class RewardValueError(ValueError):
     """A reward returned something other than one finite number (or None) per sample."""
 
 
-# As in TRL, these columns are the reward's positional arguments already, never keyword columns.
-NOT_COLUMNS = frozenset({"prompt", "prompts", "completion", "completions", "completion_ids"})
+# The keywords every reward receives besides the dataset columns, as TRL passes them.
+CALL_KEYWORDS = ("prompts", "completions", "completion_ids")
+# As in TRL, a row's prompt and completion columns are not passed as columns (the call carries them).
+NOT_COLUMNS = frozenset({"prompt", "completion", *CALL_KEYWORDS})
+
+
+def column_names(row_keys, answer_column: str = "answer") -> list[str]:
+    """The column keywords a reward receives for rows with keys `row_keys` (see `rows_to_columns`)."""
+    names = [k for k in row_keys if k not in NOT_COLUMNS]
+    if answer_column != "answer" and answer_column in names and "answer" not in names:
+        names.append("answer")
+    return names
 
 
 def rows_to_columns(columns: list[dict], n: int, answer_column: str = "answer") -> dict[str, list[Any]]:
@@ -100,8 +116,10 @@ def _run_awaitable(awaitable) -> Any:
 
 
 def invoke(fn: Callable[..., Any], batch: Batch) -> list[float | None]:
-    """Call `fn` TRL-style (sync or async) and check it returned one finite number or None per sample."""
-    result = fn(batch.prompts, batch.completions, batch.completion_ids, **batch.columns)
+    """Call `fn` by keyword as TRL does (sync or async); check it returned one finite number or None per sample."""
+    result = fn(
+        prompts=batch.prompts, completions=batch.completions, completion_ids=batch.completion_ids, **batch.columns
+    )
     if inspect.isawaitable(result):
         result = _run_awaitable(result)
     try:

@@ -50,8 +50,6 @@ def letter_share(completion: str, letter: str) -> float:
     return sum(c == letter for c in chars) / len(chars)
 
 
-def demo(
-    prompts: list[str], completions: list[str], completion_ids: list[list[int]], answer: list[str], **columns
-) -> list[float]:
+def demo(completions: list[str], answer: list[str], **kwargs) -> list[float]:
     """The demo task's reward: per sample, the share of characters equal to that row's `answer` letter."""
     return [letter_share(completion, letter) for completion, letter in zip(completions, answer, strict=True)]

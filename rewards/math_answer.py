@@ -58,7 +58,7 @@ def make_math_answer(timeout_s: int) -> RewardFn:
     except ImportError:
         raise ValueError("the `math` reward needs math-verify: pip install math-verify") from None
 
-    def math(prompts, completions, completion_ids, answer: list[str], **columns) -> list[float]:
+    def math(completions: list[str], answer: list[str], **kwargs) -> list[float]:
         t = _timeout(timeout_s)
         return [float(equivalent(c, a, t)) for c, a in zip(completions, answer, strict=True)]
 

@@ -11,11 +11,12 @@ import importlib.util
 import inspect
 import pathlib
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from streamrl.engine.config import RewardConfig
 
 from . import builtin, demo
+from .call import CALL_KEYWORDS
 
 RewardFn = Callable[..., list]
 
@@ -86,19 +87,56 @@ def resolve(spec: str, cfg: RewardConfig) -> RewardFn:
     fn = getattr(module, attr, None)
     if fn is None or not callable(fn):
         raise RewardSpecError(f"reward {spec!r}: {location} has no callable named {attr!r}")
-    _check_signature(fn, spec)
+    check_signature(fn, spec)
     return fn
 
 
-def _check_signature(fn: RewardFn, spec: str) -> None:
+# TRL passes these too; streamrl does not (a reward that requires one cannot run here).
+TRL_ONLY_KEYWORDS = ("trainer_state", "log_extra", "log_metric", "environments")
+CONVENTION = (
+    "rewards are called by keyword, as TRL's GRPOTrainer calls them: fn(prompts=..., completions=..., "
+    "completion_ids=..., **dataset_columns), e.g. `def reward(completions, **kwargs)`"
+)
+
+
+def check_signature(fn: RewardFn, spec: str, columns: Iterable[str] | None = None) -> None:
+    """Raise `RewardSpecError` unless `fn` accepts the keywords it will be called with.
+
+    With `columns` (the column keywords the dataset gives, see `call.column_names`), a required
+    parameter that no column provides is an error too; without, any required name may be a column.
+    """
     try:
-        params = inspect.signature(fn).parameters.values()
+        params = list(inspect.signature(fn).parameters.values())
     except (TypeError, ValueError):
         return  # builtins and C callables: trust them
-    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    varargs = any(p.kind == p.VAR_POSITIONAL for p in params)
-    if len(positional) < 3 and not varargs:
+    name = getattr(fn, "__qualname__", repr(fn))
+    positional_only = [p.name for p in params if p.kind == p.POSITIONAL_ONLY and p.default is p.empty]
+    if positional_only:
         raise RewardSpecError(
-            f"reward {spec!r} takes {len(positional)} positional arguments; a reward is "
-            "called as fn(prompts, completions, completion_ids, **columns)"
+            f"reward {spec!r} ({name}) takes positional-only parameters {positional_only}; {CONVENTION}"
+        )
+    named = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    if not any(p.kind == p.VAR_KEYWORD for p in params):
+        unknown = [k for k in CALL_KEYWORDS if k not in named]
+        if unknown:
+            raise RewardSpecError(
+                f"reward {spec!r} ({name}) does not accept the keyword(s) {unknown}; add **kwargs to its "
+                f"parameters. {CONVENTION}"
+            )
+    if columns is None:
+        return
+    given = set(CALL_KEYWORDS) | set(columns)
+    required = [
+        p.name
+        for p in params
+        if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.default is p.empty and p.name not in given
+    ]
+    if required:
+        trl_only = [r for r in required if r in TRL_ONLY_KEYWORDS]
+        hint = f"; {trl_only} are TRL trainer objects streamrl does not pass: give them a default" if trl_only else ""
+        if "answer" in required:
+            hint += "; data.answer_column names the column passed as `answer`"
+        raise RewardSpecError(
+            f"reward {spec!r} ({name}) requires {required}, which no dataset column provides (columns: "
+            f"{sorted(columns)}){hint}. {CONVENTION}"
         )

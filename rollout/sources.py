@@ -2,14 +2,16 @@
 
 A row becomes a prompt through the tokenizer's chat template when it has a messages column
 (a list of {"role", "content"}), else from its prompt column (plain text, no special tokens
-added). Rows that cannot become a prompt are skipped and counted (`skipped_malformed`, row
-numbers in `malformed_rows`); prompts longer than `data.max_prompt_tokens` are skipped and counted
-(`skipped_overlong`). Row numbers are 0-based positions in the file (jsonl: the line index).
-Counts cover each row once, however many epochs a looping source runs.
+added). Rows that cannot become a prompt are skipped and counted, and so are prompts longer than
+`data.max_prompt_tokens`, in a `RowTally` whose one-line summary (usable rows, the first bad row
+numbers by reason, the columns the rows have) is logged after the first epoch. Row numbers are 0-based
+positions in the file (jsonl: the line index). Counts cover each row once, however many epochs a
+looping source runs. `scan` judges the rows the same way without a node (the preflight uses it).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import pathlib
@@ -95,22 +97,158 @@ def read_rows(path: str) -> list[dict | _Malformed]:
     )
 
 
+@dataclasses.dataclass(kw_only=True)
+class RowTally:
+    """What a source's rows are worth so far: counts, and the first bad rows grouped by reason."""
+
+    path: str  # data.path, or "<demo>"
+    rows: int  # rows in the source
+    judged: int = 0
+    usable: int = 0
+    overlong: int = 0
+    malformed: list[tuple[int, str]] = dataclasses.field(default_factory=list)  # (row number, why), every one
+    columns: list[str] = dataclasses.field(default_factory=list)  # of the first usable row, else the first object row
+    max_prompt_tokens: int = 0
+
+    def add(self, row_number: int, row, outcome: str | None) -> None:
+        """Count one row: `outcome` None (usable), OVERLONG, or why it is malformed."""
+        self.judged += 1
+        if isinstance(row, dict) and (not self.columns or (outcome is None and self.usable == 0)):
+            self.columns = sorted(row)
+        if outcome is None:
+            self.usable += 1
+        elif outcome == OVERLONG:
+            self.overlong += 1
+        else:
+            self.malformed.append((row_number, outcome))
+
+    def summary(self, shown: int = 5) -> str:
+        """One line: how many rows are usable, and why the others are not, with their first row numbers."""
+        of = f"of the first {self.judged} of {self.rows}" if self.judged < self.rows else f"of {self.rows}"
+        parts = [f"data.path = {self.path}: {self.usable} {of} rows usable"]
+        if self.malformed:
+            by_reason: dict[str, list[int]] = {}
+            for number, why in sorted(self.malformed):  # shuffled epochs judge rows out of order
+                by_reason.setdefault(why, []).append(number)
+            reasons = [
+                f"{'rows' if len(rows) > 1 else 'row'} {', '.join(map(str, rows[:shown]))}"
+                f"{', ...' if len(rows) > shown else ''}: {why}"
+                for why, rows in list(by_reason.items())[:3]
+            ]
+            parts.append(f"{len(self.malformed)} malformed ({'; '.join(reasons)})")
+        if self.overlong:
+            parts.append(f"{self.overlong} longer than data.max_prompt_tokens = {self.max_prompt_tokens} tokens")
+        return "; ".join(parts)
+
+    def fix(self) -> str:
+        """What to change when no row is usable."""
+        if self.rows == 0:
+            return "the source has no rows: give a dataset with one prompt per row"
+        if self.overlong and not self.malformed:
+            return f"raise data.max_prompt_tokens (now {self.max_prompt_tokens}) or shorten the prompts"
+        if not self.columns:
+            return "no row could be read as an object: fix the rows named above"
+        return (
+            "set data.prompt_column (text) or data.messages_column (chat) to the column that holds "
+            f"the prompt; the rows have columns {self.columns}"
+        )
+
+
+OVERLONG = "overlong"
+LOGGED_ROWS = 5  # malformed rows logged one by one; the rest only in the summary
+
+
+def prompt_ids(row: dict | _Malformed, cfg: DataConfig, tokenizer) -> list[int]:
+    """A row's prompt as token ids: chat template over its messages column, else its prompt text.
+
+    Raises ValueError (why the row is malformed) or PromptSourceError (the tokenizer cannot serve chat rows).
+    """
+    if isinstance(row, _Malformed):
+        raise ValueError(row.why)
+    messages = row.get(cfg.messages_column)
+    if messages is not None:
+        return _chat(messages, cfg, tokenizer)
+    text = row.get(cfg.prompt_column)
+    if not isinstance(text, str) or not text:
+        raise ValueError(
+            f"no non-empty string in column {cfg.prompt_column!r} and no "
+            f"{cfg.messages_column!r} list (columns: {sorted(row)})"
+        )
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def _chat(messages, cfg: DataConfig, tokenizer) -> list[int]:
+    ok = (
+        isinstance(messages, list)
+        and messages
+        and all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            for m in messages
+        )
+    )
+    if not ok:
+        raise ValueError(f"column {cfg.messages_column!r} is not a non-empty list of {{'role': str, 'content': str}}")
+    if not getattr(tokenizer, "chat_template", None):
+        raise PromptSourceError(
+            f"rows have a {cfg.messages_column!r} column but the tokenizer has no "
+            "chat template; set tokenizer.chat_template or use a prompt column"
+        )
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def judge(row: dict | _Malformed, cfg: DataConfig, tokenizer) -> tuple[list[int] | None, str | None]:
+    """(prompt ids, None) for a usable row, else (None, OVERLONG or why it is malformed)."""
+    try:
+        ids = prompt_ids(row, cfg, tokenizer)
+    except ValueError as e:
+        return None, str(e)
+    if len(ids) > cfg.max_prompt_tokens:
+        return None, OVERLONG
+    return ids, None
+
+
+def _rows(cfg: DataConfig, seed: int) -> list[dict | _Malformed]:
+    if cfg.path:
+        return read_rows(cfg.path)
+    from streamrl.rewards.demo import demo_rows
+
+    return demo_rows(DEMO_ROWS, seed)
+
+
+def scan(cfg: DataConfig, tokenizer, limit: int | None = None, seed: int = 0) -> RowTally:
+    """Judge the source's rows (the first `limit` of them) as a node would, without generating anything."""
+    rows = _rows(cfg, seed)
+    tally = RowTally(path=cfg.path or "<demo>", rows=len(rows), max_prompt_tokens=cfg.max_prompt_tokens)
+    for i, row in enumerate(rows[:limit]):
+        tally.add(i, row, judge(row, cfg, tokenizer)[1])
+    return tally
+
+
 class PromptSource:
-    """Iterates `Prompt`s per `DataConfig`: shuffled per epoch (seeded), looping or ending when exhausted."""
+    """Iterates `Prompt`s per `DataConfig`: shuffled per epoch (seeded), looping or ending when exhausted.
+
+    A source none of whose rows is usable raises `PromptSourceError` with the tally's summary.
+    """
 
     def __init__(self, cfg: DataConfig, tokenizer, seed: int = 0):
         self.cfg, self.tokenizer, self.seed = cfg, tokenizer, seed
-        if cfg.path:
-            self.rows = read_rows(cfg.path)
-        else:
-            from streamrl.rewards.demo import demo_rows
-
-            self.rows = demo_rows(DEMO_ROWS, seed)
-        self.skipped_overlong = 0
-        self.skipped_malformed = 0
-        self.malformed_rows: list[tuple[int, str]] = []
+        self.rows = _rows(cfg, seed)
+        self.tally = RowTally(path=cfg.path or "<demo>", rows=len(self.rows), max_prompt_tokens=cfg.max_prompt_tokens)
         self.epochs = 0
         self._judged: set[int] = set()
+
+    @property
+    def skipped_malformed(self) -> int:
+        return len(self.tally.malformed)
+
+    @property
+    def skipped_overlong(self) -> int:
+        return self.tally.overlong
+
+    @property
+    def malformed_rows(self) -> list[tuple[int, str]]:
+        return self.tally.malformed
 
     def __iter__(self) -> Iterator[Prompt]:
         while True:
@@ -124,75 +262,25 @@ class PromptSource:
                     produced += 1
                     yield prompt
             self.epochs += 1
-            if not self.cfg.loop or produced == 0:
-                if produced == 0:
-                    log.warning(
-                        "prompt source %s has no usable prompt (%d rows, %d malformed, %d overlong)",
-                        self.cfg.path or "<demo>",
-                        len(self.rows),
-                        self.skipped_malformed,
-                        self.skipped_overlong,
-                    )
+            if produced == 0:
+                raise PromptSourceError(f"no usable prompt: {self.tally.summary()}; fix: {self.tally.fix()}")
+            if self.epochs == 1 and self.tally.usable < len(self.rows):
+                log.warning("%s", self.tally.summary())
+            if not self.cfg.loop:
                 return
 
     def _prompt(self, i: int) -> Prompt | None:
         row = self.rows[i]
         first = i not in self._judged
         self._judged.add(i)
-        try:
-            ids = self._tokenize(row)
-        except ValueError as e:
-            if first:
-                self.skipped_malformed += 1
-                self.malformed_rows.append((i, str(e)))
-                log.warning("%s row %d skipped: %s", self.cfg.path or "<demo>", i, e)
-            return None
-        if len(ids) > self.cfg.max_prompt_tokens:
-            if first:
-                self.skipped_overlong += 1
-                log.info(
-                    "row %d skipped: %d prompt tokens > data.max_prompt_tokens = %d",
-                    i,
-                    len(ids),
-                    self.cfg.max_prompt_tokens,
-                )
+        ids, why = judge(row, self.cfg, self.tokenizer)
+        if first:
+            self.tally.add(i, row, why)
+            if why not in (None, OVERLONG) and len(self.tally.malformed) <= LOGGED_ROWS:
+                log.warning("%s row %d skipped: %s", self.tally.path, i, why)
+        if ids is None:
             return None
         return Prompt(prompt_ids=ids, row=row, row_number=i)
-
-    def _tokenize(self, row: dict | _Malformed) -> list[int]:
-        if isinstance(row, _Malformed):
-            raise ValueError(row.why)
-        messages = row.get(self.cfg.messages_column)
-        if messages is not None:
-            return self._chat(messages)
-        text = row.get(self.cfg.prompt_column)
-        if not isinstance(text, str) or not text:
-            raise ValueError(
-                f"no non-empty string in column {self.cfg.prompt_column!r} and no "
-                f"{self.cfg.messages_column!r} list (columns: {sorted(row)})"
-            )
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
-
-    def _chat(self, messages) -> list[int]:
-        ok = (
-            isinstance(messages, list)
-            and messages
-            and all(
-                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-                for m in messages
-            )
-        )
-        if not ok:
-            raise ValueError(
-                f"column {self.cfg.messages_column!r} is not a non-empty list of {{'role': str, 'content': str}}"
-            )
-        if not getattr(self.tokenizer, "chat_template", None):
-            raise PromptSourceError(
-                f"rows have a {self.cfg.messages_column!r} column but the tokenizer has no "
-                "chat template; set tokenizer.chat_template or use a prompt column"
-            )
-        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
 
 
 def prompt_text(prompt: Prompt, cfg: DataConfig) -> str:

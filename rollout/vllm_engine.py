@@ -25,6 +25,7 @@ import uuid
 from streamrl.engine.config import ModelConfig, RolloutConfig
 from streamrl.engine.messages import WeightsReady
 from streamrl.rollout.engine import Completion, check_sampling
+from streamrl.rollout.vllm_support import check_servable
 
 log = logging.getLogger(__name__)
 
@@ -93,9 +94,10 @@ class VLLMEngine:
     """`GenerationEngine` over vLLM's AsyncLLM (engine core in its own process)."""
 
     def __init__(self, model_path: str, model: ModelConfig, rollout: RolloutConfig, seed: int = 0, device: str = "cpu"):
+        check_sampling(rollout)
+        check_servable(model_path, model, device)  # before vLLM's import: a few seconds, not a dead engine later
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        check_sampling(rollout)
         self.rollout, self.max_model_len = rollout, model.max_model_len
         self.policy_version = 0
         self.tokens_generated = 0

@@ -32,6 +32,36 @@ def tiny_model(tmp_path_factory) -> str:
     return str(make_tiny_model(tmp_path_factory.mktemp("models") / "tiny", seed=0))
 
 
+# ---- preflight fixtures ----
+
+
+@pytest.fixture(scope="session")
+def llama_head_dim_16(tmp_path_factory) -> str:
+    """A tiny Llama (untied head) whose heads are 16 wide: hidden 32 / 2 heads."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from streamrl.engine.models import make_tokenizer
+
+    folder = tmp_path_factory.mktemp("models") / "llama-hd16"
+    tokenizer = make_tokenizer(seed=0)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=1024,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return str(folder)
+
+
 # ---- ledger / Redis fixtures (owned by the ledger work) ----
 
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import pathlib
+import runpy
 import textwrap
 import time
 
@@ -109,6 +111,20 @@ def test_a_user_async_reward_from_a_file_gets_columns_as_lists(user_file):
             ["p", "p"], ["7", "8"], [[1], [2]], [{"answer": "7", "level": 3}, {"answer": "7", "level": 5}]
         )
     assert rewards == [3.0, 0.0]  # "7" == "7" -> 1 * level 3; "8" != "7" -> 0
+
+
+TRL_REWARDS = pathlib.Path(__file__).parents[1] / "data" / "trl_rewards.py"
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_rewards_written_as_trl_documents_them_run_unchanged_in_the_pool(workers):
+    trl = runpy.run_path(str(TRL_REWARDS))  # the expected values, worked out in the file's comments
+    specs = [f"{TRL_REWARDS}:{name}" for name in trl["SPECS"]]
+    with build_scorer(RewardConfig(functions=specs, weights=trl["WEIGHTS"], workers=workers)) as scorer:
+        assert scorer.pool is not None
+        n = len(trl["COMPLETIONS"])
+        assert scorer.score(["q"] * n, trl["COMPLETIONS"], trl["COMPLETION_IDS"], trl["ROWS"]) == trl["EXPECTED"]
+        assert scorer.stats.errors == 0 and scorer.stats.timeouts == 0
 
 
 def test_a_reward_of_the_wrong_length_is_an_error_not_a_score(user_file):

@@ -32,13 +32,16 @@ def test_demo_rows_are_seeded_and_answer_a():
 
 
 def test_exact_match_ignores_surrounding_and_repeated_whitespace():
-    out = exact_match(["p"] * 3, [" 42 ", "4 2", "forty  two"], [[], [], []], answer=["42", "42", "forty two"])
+    out = exact_match(prompts=["p"] * 3, completions=[" 42 ", "4 2", "forty  two"], answer=["42", "42", "forty two"])
     assert out == [1.0, 0.0, 1.0]
 
 
 def test_regex_matches_anywhere_across_lines():
     fn = make_regex(r"<answer>.*</answer>")
-    assert fn(["p"] * 2, ["x <answer>1\n2</answer>", "<answer>"], [[], []]) == [1.0, 0.0]
+    assert fn(prompts=["p"] * 2, completions=["x <answer>1\n2</answer>", "<answer>"], completion_ids=[[], []]) == [
+        1.0,
+        0.0,
+    ]
     with pytest.raises(ValueError, match="reward.regex"):
         make_regex("(")
     with pytest.raises(RewardSpecError, match="'regex'.*reward.regex"):
@@ -48,7 +51,8 @@ def test_regex_matches_anywhere_across_lines():
 def test_length_penalty_is_zero_to_target_then_linear_to_minus_one():
     fn = make_length_penalty(4)
     # 3 tokens -> 0; 4 -> 0; 6 -> -(2/4) = -0.5; 20 -> -min(1, 16/4) = -1
-    assert fn(["p"] * 4, [""] * 4, [[0] * 3, [0] * 4, [0] * 6, [0] * 20]) == [0.0, 0.0, -0.5, -1.0]
+    ids = [[0] * 3, [0] * 4, [0] * 6, [0] * 20]
+    assert fn(prompts=["p"] * 4, completions=[""] * 4, completion_ids=ids) == [0.0, 0.0, -0.5, -1.0]
 
 
 def test_combine_is_a_weighted_sum_and_none_wins():

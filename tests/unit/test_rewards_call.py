@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import asyncio
+import pathlib
+import runpy
 import textwrap
 
 import numpy as np
 import pytest
 
 from streamrl.engine.config import RewardConfig
-from streamrl.rewards import Scorer
+from streamrl.rewards import Scorer, build_scorer
 from streamrl.rewards.call import Batch, safe_call
-from streamrl.rewards.registry import RewardSpecError, resolve
+from streamrl.rewards.registry import RewardSpecError, check_signature, resolve
 
 
 def batch(*completions: str) -> Batch:
@@ -34,14 +36,14 @@ def test_a_raising_batch_is_retried_per_sample():
 
 @pytest.mark.parametrize("value", [float("nan"), float("inf"), "1.0", True, [1.0]])
 def test_non_finite_or_non_number_values_are_errors(value):
-    out = safe_call(lambda p, c, i, **k: [value] * len(c), batch("a"))
+    out = safe_call(lambda completions, **kwargs: [value] * len(completions), batch("a"))
     assert out.values == [None] and out.errors == 1
 
 
 def test_numpy_values_and_explicit_none_pass():
-    out = safe_call(lambda p, c, i, **k: [np.float32(0.5), np.int64(2)], batch("a", "b"))
+    out = safe_call(lambda completions, **kwargs: [np.float32(0.5), np.int64(2)], batch("a", "b"))
     assert out.values == [0.5, 2.0] and out.errors == 0
-    out = safe_call(lambda p, c, i, **k: [None, np.float64(1.5)], batch("a", "b"))
+    out = safe_call(lambda completions, **kwargs: [None, np.float64(1.5)], batch("a", "b"))
     assert out.values == [None, 1.5] and out.errors == 0  # a reward may abstain; that is not an error
 
 
@@ -66,14 +68,14 @@ def test_a_reward_loaded_from_a_file_path(tmp_path):
         def starts_with_answer(prompts, completions, completion_ids, answer, **columns):
             return [float(c.startswith(a)) for c, a in zip(completions, answer)]
 
-        def too_few(prompts, completions):
+        def no_kwargs(prompts, completions):
             return []
     """)
     )
     scorer = Scorer(RewardConfig(functions=[f"{path}:starts_with_answer"], workers=0))
     assert scorer.score(["p", "p"], ["yes!", "no"], [[1], [2]], [{"answer": "yes"}] * 2) == [1.0, 0.0]
-    with pytest.raises(RewardSpecError, match="takes 2 positional arguments"):
-        resolve(f"{path}:too_few", RewardConfig())
+    with pytest.raises(RewardSpecError, match=r"no_kwargs\) does not accept the keyword\(s\) \['completion_ids'\]"):
+        resolve(f"{path}:no_kwargs", RewardConfig())
     with pytest.raises(RewardSpecError, match="has no callable named 'missing'"):
         resolve(f"{path}:missing", RewardConfig())
     with pytest.raises(RewardSpecError, match="does not exist"):
@@ -82,7 +84,7 @@ def test_a_reward_loaded_from_a_file_path(tmp_path):
 
 def test_a_module_function_spec():
     fn = resolve("streamrl.rewards.demo:demo", RewardConfig())
-    assert fn(["p"], ["aab"], [[1]], answer=["a"]) == [2 / 3]
+    assert fn(prompts=["p"], completions=["aab"], completion_ids=[[1]], answer=["a"]) == [2 / 3]
 
 
 def test_inline_scorer_counts_errors_and_none():
@@ -110,3 +112,52 @@ def test_a_closed_scorer_refuses_to_score():
     scorer.close()
     with pytest.raises(RuntimeError, match="closed Scorer"):
         scorer.score(["p"], ["a"], [[1]], [{"answer": "a"}])
+
+
+TRL_REWARDS = pathlib.Path(__file__).parents[1] / "data" / "trl_rewards.py"
+
+
+def test_rewards_written_as_trl_documents_them_run_unchanged():
+    trl = runpy.run_path(str(TRL_REWARDS))  # the expected values, worked out in the file's comments
+    cfg = RewardConfig(functions=[f"{TRL_REWARDS}:{name}" for name in trl["SPECS"]], weights=trl["WEIGHTS"], workers=0)
+    with build_scorer(cfg) as scorer:
+        n = len(trl["COMPLETIONS"])
+        assert scorer.score(["q"] * n, trl["COMPLETIONS"], trl["COMPLETION_IDS"], trl["ROWS"]) == trl["EXPECTED"]
+        assert scorer.stats.errors == 0
+
+
+def test_a_positional_only_reward_is_refused_at_load_naming_it_and_the_convention(tmp_path):
+    path = tmp_path / "old.py"
+    path.write_text("def by_position(prompts, completions, completion_ids, /):\n    return []\n")
+    with pytest.raises(RewardSpecError) as error:
+        Scorer(RewardConfig(functions=[f"{path}:by_position"], workers=0))
+    message = str(error.value)
+    assert "(by_position) takes positional-only parameters ['prompts', 'completions', 'completion_ids']" in message
+    assert "called by keyword, as TRL's GRPOTrainer calls them" in message
+    assert "def reward(completions, **kwargs)" in message
+
+    def star_args(*args):
+        return []
+
+    with pytest.raises(RewardSpecError, match=r"\(.*star_args\) does not accept the keyword"):
+        check_signature(star_args, "star_args")
+
+
+def test_required_parameters_must_be_dataset_columns_when_the_columns_are_known():
+    def needs_truth(completions, ground_truth, **kwargs):
+        return []
+
+    def positional_names(p, c, i, **kwargs):  # the pre-TRL convention: fine to load, refused against real columns
+        return []
+
+    def curriculum(completions, trainer_state, **kwargs):
+        return []
+
+    check_signature(needs_truth, "t")  # columns unknown: ground_truth may be one
+    check_signature(needs_truth, "t", columns=["ground_truth"])
+    with pytest.raises(RewardSpecError, match=r"requires \['ground_truth'\], which no dataset column provides "):
+        check_signature(needs_truth, "t", columns=["answer", "question"])
+    with pytest.raises(RewardSpecError, match=r"requires \['p', 'c', 'i'\].*columns: \['answer'\]"):
+        check_signature(positional_names, "old", columns=["answer"])
+    with pytest.raises(RewardSpecError, match=r"\['trainer_state'\] are TRL trainer objects"):
+        check_signature(curriculum, "c", columns=[])

@@ -33,14 +33,19 @@ def test_different_answers_score_zero(answer, completion):
 
 def test_math_reward_scores_a_batch_and_rejects_a_non_math_answer():
     fn = make_math_answer(5)
-    assert fn(["p", "p"], [r"\boxed{0.5}", r"\boxed{2}"], [[1], [2]], answer=[r"\frac12", "3"]) == [1.0, 0.0]
+    assert fn(
+        prompts=["p", "p"],
+        completions=[r"\boxed{0.5}", r"\boxed{2}"],
+        completion_ids=[[1], [2]],
+        answer=[r"\frac12", "3"],
+    ) == [1.0, 0.0]
     with pytest.raises(ValueError, match="does not parse as math"):
-        fn(["p"], ["1"], [[1]], answer=["no number here"])
+        fn(prompts=["p"], completions=["1"], completion_ids=[[1]], answer=["no number here"])
 
 
 def test_math_reward_works_off_the_main_thread_without_the_alarm():
     box = {}
-    thread = threading.Thread(target=lambda: box.update(v=make_math_answer(5)(["p"], ["0.5"], [[1]], answer=["1/2"])))
+    thread = threading.Thread(target=lambda: box.update(v=make_math_answer(5)(completions=["0.5"], answer=["1/2"])))
     thread.start()
     thread.join(timeout=60)
     assert box["v"] == [1.0]

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from streamrl.engine.config import DataConfig
-from streamrl.rollout.sources import PromptSource, PromptSourceError, prompt_text
+from streamrl.rollout.sources import PromptSource, PromptSourceError, prompt_text, scan
 
 
 @pytest.fixture(scope="module")
@@ -94,10 +94,43 @@ def test_loop_and_shuffle_are_seeded(tmp_path, tokenizer):
     assert source.skipped_malformed == 1  # counted once, not once per epoch
 
 
-def test_empty_or_useless_source_ends(tmp_path, tokenizer):
-    assert list(PromptSource(_cfg(_jsonl(tmp_path, [])), tokenizer)) == []
+def test_a_source_without_a_usable_row_raises_with_a_summary(tmp_path, tokenizer):
+    (tmp_path / "empty.jsonl").write_text("")
+    with pytest.raises(PromptSourceError, match=r"0 of 0 rows usable; fix: the source has no rows"):
+        list(PromptSource(_cfg(str(tmp_path / "empty.jsonl")), tokenizer))
     looping = PromptSource(_cfg(_jsonl(tmp_path, ["{bad"]), loop=True), tokenizer)
-    assert list(looping) == []  # a looping source with nothing usable ends instead of spinning
+    with pytest.raises(
+        PromptSourceError,
+        match=r"0 of 1 rows usable; 1 malformed \(row 0: not JSON.*fix: no row could be read as an object",
+    ):
+        list(looping)  # a looping source with nothing usable fails instead of spinning or ending quietly
+
+
+def test_wrong_prompt_column_summary_names_rows_and_columns(tmp_path, tokenizer, caplog):
+    rows = [json.dumps({"question": f"q{i}", "answer": "a"}) for i in range(8)]
+    path = _jsonl(tmp_path, rows)
+    with caplog.at_level("WARNING", "streamrl.rollout.sources"), pytest.raises(PromptSourceError) as error:
+        list(PromptSource(_cfg(path, loop=True, shuffle=True), tokenizer))
+    message = str(error.value)  # shuffled, yet the first row numbers come in order
+    assert f"data.path = {path}: 0 of 8 rows usable; 8 malformed (rows 0, 1, 2, 3, 4, ...: no non-empty" in message
+    assert "column 'prompt' and no 'messages' list (columns: ['answer', 'question']))" in message
+    assert "fix: set data.prompt_column (text) or data.messages_column (chat)" in message
+    assert len([r for r in caplog.records if "skipped" in r.getMessage()]) == 5  # then only the summary
+
+
+def test_scan_tallies_rows_as_a_node_would(tmp_path, tokenizer):
+    long_text = " ".join(["alpha beta gamma delta"] * 20)
+    lines = [json.dumps({"prompt": "cat", "answer": "1"}), "{bad", json.dumps({"prompt": long_text, "answer": "2"})]
+    tally = scan(_cfg(_jsonl(tmp_path, lines), max_prompt_tokens=8), tokenizer)
+    assert (tally.rows, tally.usable, tally.overlong, [n for n, _ in tally.malformed]) == (3, 1, 1, [1])
+    assert tally.columns == ["answer", "prompt"]
+    assert tally.summary().endswith(
+        "1 of 3 rows usable; 1 malformed (row 1: not JSON (Expecting property name enclosed in double quotes: "
+        "line 1 column 2 (char 1))); 1 longer than data.max_prompt_tokens = 8 tokens"
+    )
+    assert (
+        scan(_cfg(_jsonl(tmp_path, lines)), tokenizer, limit=1).summary().endswith("1 of the first 1 of 3 rows usable")
+    )
 
 
 def test_demo_rows_when_no_path(tokenizer):

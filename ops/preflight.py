@@ -1,0 +1,243 @@
+"""Preflight: the mistakes that can be found before any process starts, found in seconds.
+
+    report = preflight(cfg, roles=("learner", "rollout"))
+    for problem in report.problems: print(problem)       # "error: data: data.path = ... does not exist; ..."
+    exit(2 if report.errors else 0)
+
+Each check reuses the code the roles themselves run (the model checks of engine/models.py, the row
+judging of rollout/sources.py, reward resolution and signature checks of rewards/registry.py, the
+vLLM rules of rollout/vllm_support.py), so preflight and the node never disagree. Nothing here
+starts an engine, loads weights, opens a socket or calls a reward. A check that needs what an
+earlier one failed to load (the tokenizer, the model config) is skipped, not reported twice.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import time
+import traceback
+from collections.abc import Callable, Iterable
+from typing import Any, Literal
+
+from streamrl.engine.config import Config
+
+ROLES = ("learner", "rollout")
+SCAN_ROWS = 10_000  # rows judged (tokenized, ~60 us each on 2 cores) at most; the summary says when there are more
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Problem:
+    """One finding: `message` is one line naming the problem and the fix."""
+
+    check: str  # config, model, engine, data, reward, telemetry, gpu
+    message: str
+    level: Literal["error", "warning", "info"] = "error"  # only errors stop a command
+    detail: str = ""  # a traceback, for --debug; empty when the message says it all
+
+    def __str__(self) -> str:
+        return f"{self.level}: {self.check}: {self.message}"
+
+
+@dataclasses.dataclass
+class Preflight:
+    problems: list[Problem]
+    seconds: dict[str, float]  # wall time of each check that ran
+
+    @property
+    def errors(self) -> list[Problem]:
+        return [p for p in self.problems if p.level == "error"]
+
+
+@dataclasses.dataclass
+class _Context:
+    cfg: Config
+    roles: frozenset[str]
+    model_path: str = ""
+    hf_config: Any = None  # set by the model check when the config loads
+    tokenizer: Any = None  # likewise
+    columns: list[str] | None = None  # reward column keywords, set by the data check
+
+
+def _one_line(text: str) -> str:
+    return " / ".join(line.strip() for line in str(text).strip().splitlines() if line.strip())
+
+
+def _problem(check: str, message: str, level: str = "error", detail: str = "") -> Problem:
+    return Problem(check=check, message=_one_line(message), level=level, detail=detail)
+
+
+def check_config(ctx: _Context) -> list[Problem]:
+    """Cross-field mistakes the typed config cannot see field by field."""
+    cfg, out = ctx.cfg, []
+    if cfg.data.max_prompt_tokens >= cfg.model.max_model_len:
+        out.append(
+            f"data.max_prompt_tokens = {cfg.data.max_prompt_tokens} leaves no room to generate under "
+            f"model.max_model_len = {cfg.model.max_model_len}; lower it or raise model.max_model_len"
+        )
+    longest = min(cfg.model.max_model_len, cfg.data.max_prompt_tokens + cfg.rollout.max_tokens) - 1
+    if "learner" in ctx.roles and cfg.learner.micro_batch_tokens < longest:
+        out.append(
+            f"learner.micro_batch_tokens = {cfg.learner.micro_batch_tokens} is below the longest sample "
+            f"({longest} positions: min(model.max_model_len, data.max_prompt_tokens + rollout.max_tokens) - 1); "
+            f"raise it to at least {longest}"
+        )
+    if "rollout" in ctx.roles:
+        from streamrl.rollout.engine import check_sampling
+
+        try:
+            check_sampling(cfg.rollout)
+        except ValueError as e:
+            out.append(str(e))
+    return [_problem("config", m) for m in out]
+
+
+def check_model(ctx: _Context) -> list[Problem]:
+    """The model folder: config.json, a known architecture, a tokenizer with eos; no weights are read."""
+    from transformers import AutoConfig
+
+    from streamrl.engine.models import ModelLoadError, default_tiny_model, load_tokenizer
+
+    model = ctx.cfg.model
+    ctx.model_path = model.path or str(default_tiny_model())
+    try:
+        ctx.tokenizer = load_tokenizer(ctx.model_path, model.trust_remote_code)  # checks the folder first
+        ctx.hf_config = AutoConfig.from_pretrained(ctx.model_path, trust_remote_code=model.trust_remote_code)
+    except ModelLoadError as e:
+        return [_problem("model", f"model.path = {model.path or '<built-in tiny model>'}: {e}")]
+    except (OSError, ValueError) as e:
+        return [
+            _problem(
+                "model",
+                f"model.path = {ctx.model_path}: transformers cannot load its config or tokenizer "
+                f"({type(e).__name__}: {e}); re-save it with save_pretrained",
+                detail=traceback.format_exc(),
+            )
+        ]
+    return []
+
+
+def check_engine(ctx: _Context) -> list[Problem]:
+    """The rollout engine can serve this architecture and shape (vLLM's rules, without vLLM)."""
+    cfg = ctx.cfg
+    if cfg.rollout.backend != "vllm":
+        return []
+    if importlib.util.find_spec("vllm") is None:
+        return [
+            _problem(
+                "engine",
+                "rollout.backend = 'vllm' but vllm is not installed: install it (CPU: pip install "
+                "'streamrl[cpu]'; GPU: pip install vllm) or set rollout.backend = 'hf'",
+            )
+        ]
+    if ctx.hf_config is None:
+        return []
+    from streamrl.rollout.main import resolve_device
+    from streamrl.rollout.vllm_support import support_problems
+
+    device = resolve_device(cfg.run.device)
+    problems = support_problems(ctx.hf_config, cfg.model.max_model_len, device)
+    return [_problem("engine", f"vLLM cannot serve {ctx.model_path} on {device}: {p}") for p in problems]
+
+
+def check_data(ctx: _Context) -> list[Problem]:
+    """The prompt source exists, reads, and has usable rows (as the node judges them); counts the rest."""
+    from streamrl.rewards.call import column_names
+    from streamrl.rollout.sources import PromptSourceError, scan
+
+    if ctx.tokenizer is None:
+        return []
+    data = ctx.cfg.data
+    try:
+        tally = scan(data, ctx.tokenizer, limit=SCAN_ROWS, seed=ctx.cfg.run.seed)
+    except PromptSourceError as e:
+        return [_problem("data", str(e))]
+    except Exception as e:  # noqa: BLE001 - a reader's own error (pyarrow, datasets): name it
+        return [
+            _problem(
+                "data",
+                f"data.path = {data.path} cannot be read: {type(e).__name__}: {e}",
+                detail=traceback.format_exc(),
+            )
+        ]
+    if tally.usable == 0:  # the rewards' columns stay unknown: this is the one mistake to report
+        return [_problem("data", f"no usable prompt: {tally.summary()}; fix: {tally.fix()}")]
+    ctx.columns = column_names(tally.columns, data.answer_column)
+    level = "warning" if tally.usable < tally.judged else "info"
+    return [_problem("data", tally.summary(), level=level)]
+
+
+def check_rewards(ctx: _Context) -> list[Problem]:
+    """Every reward resolves (imports) and accepts the keywords it will be called with."""
+    from streamrl.engine.models import ModelLoadError, check_model_folder
+    from streamrl.rewards.registry import REWARD_MODEL, RewardSpecError, check_signature, resolve
+
+    reward, out = ctx.cfg.reward, []
+    for spec in reward.functions:
+        if spec == REWARD_MODEL:
+            if not reward.model.path:
+                out.append(f"reward {REWARD_MODEL!r} needs reward.model.path = '<HF folder of the reward model>'")
+                continue
+            try:
+                check_model_folder(reward.model.path)
+            except ModelLoadError as e:
+                out.append(f"reward.model.path = {reward.model.path}: {e}")
+            continue
+        try:
+            check_signature(resolve(spec, reward), spec, ctx.columns)
+        except RewardSpecError as e:
+            out.append(str(e))
+    return [_problem("reward", m) for m in out]
+
+
+def check_telemetry(ctx: _Context) -> list[Problem]:
+    """Optional sinks that are on but cannot work (the run goes on without them: a warning)."""
+    problem = tensorboard_problem(ctx.cfg.telemetry.tensorboard)
+    return [_problem("telemetry", problem, level="warning")] if problem else []
+
+
+def tensorboard_problem(enabled: bool = True) -> str:
+    """Why TensorBoard events would not be written ('' when they would); also a `doctor` row."""
+    if enabled and importlib.util.find_spec("tensorboard") is None:
+        return (
+            "telemetry.tensorboard = true but tensorboard is not installed, so no events are written: "
+            "pip install tensorboard, or set telemetry.tensorboard = false"
+        )
+    return ""
+
+
+def check_gpu_placement(ctx: _Context) -> list[Problem]:
+    """The hook for GPU placement (devices per role, memory per engine); the GPU issue fills it in."""
+    return []
+
+
+# (name, roles that need it, check); in order: later checks read what earlier ones loaded
+CHECKS: list[tuple[str, frozenset[str], Callable[[_Context], list[Problem]]]] = [
+    ("config", frozenset(ROLES), check_config),
+    ("model", frozenset(ROLES), check_model),
+    ("engine", frozenset({"rollout"}), check_engine),
+    ("data", frozenset({"rollout"}), check_data),
+    ("reward", frozenset({"rollout"}), check_rewards),
+    ("telemetry", frozenset({"learner"}), check_telemetry),
+    ("gpu", frozenset(ROLES), check_gpu_placement),
+]
+
+
+def preflight(cfg: Config, roles: Iterable[str] = ROLES) -> Preflight:
+    """Run every check the `roles` need (a subset of ROLES) and return what they found, with timings."""
+    roles = frozenset(roles)
+    if not roles or roles - set(ROLES):
+        raise ValueError(f"preflight roles {sorted(roles)}; give a non-empty subset of {list(ROLES)}")
+    ctx = _Context(cfg=cfg, roles=roles)
+    problems: list[Problem] = []
+    seconds: dict[str, float] = {}
+    for name, needed_by, check in CHECKS:
+        if not roles & needed_by:
+            continue
+        start = time.perf_counter()
+        try:
+            problems += check(ctx)
+        except Exception as e:  # noqa: BLE001 - a check's own failure is a finding, never a crash
+            problems.append(_problem(name, f"{type(e).__name__}: {e}", detail=traceback.format_exc()))
+        seconds[name] = time.perf_counter() - start
+    return Preflight(problems=problems, seconds=seconds)
