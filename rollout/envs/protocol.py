@@ -29,10 +29,10 @@ import math
 import pathlib
 import sys
 from collections.abc import Awaitable, Callable
-from typing import Any, Protocol, Union
+from typing import Any, Protocol
 
 Message = dict[str, str]
-Observation = Union[str, list[Message], None]
+Observation = str | list[Message] | None
 
 BUILTINS: dict[str, str] = {
     "echo_target": "streamrl.rollout.envs.echo:EchoTarget",
@@ -45,9 +45,7 @@ BUILTINS: dict[str, str] = {
 class Environment(Protocol):
     def reset(self, row: dict) -> Observation | Awaitable[Observation]: ...
 
-    def step(
-        self, completion: str
-    ) -> tuple[Observation, float, bool] | Awaitable[tuple[Observation, float, bool]]: ...
+    def step(self, completion: str) -> tuple[Observation, float, bool] | Awaitable[tuple[Observation, float, bool]]: ...
 
 
 class SpecError(ValueError):

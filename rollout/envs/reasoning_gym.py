@@ -50,7 +50,9 @@ def rows(spec: str) -> list[dict]:
     name, size, seed = parse_spec(spec)
     rg = _rg()
     if name not in rg.factory.DATASETS:
-        raise ValueError(f"data {spec!r}: reasoning-gym has no task {name!r}; e.g. {', '.join(sorted(rg.factory.DATASETS)[:8])}")
+        raise ValueError(
+            f"data {spec!r}: reasoning-gym has no task {name!r}; e.g. {', '.join(sorted(rg.factory.DATASETS)[:8])}"
+        )
     system = rg.utils.SYSTEM_PROMPTS["default"]
     out = []
     for index, entry in enumerate(_dataset(name, size, seed)):

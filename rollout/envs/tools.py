@@ -87,8 +87,12 @@ class ToolPool:
         except ToolPoolError:
             self.close()
             raise
-        self.schemas = [msgspec.to_builtins(s) for s in readies[0].tools]
-        self.names = [s["name"] for s in self.schemas]
+        # OpenAI's function format, as chat templates take `tools=`
+        self.schemas = [
+            {"type": "function", "function": {"name": t.name, "description": t.description, "parameters": t.parameters}}
+            for t in readies[0].tools
+        ]
+        self.names = [t.name for t in readies[0].tools]
         self._idle: asyncio.Queue[_Worker] | None = None  # made on first use, in the node's event loop
         self._booting: set[asyncio.Task] = set()
 

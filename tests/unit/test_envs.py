@@ -67,7 +67,9 @@ def test_environments_load_by_registered_name_module_and_file(tmp_path):
     assert load_environment("echo_target") is EchoTarget
     assert load_environment("streamrl.rollout.envs.echo:EchoTarget") is EchoTarget
     file = tmp_path / "my_env.py"
-    file.write_text("class Env:\n    def reset(self, row):\n        return 'hi'\n    def step(self, text):\n        pass\n")
+    file.write_text(
+        "class Env:\n    def reset(self, row):\n        return 'hi'\n    def step(self, text):\n        pass\n"
+    )
     assert load_environment(f"{file}:Env").__name__ == "Env"
 
 
