@@ -92,7 +92,14 @@ class EpisodeRunner:
             self.tools.close()
 
     async def run_group(self, prompt_ids: list[int], row: dict, n: int) -> list[Episode]:
-        return list(await asyncio.gather(*(self.run(prompt_ids, row) for _ in range(n))))
+        """`n` episodes of one row at once; an engine error cancels the others and propagates."""
+        tasks = [asyncio.ensure_future(self.run(prompt_ids, row)) for _ in range(n)]
+        try:
+            return list(await asyncio.gather(*tasks))
+        except BaseException:
+            for task in tasks:
+                task.cancel()
+            raise
 
     async def run(self, prompt_ids: list[int], row: dict) -> Episode:
         """One episode of one row; never raises for what the environment does (see the module docstring)."""

@@ -264,3 +264,32 @@ def test_a_multi_turn_group_goes_out_with_its_mask_and_versions(tokenizer):
         assert traj.finish_reason == "done" and traj.group_size == 2
         # the scripted engine bumps its version after every turn: the turns came from different versions
         assert traj.token_versions and traj.min_version == traj.policy_version == traj.token_versions[0]
+
+
+def test_an_engine_error_fails_the_group_and_cancels_its_other_episodes(tokenizer):
+    class OneBreaks:
+        policy_version = 0
+
+        def __init__(self):
+            self.calls, self.cancelled = 0, 0
+
+        async def generate(self, prompt_ids, n, max_tokens):
+            self.calls += 1
+            if self.calls == 1:
+                try:
+                    await asyncio.sleep(60)
+                except asyncio.CancelledError:
+                    self.cancelled += 1
+                    raise
+            raise RuntimeError("engine broke")
+
+    engine = OneBreaks()
+    runner = EpisodeRunner(_cfg(), engine, tokenizer, EchoTarget)
+
+    async def go():
+        with pytest.raises(RuntimeError, match="engine broke"):
+            await runner.run_group(PROMPT, {"prompt": "p"}, 2)
+        await asyncio.sleep(0)  # let the cancellation land
+
+    asyncio.run(asyncio.wait_for(go(), 10))
+    assert engine.cancelled == 1 and runner.failures == {}  # not an environment failure
