@@ -137,6 +137,12 @@ class RolloutNode:
             self._send_thread.shutdown(wait=True)
             if self.episodes is not None:
                 self.episodes.close()
+                log.info(
+                    "node %s episodes: dropped %s, cut by limits %s",
+                    self.node_id,
+                    dict(self.episodes.failures),
+                    dict(self.episodes.limits),
+                )
         if self._fatal is not None:
             raise self._fatal
         return self.stats
