@@ -178,6 +178,42 @@ class RewardConfig(_Section):
             )
 
 
+class EnvConfig(_Section):
+    """Multi-turn episodes (rollout/envs): when `name` is set, a group is `rollout.group_size` episodes of
+    one row with an environment that answers each model turn; its step rewards, summed, are the reward."""
+
+    name: Annotated[
+        str,
+        _doc(
+            "Environment: a registered name (echo_target, tools, reasoning_gym, skyrl_gym), `module:Class` or "
+            "`path.py:Class`. Empty: single-turn groups scored by reward.functions."
+        ),
+    ] = ""
+    args: Annotated[dict[str, Any], _doc("Keyword arguments of the environment's constructor (one per episode).")] = (
+        msgspec.field(default_factory=dict)
+    )
+    tools: Annotated[
+        list[str], _doc("Tool callables run in worker processes (calculator, `module:function`, `path.py:function`).")
+    ] = msgspec.field(default_factory=list)
+    max_turns: Annotated[int, _doc("Model turns per episode; the episode ends after the last.", ge=1)] = 4
+    turn_max_tokens: Annotated[int, _doc("Most tokens of one model turn; 0: rollout.max_tokens.", ge=0)] = 0
+    max_total_tokens: Annotated[
+        int, _doc("Most tokens after the first prompt (model and environment) in one episode.", ge=1)
+    ] = 1024
+    step_timeout_s: Annotated[
+        float, _doc("Deadline of one reset/step call; past it the episode is dropped as env_timeout.", gt=0.0)
+    ] = 30.0
+    episode_timeout_s: Annotated[
+        float, _doc("Deadline of a whole episode, generation included (dropped as episode_timeout).", gt=0.0)
+    ] = 600.0
+    tool_timeout_s: Annotated[float, _doc("Deadline of one tool call; its worker is killed past it.", gt=0.0)] = 10.0
+    tool_workers: Annotated[int, _doc("Tool worker processes per rollout node.", ge=1)] = 1
+    tool_start_method: Annotated[
+        Literal["forkserver", "spawn"],
+        _doc("How tool workers start; never fork (the rollout process holds vLLM threads)."),
+    ] = "forkserver"
+
+
 class LossConfig(_Section):
     """The small config the pure loss functions see (learner/losses.py)."""
 
@@ -319,6 +355,7 @@ class Config(_Section):
     data: DataConfig = msgspec.field(default_factory=DataConfig)
     rollout: RolloutConfig = msgspec.field(default_factory=RolloutConfig)
     reward: RewardConfig = msgspec.field(default_factory=RewardConfig)
+    env: EnvConfig = msgspec.field(default_factory=EnvConfig)
     loss: LossConfig = msgspec.field(default_factory=LossConfig)
     learner: LearnerConfig = msgspec.field(default_factory=LearnerConfig)
     ledger: LedgerConfig = msgspec.field(default_factory=LedgerConfig)

@@ -46,9 +46,16 @@ class Trajectory(_Wire):
     reward: float | None  # None: the reward failed; the learner drops the sample as reward_error
     policy_version: int  # version of the weights that sampled the first completion token
     token_versions: list[int] = []  # per completion token, only when the weights changed mid-sample
-    finish_reason: str = "length"  # "stop" (eos/stop token) or "length" (max_tokens)
+    finish_reason: str = "length"  # "stop" (eos/stop token), "length" (max_tokens); episodes: see rollout/envs
     group_size: int = 1  # how many samples the group has in all
     timings: Timings = msgspec.field(default_factory=Timings)
+    # Multi-turn episodes (rollout/envs): 1 on tokens the model sampled, 0 on tokens the environment
+    # added (observations, chat-template turn markers); the completion starts with the model's first
+    # turn. Empty: every completion token is the model's (single-turn frames are unchanged).
+    # On a 0 token behavior_logprobs is 0.0 and token_versions repeats the model token before it, so
+    # min_version is the oldest model token's; the learner must leave 0 tokens out of the loss, the
+    # importance ratios and every token count (they are context only, like the prompt).
+    loss_mask: list[int] = []
 
     def __post_init__(self) -> None:
         n = len(self.completion_ids)
@@ -56,6 +63,11 @@ class Trajectory(_Wire):
             raise ValueError(f"{len(self.behavior_logprobs)} behavior_logprobs for {n} completion tokens")
         if self.token_versions and len(self.token_versions) != n:
             raise ValueError(f"{len(self.token_versions)} token_versions for {n} completion tokens")
+        if self.loss_mask and (len(self.loss_mask) != n or not set(self.loss_mask) <= {0, 1} or self.loss_mask[0] != 1):
+            raise ValueError(
+                f"loss_mask must hold one 0 or 1 per completion token ({n}, got {len(self.loss_mask)}) "
+                "and start with a model token (1)"
+            )
         if not self.prompt_ids:
             raise ValueError("empty prompt_ids")
         if self.seq < 0 or self.policy_version < 0 or self.group_size < 1:
@@ -65,6 +77,11 @@ class Trajectory(_Wire):
     def min_version(self) -> int:
         """The oldest policy version any token of this sample came from (what staleness is measured on)."""
         return min(self.token_versions) if self.token_versions else self.policy_version
+
+    @property
+    def model_tokens(self) -> int:
+        """Completion tokens the model sampled: what the loss is over and what token counts count."""
+        return sum(self.loss_mask) if self.loss_mask else len(self.completion_ids)
 
 
 # ---- control channel -------------------------------------------------------------------------
@@ -212,3 +229,46 @@ class RewardStop(_Wire, tag="reward_stop"):
 
 RewardToWorker = RewardCall | RewardStop
 RewardFromWorker = RewardReady | RewardResult
+
+
+# ---- tool pool (rollout process <-> its own tool worker processes, over a local pipe) ----------
+
+
+class ToolSchema(_Wire):
+    """A tool as the chat template shows it to the model (OpenAI function format, `tools=` of the template)."""
+
+    name: str
+    description: str
+    parameters: dict[str, Any]  # JSON schema of the arguments object
+
+
+class ToolReady(_Wire, tag="tool_ready"):
+    """Tool worker -> parent: tools loaded (their schemas), or `error` says why not."""
+
+    pid: int
+    tools: list[ToolSchema] = []
+    error: str = ""
+
+
+class ToolCall(_Wire, tag="tool_call"):
+    """Parent -> tool worker: call tool `name` with keyword `arguments` (parsed from the model's tool call)."""
+
+    call_id: int
+    name: str
+    arguments: dict[str, Any]
+
+
+class ToolResult(_Wire, tag="tool_result"):
+    """Tool worker -> parent: the tool's output as text, or `error` (the exception, for the model to read)."""
+
+    call_id: int
+    output: str = ""
+    error: str = ""
+
+
+class ToolStop(_Wire, tag="tool_stop"):
+    """Parent -> tool worker: exit."""
+
+
+ToolToWorker = ToolCall | ToolStop
+ToolFromWorker = ToolReady | ToolResult

@@ -4,8 +4,9 @@ A sequence is prompt + completion. The model reads tokens 0..L-2 and predicts 1.
 sequence of L tokens costs L - 1 positions of the token budget. Sequences are packed end to end
 without padding; `position_ids` restart at 0 for each one, which is how the attention (sdpa's
 packed-sequence mask on CPU, a varlen kernel on GPU) keeps them apart. Prompt tokens are context
-only: the loss mask covers the positions that predict completion tokens, and the behavior
-logprobs, advantages and versions sit at those positions.
+only: the loss mask covers the positions that predict completion tokens (in a multi-turn episode
+only the model's: `Trajectory.loss_mask`), and the behavior logprobs, advantages and versions sit
+at those positions.
 """
 
 from __future__ import annotations
@@ -88,7 +89,8 @@ def _tensors(trajectory: Trajectory, advantage: float) -> dict[str, Tensor]:
     n = tokens.numel() - 1
     start = len(prompt) - 1  # position that predicts the first completion token
     mask = torch.zeros(n, dtype=torch.bool)
-    mask[start:] = True
+    # multi-turn: environment tokens inside the completion are context, like the prompt
+    mask[start:] = torch.tensor(trajectory.loss_mask, dtype=torch.bool) if trajectory.loss_mask else True
     behavior = torch.zeros(n, dtype=torch.float32)
     behavior[start:] = torch.tensor(trajectory.behavior_logprobs, dtype=torch.float32)
     versions = torch.full((n,), -1, dtype=torch.int64)
@@ -97,6 +99,9 @@ def _tensors(trajectory: Trajectory, advantage: float) -> dict[str, Tensor]:
         if trajectory.token_versions
         else trajectory.policy_version
     )
+    if trajectory.loss_mask:
+        behavior.masked_fill_(~mask, 0.0)
+        versions.masked_fill_(~mask, -1)
     return {
         "input_ids": tokens[:-1],
         "targets": tokens[1:],
@@ -139,8 +144,8 @@ def collate(trajectories: list[Trajectory], advantages: list[float], pad_to: int
         cu_seqlens=cu,
         max_seqlen=max(lengths),
         sample_ids=[t.sample_id for t in trajectories],
-        loss_tokens=sum(len(t.completion_ids) for t in trajectories),
-        loss_sequences=sum(1 for t in trajectories if t.completion_ids),
+        loss_tokens=sum(t.model_tokens for t in trajectories),
+        loss_sequences=sum(1 for t in trajectories if t.model_tokens),
         **cat,
     )
 

@@ -5,6 +5,14 @@ batches them. Seams the end-to-end wiring fills: `credits` (admission; unlimited
 `apply_weights` (a new policy between or during generation), and `stop` (finish in-flight groups
 within a grace period, abandon the rest and report them). Completions are decoded only for the
 rewards; trajectories carry token ids.
+
+With `env.name` set, a group is `rollout.group_size` multi-turn episodes of the row instead
+(rollout/envs): the environment's rewards replace reward.functions. An episode that fails
+(env_error, env_timeout, env_malformed, episode_timeout, overlong) is dropped in the ledger with
+that reason; the group's other episodes are sent as a smaller group (`group_size` = the survivors),
+so their advantages are taken over the survivors. Dropping the whole group instead would throw
+away good episodes without telling the learner anything more: a failed episode has no reward to
+compare against, and an environment's bug is not the model's fault to penalise.
 """
 
 from __future__ import annotations
@@ -23,6 +31,7 @@ from streamrl.engine.config import Config
 from streamrl.engine.ledger import sample_ids as ledger_sample_ids
 from streamrl.engine.messages import Timings, Trajectory, WeightsReady
 from streamrl.rollout.engine import Completion, GenerationEngine
+from streamrl.rollout.envs.episode import Episode, build_runner
 from streamrl.rollout.sources import Prompt, prompt_text
 
 log = logging.getLogger(__name__)
@@ -32,11 +41,15 @@ MAX_FAILURES_IN_A_ROW = 5
 
 
 class Credits(Protocol):
-    """Admission: a group starts only once `acquire` granted it; `release` returns a group never sent."""
+    """Admission: a group starts only once `acquire` granted it; `release` returns a group never sent;
+    `drop` resolves single samples never sent as `dropped:<reason>` (`reason` is a ledger drop reason,
+    lowercase letters, digits and '_'), the group's other samples going on."""
 
     async def acquire(self, group_id: str, sample_ids: list[str]) -> bool: ...
 
     async def release(self, group_id: str, sample_ids: list[str], reason: str) -> None: ...
+
+    async def drop(self, sample_ids: list[str], reason: str) -> None: ...
 
 
 class UnlimitedCredits:
@@ -44,6 +57,9 @@ class UnlimitedCredits:
         return True
 
     async def release(self, group_id: str, sample_ids: list[str], reason: str) -> None:
+        return None
+
+    async def drop(self, sample_ids: list[str], reason: str) -> None:
         return None
 
 
@@ -67,6 +83,8 @@ class NodeStats:
     rewards_none: int = 0
     abandoned: list[str] = dataclasses.field(default_factory=list)  # group ids cut off by stop()
     weight_updates: int = 0
+    episodes_dropped: dict[str, int] = dataclasses.field(default_factory=dict)  # by reason (env mode)
+    episode_limits: dict[str, int] = dataclasses.field(default_factory=dict)  # episodes/turns cut by each limit
 
 
 class RolloutNode:
@@ -93,6 +111,9 @@ class RolloutNode:
         self._incarnation = uuid.uuid4().hex[:6]  # a restarted node with the same id never reuses a group id
         self._weights_lock = asyncio.Lock()
         self._send_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="trajectory-send")
+        self.episodes = build_runner(cfg, engine, tokenizer) if cfg.env.name else None
+        if self.episodes is not None:  # the runner's live counters
+            self.stats.episodes_dropped, self.stats.episode_limits = self.episodes.failures, self.episodes.limits
 
     @property
     def policy_version(self) -> int:
@@ -114,6 +135,14 @@ class RolloutNode:
         finally:
             await self._drain(grace_s)
             self._send_thread.shutdown(wait=True)
+            if self.episodes is not None:
+                self.episodes.close()
+                log.info(
+                    "node %s episodes: dropped %s, cut by limits %s",
+                    self.node_id,
+                    dict(self.episodes.failures),
+                    dict(self.episodes.limits),
+                )
         if self._fatal is not None:
             raise self._fatal
         return self.stats
@@ -152,11 +181,11 @@ class RolloutNode:
             self._fatal = task.exception()
 
     async def _group(self, group_id: str, sample_ids: list[str], prompt: Prompt) -> None:
-        submitted = time.time()
         try:
-            completions = await self.engine.generate(prompt.prompt_ids, len(sample_ids), self.cfg.rollout.max_tokens)
-            finished = time.time()
-            rewards = await asyncio.to_thread(self._score, prompt, completions)
+            if self.episodes is not None:
+                trajectories = await self._episode_group(group_id, sample_ids, prompt)
+            else:
+                trajectories = await self._completion_group(group_id, sample_ids, prompt)
         except asyncio.CancelledError:
             self.stats.abandoned.append(group_id)
             await self.credits.release(group_id, sample_ids, "abandoned")
@@ -174,13 +203,46 @@ class RolloutNode:
                 self.stop("every group fails")
             return
         self._failures_in_a_row = 0
+        if trajectories:
+            await self._send(trajectories)
+            self.stats.groups_sent += 1
+
+    async def _completion_group(self, group_id: str, sample_ids: list[str], prompt: Prompt) -> list[Trajectory]:
+        submitted = time.time()
+        completions = await self.engine.generate(prompt.prompt_ids, len(sample_ids), self.cfg.rollout.max_tokens)
+        finished = time.time()
+        rewards = await asyncio.to_thread(self._score, prompt, completions)
         timings = Timings(submitted=submitted, finished=finished, rewarded=time.time())
-        trajectories = [
+        return [
             self._trajectory(sid, group_id, prompt, c, r, timings)
             for sid, c, r in zip(sample_ids, completions, rewards, strict=True)
         ]
-        await self._send(trajectories)
-        self.stats.groups_sent += 1
+
+    async def _episode_group(self, group_id: str, sample_ids: list[str], prompt: Prompt) -> list[Trajectory]:
+        """The group's episodes; failed ones dropped in the ledger, the rest a group of the survivors."""
+        episodes = await self.episodes.run_group(prompt.prompt_ids, prompt.row, len(sample_ids))
+        for reason in sorted({e.failure for e in episodes if e.failure}):
+            await self.credits.drop([s for s, e in zip(sample_ids, episodes) if e.failure == reason], reason)
+        survivors = [(s, e) for s, e in zip(sample_ids, episodes) if not e.failure]
+        return [self._episode_trajectory(s, group_id, e, len(survivors)) for s, e in survivors]
+
+    def _episode_trajectory(self, sample_id: str, group_id: str, ep: Episode, group_size: int) -> Trajectory:
+        return Trajectory(
+            sample_id=sample_id,
+            group_id=group_id,
+            node_id=self.node_id,
+            seq=0,
+            prompt_ids=ep.prompt_ids,
+            completion_ids=ep.completion_ids,
+            behavior_logprobs=ep.logprobs,
+            reward=ep.reward,
+            policy_version=ep.versions[0],
+            token_versions=ep.versions if len(set(ep.versions)) > 1 else [],
+            finish_reason=ep.finish_reason,
+            group_size=group_size,
+            timings=Timings(submitted=ep.started, finished=ep.generated, rewarded=time.time()),
+            loss_mask=ep.mask if 0 in ep.mask else [],
+        )
 
     def _score(self, prompt: Prompt, completions: list[Completion]) -> list[float | None]:
         ids = [c.token_ids for c in completions]
@@ -220,7 +282,7 @@ class RolloutNode:
                 self.stop(f"send failed: {e}")
                 raise
             self.stats.samples_sent += 1
-            self.stats.tokens_sent += len(traj.completion_ids)
+            self.stats.tokens_sent += traj.model_tokens
 
     async def apply_weights(self, ready: WeightsReady) -> float:
         """Load the policy of `ready.version` into the engine (generation keeps going around it)."""

@@ -1,0 +1,96 @@
+"""`tools`: a tool-calling environment. The model calls tools in its chat template's own format, the
+node runs them in worker processes (tools.py) and the results come back as `tool` messages.
+
+Tool calls are the Qwen family's (Hermes style), which its chat templates render and teach:
+`<tool_call>{"name": "calculator", "arguments": {"expression": "12*7"}}</tool_call>`, any number
+per turn. A turn without a tool call is the final answer, scored against the row's answer column
+(1.0 when its last number equals the answer, else 0.0), and ends the episode. A call that is not
+valid JSON, names an unknown tool, raises or misses its deadline is answered with an error the
+model reads; it is the model's mistake to learn from, not an environment failure.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+from streamrl.rollout.envs.tools import ToolPool
+
+TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
+SYSTEM = (
+    "Answer the user's question. To use a tool, write "
+    '<tool_call>{"name": TOOL, "arguments": {...}}</tool_call> and wait for its result. '
+    "End with the final answer as a number, without a tool call."
+)
+
+
+def parse_tool_calls(text: str) -> list[tuple[str, dict] | str]:
+    """Each tool call in `text`: (name, arguments), or an error string saying what is wrong with it."""
+    calls: list[tuple[str, dict] | str] = []
+    for body in TOOL_CALL.findall(text):
+        try:
+            call = json.loads(body)
+        except json.JSONDecodeError as e:
+            calls.append(f"the tool call is not JSON ({e.msg} at {e.pos}): {body[:100]}")
+            continue
+        arguments = call.get("arguments", {}) if isinstance(call, dict) else None
+        if isinstance(arguments, str):  # some templates and models write the arguments as a JSON string
+            try:
+                arguments = json.loads(arguments)
+            except json.JSONDecodeError:
+                arguments = None
+        if not isinstance(call, dict) or not isinstance(call.get("name"), str) or not isinstance(arguments, dict):
+            calls.append('a tool call is {"name": str, "arguments": {...}}; got ' + body[:100])
+            continue
+        calls.append((call["name"], arguments))
+    return calls
+
+
+def last_number_matches(text: str, answer) -> float:
+    """1.0 when the last number in `text` equals `answer` (as numbers), else 0.0."""
+    numbers = NUMBER.findall(text)
+    try:
+        return float(bool(numbers) and abs(float(numbers[-1]) - float(answer)) < 1e-9)
+    except (TypeError, ValueError):
+        return 0.0
+
+
+class ToolEnv:
+    def __init__(
+        self,
+        toolbox: ToolPool | None = None,
+        system: str = SYSTEM,
+        prompt_column: str = "prompt",
+        answer_column: str = "answer",
+        max_calls_per_turn: int = 4,
+    ):
+        if toolbox is None:
+            raise ValueError("the tools environment runs tools: set env.tools (e.g. ['calculator'])")
+        self.toolbox, self.system = toolbox, system
+        self.prompt_column, self.answer_column = prompt_column, answer_column
+        self.max_calls_per_turn = max_calls_per_turn
+        self.tools = toolbox.schemas  # for the chat template (Qwen renders them into its system prompt)
+        self.answer = None
+
+    def reset(self, row: dict) -> list[dict]:
+        question = row.get(self.prompt_column)
+        if not isinstance(question, str) or not question:
+            raise ValueError(f"row has no question in column {self.prompt_column!r} (columns: {sorted(row)})")
+        self.answer = row.get(self.answer_column)
+        system = [{"role": "system", "content": self.system}] if self.system else []
+        return [*system, {"role": "user", "content": question}]
+
+    async def step(self, completion: str) -> tuple[list[dict] | None, float, bool]:
+        calls = parse_tool_calls(completion)
+        if not calls:
+            return None, last_number_matches(completion, self.answer), True
+        results = []
+        for call in calls[: self.max_calls_per_turn]:
+            if isinstance(call, str):
+                results.append(f"error: {call}")
+            else:
+                results.append((await self.toolbox.call(*call)).text)
+        if len(calls) > self.max_calls_per_turn:
+            results.append(f"error: at most {self.max_calls_per_turn} tool calls per turn; the rest were not run")
+        return [{"role": "tool", "content": r} for r in results], 0.0, False
