@@ -36,7 +36,7 @@ fi
 # recompile (about 9 s instead of 4 s).
 "$uv" pip install --python "$venv/bin/python" --quiet --compile-bytecode \
   --index-strategy unsafe-best-match "${links[@]}" --excludes "$excludes" \
-  -e ".[$kind,data,test,wandb]"
+  -e ".[$kind,data,test,wandb,envs]"
 if [ "$kind" = cpu ]; then
   "$uv" pip uninstall --python "$venv/bin/python" --quiet torchvision torchaudio torchcodec triton 2>/dev/null || true
 fi

@@ -55,6 +55,10 @@ class LedgerCredits:
         why = "preempted" if reason == "abandoned" else "generation_error"
         await asyncio.to_thread(self.ledger.drop, sample_ids, why)
 
+    async def drop(self, sample_ids: list[str], reason: str) -> None:
+        """Samples of a group that goes on without them (a failed episode), resolved with their reason."""
+        await asyncio.to_thread(self.ledger.drop, sample_ids, reason)
+
 
 class LedgerSink:
     """Marks each trajectory generated in the ledger, then streams it to the learner."""

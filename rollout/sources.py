@@ -78,7 +78,12 @@ def _read_dataset(path: pathlib.Path) -> list[dict]:
 
 
 def read_rows(path: str) -> list[dict | _Malformed]:
-    """Every row of a .jsonl, .parquet or saved-dataset folder (undecodable jsonl lines as markers)."""
+    """Every row of a .jsonl, .parquet or saved-dataset folder (undecodable jsonl lines as markers), or of
+    a reasoning-gym task (`reasoning_gym:NAME[:SIZE[:SEED]]`)."""
+    if path.startswith("reasoning_gym:"):
+        from streamrl.rollout.envs.reasoning_gym import rows
+
+        return rows(path)
     p = pathlib.Path(path).expanduser()
     if not p.exists():
         raise PromptSourceError(
