@@ -261,7 +261,15 @@ class LearnerConfig(_Section):
     micro_batch_tokens: Annotated[int, _doc("Token budget of one packed micro-batch.", ge=16)] = 8192
     ranks: Annotated[int, _doc("Learner processes (FSDP2 ranks); >1 runs under torchrun.", ge=1)] = 1
     activation_checkpointing: Annotated[bool, _doc("Recompute activations in backward to save memory.")] = False
-    compile: Annotated[bool, _doc("torch.compile the model (GPU).")] = False
+    compile: Annotated[
+        bool | Literal["auto"],
+        _doc("torch.compile each decoder layer; auto: on CUDA (where it is worth its compile time), off on CPU."),
+    ] = "auto"
+    pad_buckets: Annotated[
+        int,
+        _doc("Micro-batches are padded to a multiple of micro_batch_tokens / pad_buckets when the model is "
+             "compiled (a few static shapes, so nothing recompiles mid-run); 0 never pads.", ge=0),
+    ] = 8  # fmt: skip
     fsdp_unit_params: Annotated[
         int,
         _doc(

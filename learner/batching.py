@@ -151,12 +151,17 @@ def collate(trajectories: list[Trajectory], advantages: list[float], pad_to: int
 
 
 def pack(
-    trajectories: list[Trajectory], advantages: list[float], token_budget: int, pad_to_budget: bool = False
+    trajectories: list[Trajectory],
+    advantages: list[float],
+    token_budget: int,
+    pad_to_budget: bool = False,
+    pad_multiple: int = 0,
 ) -> list[MicroBatch]:
     """Packed micro-batches of at most `token_budget` positions each; completion-less samples are skipped.
 
     pad_to_budget: every micro-batch gets exactly `token_budget` positions (static shapes for
-    torch.compile), the rest filled by a loss-free padding sequence.
+    torch.compile), the rest filled by a loss-free padding sequence. pad_multiple: each micro-batch
+    is padded up to a multiple of this instead (a few bucketed shapes, less padding).
 
     Raises ValueError naming `learner.micro_batch_tokens` when one sequence alone exceeds the budget.
     """
@@ -171,10 +176,15 @@ def pack(
                 f"but learner.micro_batch_tokens = {token_budget}; raise it to at least {cost} "
                 "or lower model.max_model_len"
             )
-    pad_to = token_budget if pad_to_budget else 0
+    bins = plan(costs, token_budget)
+    if pad_to_budget:
+        pads = [token_budget] * len(bins)
+    elif pad_multiple:
+        pads = [min(token_budget, -(-sum(costs[j] for j in b) // pad_multiple) * pad_multiple) for b in bins]
+    else:
+        pads = [0] * len(bins)
     return [
-        collate([trajectories[keep[j]] for j in b], [advantages[keep[j]] for j in b], pad_to)
-        for b in plan(costs, token_budget)
+        collate([trajectories[keep[j]] for j in b], [advantages[keep[j]] for j in b], pad) for b, pad in zip(bins, pads)
     ]
 
 
@@ -197,13 +207,20 @@ def split_by_tokens(costs: list[int], ranks: int) -> list[list[int]]:
 
 
 def pack_for_ranks(
-    trajectories: list[Trajectory], advantages: list[float], ranks: int, token_budget: int, pad_to_budget: bool = False
+    trajectories: list[Trajectory],
+    advantages: list[float],
+    ranks: int,
+    token_budget: int,
+    pad_to_budget: bool = False,
+    pad_multiple: int = 0,
 ) -> list[list[MicroBatch]]:
     """Each rank's packed micro-batches, the samples split between ranks by tokens (`split_by_tokens`)."""
     if len(trajectories) != len(advantages):
         raise ValueError(f"{len(trajectories)} trajectories but {len(advantages)} advantages; give one each")
     shares = split_by_tokens([sequence_cost(t) for t in trajectories], ranks)
     return [
-        pack([trajectories[i] for i in share], [advantages[i] for i in share], token_budget, pad_to_budget)
+        pack(
+            [trajectories[i] for i in share], [advantages[i] for i in share], token_budget, pad_to_budget, pad_multiple
+        )
         for share in shares
     ]

@@ -342,8 +342,9 @@ class Keeper:
             )
         return state
 
-    def after_step(self, step: int, full_state) -> None:
-        """Every rank: save and export when due (and at the last step); `full_state` is rank 0's."""
+    def after_step(self, step: int, policy: nn.Module) -> None:
+        """Every rank: save and export when due (and at the last step). The host copy of the weights an
+        export needs is made only then (`parallel.full_state_dict`, every rank takes part)."""
         due = lambda every: every and (step % every == 0 or step == self.last_step)  # noqa: E731
         if due(self.cfg.every):
             state = LearnerState(
@@ -362,8 +363,10 @@ class Keeper:
                 self.cfg.keep_last,
                 self.cfg.keep_every,
             )
-        if due(self.cfg.export_every) and parallel.is_rank0():
-            export_state(full_state, self.exports / ".hf", self.exports / f"step_{step}", overwrite=True)
+        if due(self.cfg.export_every):
+            full_state = parallel.full_state_dict(policy)
+            if parallel.is_rank0():
+                export_state(full_state, self.exports / ".hf", self.exports / f"step_{step}", overwrite=True)
 
 
 # ---- ranks, RNG, files -----------------------------------------------------------------------

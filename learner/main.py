@@ -47,29 +47,34 @@ def run_learner(cfg: Config, resume: str = "") -> int:
     setup_logging(cfg.run.path, f"learner-rank{parallel.rank()}", console=rank0, level=cfg.telemetry.log_level)
     torch.manual_seed(cfg.run.seed)
     model_path = cfg.model.path or str(default_tiny_model())
-    model = load_model(model_path, "float32", "cpu", cfg.model.trust_remote_code)
-    policy = parallel.wrap_model(model, cfg.learner, device, temperature=cfg.rollout.temperature)
-    # every step ends in a full state dict for the push, which reshards the model: a gather ahead
-    # would be thrown away
-    trainer = Trainer(policy, cfg.loss, cfg.learner, device, gather_ahead=False)
+    compute = getattr(torch, cfg.model.dtype)  # the learner's compute dtype = what the engines serve
+    model = load_model(model_path, "float32", "cpu", cfg.model.trust_remote_code)  # fp32 master weights
+    policy = parallel.wrap_model(model, cfg.learner, device, temperature=cfg.rollout.temperature, compute_dtype=compute)
+    # gather ahead: each step ends with the next forward's weights gathered, which the push reads too
+    trainer = Trainer(policy, cfg.loss, cfg.learner, device, gather_ahead=True)
     keeper = checkpoint.Keeper(cfg.checkpoint, cfg.run.path, policy.lm, trainer, model_path, cfg.run.steps)
     first = keeper.resume(resume, cfg.run.path).step + 1 if resume else 1
-    orchestrator = _start_orchestrator(cfg, device, trainer, resumed=bool(resume))
+    orchestrator = _start_orchestrator(cfg, device, trainer, policy, resumed=bool(resume))
     try:
-        _continue_versions(trainer, orchestrator, policy)
+        _continue_versions(trainer, orchestrator, policy, compute)
         for step in range(first, cfg.run.steps + 1):
-            started = time.monotonic()
+            clock = _Laps()
             per_rank = orchestrator.next_batch(parallel.world_size()) if rank0 else None  # receive → admit
+            clock.lap("wait_s")
             batch = parallel.scatter_step(per_rank, device)
             metrics = trainer.step(batch.micro_batches, batch.loss_tokens)  # step
-            state = parallel.full_state_dict(policy)
-            pushed = {}
+            clock.lap("train_s")
+            skipped = bool(metrics["skipped"])
+            weights = parallel.weights_for_push(policy, compute) if not skipped else None  # on the device
             if rank0:
-                orchestrator.commit(step, skipped=bool(metrics["skipped"]))  # commit
-                pushed = orchestrator.push(state) if not metrics["skipped"] else {}  # push
-            keeper.after_step(step, state)  # checkpoint
+                orchestrator.commit(step, skipped)  # commit
+                if weights is not None:
+                    orchestrator.publish(weights)  # push: nodes receive it in the background
+            clock.lap("push_s")
+            keeper.after_step(step, policy)  # checkpoint
+            clock.lap("checkpoint_s")
             if rank0:
-                orchestrator.report(step, batch.version, metrics, pushed, started)  # report
+                orchestrator.report(step, batch.version, metrics, clock.laps, clock.started)  # report
     finally:
         if orchestrator is not None:
             orchestrator.close()
@@ -77,12 +82,29 @@ def run_learner(cfg: Config, resume: str = "") -> int:
     return 0
 
 
-def _start_orchestrator(cfg: Config, device: torch.device, trainer: Trainer, resumed: bool) -> Orchestrator | None:
+class _Laps:
+    """Seconds between named points of one step (time.monotonic)."""
+
+    def __init__(self) -> None:
+        self.started = self._last = time.monotonic()
+        self.laps: dict[str, float] = {}
+
+    def lap(self, name: str) -> None:
+        now = time.monotonic()
+        self.laps[name] = now - self._last
+        self._last = now
+
+
+def _start_orchestrator(cfg: Config, device: torch.device, trainer: Trainer, policy, resumed: bool):
     """Rank 0's orchestrator; a refusal (a run trained already, ...) stops every rank, not rank 0 alone."""
     orchestrator, error = None, None
     if parallel.is_rank0():
+        compiled = cfg.learner.compile is True or (cfg.learner.compile == "auto" and device.type == "cuda")
+        params = sum(p.numel() for p in policy.lm.parameters())
         try:
-            orchestrator = Orchestrator(cfg, device, lambda: trainer.version, resumed=resumed)
+            orchestrator = Orchestrator(
+                cfg, device, lambda: trainer.version, resumed=resumed, compiled=compiled, params=params
+            )
         except ConfigError as e:
             error = str(e)
     error = parallel.from_rank0(error)
@@ -91,15 +113,15 @@ def _start_orchestrator(cfg: Config, device: torch.device, trainer: Trainer, res
     return orchestrator
 
 
-def _continue_versions(trainer: Trainer, orchestrator: Orchestrator | None, policy) -> None:
+def _continue_versions(trainer: Trainer, orchestrator: Orchestrator | None, policy, dtype: torch.dtype) -> None:
     """Continue at the ledger's version when it is ahead of the weights (steps trained after the last
     checkpoint were lost with the learner); a resumed learner hands joining nodes its restored weights."""
     ledger_version = orchestrator.ledger_version if orchestrator is not None else 0
     trainer.version = parallel.from_rank0(max(trainer.version, ledger_version))
     if trainer.version > 0:
-        state = parallel.full_state_dict(policy)
+        weights = parallel.weights_for_push(policy, dtype)
         if orchestrator is not None:
-            orchestrator.publisher.latest = (trainer.version, state)
+            orchestrator.publisher.publish(trainer.version, weights)
 
 
 def _terminate_gracefully(signum, frame):

@@ -31,6 +31,9 @@ class NodeInfo:
     last_seen: float
     version: int = 0
     tokens_generated: int = 0
+    generate_s: float = 0.0  # the node's own clock: seconds generating, idle, and paused for swaps
+    idle_s: float = 0.0
+    swap_s: float = 0.0
 
 
 class NodeRegistry(threading.Thread):
@@ -43,7 +46,7 @@ class NodeRegistry(threading.Thread):
         self.nodes: dict[str, NodeInfo] = {}
         self.events: queue.Queue[tuple[str, str]] = queue.Queue()  # ("joined" | "left", node_id)
         self.applied: dict[str, queue.Queue[WeightsApplied]] = collections.defaultdict(queue.Queue)
-        self.outbox: queue.Queue[tuple[str, object, concurrent.futures.Future]] = queue.Queue()
+        self.outbox: queue.Queue[tuple[str, object, concurrent.futures.Future, bool]] = queue.Queue()
         self.stopping = threading.Event()
         self.lock = threading.Lock()
 
@@ -65,7 +68,7 @@ class NodeRegistry(threading.Thread):
     def _flush_outbox(self) -> None:
         while True:
             try:
-                node_id, msg, done = self.outbox.get_nowait()
+                node_id, msg, done, then_forget = self.outbox.get_nowait()
             except queue.Empty:
                 return
             info = self.nodes.get(node_id)
@@ -77,6 +80,8 @@ class NodeRegistry(threading.Thread):
             except TransportError as e:
                 log.warning("control message %s to %s not delivered: %s", type(msg).__name__, node_id, e)
                 done.set_exception(e)
+            if then_forget:
+                self.forget(node_id)
 
     def _handle(self, peer: bytes, msg) -> None:
         now = time.time()
@@ -88,16 +93,18 @@ class NodeRegistry(threading.Thread):
         elif isinstance(msg, Heartbeat) and msg.node_id in self.nodes:
             info = self.nodes[msg.node_id]
             info.last_seen, info.version, info.tokens_generated = now, msg.policy_version, msg.tokens_generated
+            info.generate_s, info.idle_s, info.swap_s = msg.generate_s, msg.idle_s, msg.swap_s
         elif isinstance(msg, WeightsApplied):
             self.applied[msg.node_id].put(msg)
         elif isinstance(msg, Goodbye):
             log.info("node %s left: %s", msg.node_id, msg.reason)
             self.events.put(("left", msg.node_id))
 
-    def send(self, node_id: str, msg) -> concurrent.futures.Future:
-        """Queue `msg` for the node; the future fails when it could not be delivered (node gone)."""
+    def send(self, node_id: str, msg, then_forget: bool = False) -> concurrent.futures.Future:
+        """Queue `msg` for the node; the future fails when it could not be delivered (node gone).
+        `then_forget`: the node leaves the registry once the message left (or could not)."""
         done: concurrent.futures.Future = concurrent.futures.Future()
-        self.outbox.put((node_id, msg, done))
+        self.outbox.put((node_id, msg, done, then_forget))
         return done
 
     def take_events(self) -> list[tuple[str, str]]:
@@ -113,9 +120,10 @@ class NodeRegistry(threading.Thread):
         """A (re)joining node: an old process's late WeightsApplied must not be taken for its answer."""
         self.applied.pop(node_id, None)
 
-    def wait_applied(self, node_id: str, timeout_s: float) -> WeightsApplied | None:
+    def take_applied(self, node_id: str) -> WeightsApplied | None:
+        """The node's next confirmation, if one came; never waits."""
         try:
-            return self.applied[node_id].get(timeout=timeout_s)
+            return self.applied[node_id].get_nowait()
         except queue.Empty:
             return None
 

@@ -24,7 +24,7 @@ from streamrl.engine.messages import Stop, Trajectory, Welcome
 from streamrl.engine.telemetry import MetricsSink
 from streamrl.engine.transport import ControlServer, TrajectoryReceiver, bind_address
 from streamrl.learner.advantages import group_advantages
-from streamrl.learner.batching import StepBatch, pack_for_ranks
+from streamrl.learner.batching import StepBatch, pack_for_ranks, sequence_cost
 from streamrl.learner.intake import Intake
 from streamrl.learner.nodes import NodeRegistry
 from streamrl.learner.publisher import Publisher
@@ -33,13 +33,31 @@ from streamrl.rewards.stats import batch_stats, warn_if_flat
 log = logging.getLogger("streamrl.learner")
 
 REAP_EVERY_S = 2.0
+PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12}  # dense bf16, by device name
+
+
+def peak_flops(device: torch.device) -> float:
+    """The device's dense bf16 peak (for the MFU), when it is one we know; else 0 (no MFU reported)."""
+    if device.type != "cuda":
+        return 0.0
+    name = torch.cuda.get_device_name(device)
+    return next((flops for key, flops in PEAK_FLOPS.items() if key in name), 0.0)
 
 
 class Orchestrator:
     """Everything rank 0 does besides training; built once, `close()`d once."""
 
-    def __init__(self, cfg: Config, device: torch.device, version_of: Callable[[], int], resumed: bool = False):
-        self.cfg, self.version_of = cfg, version_of
+    def __init__(
+        self,
+        cfg: Config,
+        device: torch.device,
+        version_of: Callable[[], int],
+        resumed: bool = False,
+        compiled: bool = False,
+        params: int = 0,
+    ):
+        self.cfg, self.version_of, self.compiled, self.params = cfg, version_of, compiled, params
+        self.peak_flops = peak_flops(device)
         self.ledger, self.redis = open_ledger(cfg.ledger, cfg.run.name, cfg.run.path)
         try:
             self._claim_run(resumed)
@@ -111,10 +129,12 @@ class Orchestrator:
         self.pending = self.intake.collect(self.cfg.learner.groups_per_step, version, self.serve_nodes, self._hint)
         advantages, _ = group_advantages([[t.reward for t in g] for g in self.pending], self.cfg.loss.advantage)
         flat = [t for group in self.pending for t in group]
+        learner = self.cfg.learner
+        pad = learner.micro_batch_tokens // learner.pad_buckets if self.compiled and learner.pad_buckets else 0
         per_rank = pack_for_ranks(
-            flat, [a for row in advantages for a in row], ranks, self.cfg.learner.micro_batch_tokens
+            flat, [a for row in advantages for a in row], ranks, learner.micro_batch_tokens, pad_multiple=pad
         )
-        loss_tokens = sum(len(t.completion_ids) for t in flat)
+        loss_tokens = sum(t.model_tokens for t in flat)
         return [StepBatch(mbs, version, loss_tokens) for mbs in per_rank]
 
     def _hint(self) -> str:
@@ -135,6 +155,8 @@ class Orchestrator:
                 log.info("node %s joined (%d nodes)", node_id, len(self.publisher.nodes))
             else:
                 self._remove(node_id)
+        for node_id in self.publisher.poll():  # a failed transfer, or a version never confirmed live
+            log.warning("node %s was evicted (%d nodes left)", node_id, len(self.publisher.nodes))
         if time.monotonic() - self._last_reap > REAP_EVERY_S:
             self._last_reap = time.monotonic()
             for node_id, samples in self.ledger.reap_lost_nodes().items():
@@ -161,10 +183,11 @@ class Orchestrator:
         else:
             self.ledger.commit_step(ids, self.version_of(), step)
 
-    def push(self, state: Mapping[str, Tensor]) -> dict:
-        return self.publisher.push(self.version_of(), state)
+    def publish(self, weights: Mapping[str, Tensor]) -> float:
+        """Hand the new version to the publisher (nodes get it in the background); the seconds it held us."""
+        return self.publisher.publish(self.version_of(), weights)
 
-    def report(self, step: int, trained_by: int, metrics: dict, pushed: dict, started: float) -> None:
+    def report(self, step: int, trained_by: int, metrics: dict, timings: dict[str, float], started: float) -> None:
         """One metrics record and one console line for the step, whose samples `trained_by` (the version
         the step started from) trained; the step's groups are done with."""
         flat = [t for group in self.pending for t in group]
@@ -175,16 +198,15 @@ class Orchestrator:
             **metrics,
             **rewards.as_metrics(),
             **_batch_figures(flat, trained_by, time.monotonic() - started),
-            "nodes": len(self.publisher.nodes),
-            "weights_s": max((r.seconds for r in pushed.values()), default=0.0),
-            "evicted": sum(not r.ok for r in pushed.values()),
+            **self._time_figures(flat, timings),
+            **self._node_figures(),
             **{f"samples_{k}": v for k, v in self.intake.counters.items()},
             "gaps": self.intake.receiver.gaps,
             "duplicates": self.intake.receiver.duplicates,
         }
         self.sink.log(step, record)
         log.info(
-            "step %d v%d reward %.3f±%.3f loss %.4f tokens/s %.0f mismatch_kl %.2e staleness %.2f nodes %d",
+            "step %d v%d reward %.3f±%.3f loss %.4f tokens/s %.0f mismatch_kl %.2e staleness %.2f nodes %d idle %.0f%%",
             step,
             self.version_of(),
             record["reward/mean"],
@@ -194,7 +216,36 @@ class Orchestrator:
             record.get("mismatch_kl", float("nan")),
             record["staleness_mean"],
             record["nodes"],
+            100 * record["time/idle_fraction"],
         )
+
+    def _time_figures(self, flat: list[Trajectory], timings: dict[str, float]) -> dict[str, float]:
+        """Where the learner's step went: waiting for data (idle), training, the push's hold; the MFU
+        counts the training time only."""
+        total = max(sum(timings.values()), 1e-9)
+        positions = sum(sequence_cost(t) for t in flat)
+        out = {f"time/{k}": v for k, v in timings.items()}
+        out["time/idle_fraction"] = timings.get("wait_s", 0.0) / total
+        out["train_tokens_per_s"] = positions / max(timings.get("train_s", 0.0), 1e-9)
+        if self.peak_flops and self.params:
+            out["mfu"] = 6 * self.params * out["train_tokens_per_s"] / self.peak_flops
+        return out
+
+    def _node_figures(self) -> dict[str, float]:
+        """Per node: the weight transfer (learner side) and where the node's own time went."""
+        states = self.publisher.states()
+        out: dict[str, float] = {"nodes": len(states), "evicted": self.publisher.evicted}
+        out["weights_s"] = max((w.last_transfer_s for w in states.values()), default=0.0)
+        for node_id, weights in states.items():
+            info = self.registry.nodes.get(node_id)
+            out[f"node/{node_id}/applied_version"] = weights.applied
+            out[f"node/{node_id}/transfer_s"] = weights.last_transfer_s
+            out[f"node/{node_id}/live_s"] = weights.last_swap_s
+            if info is not None:
+                out[f"node/{node_id}/generate_s"] = info.generate_s
+                out[f"node/{node_id}/idle_s"] = info.idle_s
+                out[f"node/{node_id}/swap_s"] = info.swap_s
+        return out
 
     # ---- end ------------------------------------------------------------------------------------
 
@@ -226,7 +277,7 @@ class Orchestrator:
 
 def _batch_figures(flat: list[Trajectory], version: int, seconds: float) -> dict[str, float]:
     """Tokens, throughput and staleness of the step's samples against the `version` that trained them."""
-    tokens = sum(len(t.completion_ids) for t in flat)
+    tokens = sum(t.model_tokens for t in flat)
     lags = [version - t.min_version for t in flat]
     return {
         "samples": len(flat),

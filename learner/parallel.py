@@ -88,13 +88,21 @@ def layer_units(sizes: list[int], unit_params: int) -> list[list[int]]:
 
 
 def wrap_model(
-    model: nn.Module, cfg: LearnerConfig, device: torch.device, *, temperature: float = 1.0, chunk: int = 0
+    model: nn.Module,
+    cfg: LearnerConfig,
+    device: torch.device,
+    *,
+    temperature: float = 1.0,
+    chunk: int = 0,
+    compute_dtype: torch.dtype | None = None,
 ) -> PolicyModel:
     """Shard a HF causal LM with FSDP2 over all ranks: decoder layers in units of `cfg.fsdp_unit_params`
     parameters, the rest (or, for a model under one unit, everything) at the root.
 
-    On CUDA: bf16 compute with fp32 reductions and master weights, varlen attention for packed
-    sequences. Optional activation checkpointing and per-layer torch.compile (cfg). Fewer, larger
+    Master weights and gradient reductions in fp32; compute in `compute_dtype` (default: bf16 on
+    CUDA, fp32 elsewhere; the learner passes `model.dtype`). On CUDA, varlen attention for packed
+    sequences. Optional activation checkpointing; per-layer torch.compile when `cfg.compile` is true,
+    or "auto" on CUDA. Fewer, larger
     units mean fewer hooks and collectives per micro-batch: a 0.5B model on H200s stepped at 34.4%
     MFU as one unit vs 32.8% as 24 layer units (1 GPU), 35.0% vs 25.3% per GPU (2 GPUs); layer
     units pay off when the gathered model would not fit (bench/RESULTS.md).
@@ -112,13 +120,15 @@ def wrap_model(
 
         for i, layer in enumerate(layers):
             layers[i] = checkpoint_wrapper(layer, preserve_rng_state=False)
-    if cfg.compile:
+    if cfg.compile is True or (cfg.compile == "auto" and device.type == "cuda"):
         for layer in layers:
             layer.compile()  # static shapes first; torch marks T dynamic if it varies
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    if compute_dtype is None:
+        compute_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     mp = (
-        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        if device.type == "cuda"
+        MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+        if compute_dtype != torch.float32
         else MixedPrecisionPolicy()
     )
     policy = PolicyModel(
@@ -163,6 +173,27 @@ def gather_for_next_forward(model: nn.Module) -> None:
 def hf_name(name: str) -> str:
     """A parameter's HF checkpoint name, without the wrappers' prefixes (activation checkpointing, compile)."""
     return name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
+
+
+def weights_for_push(model: nn.Module, dtype: torch.dtype) -> dict[str, Tensor]:
+    """Every rank calls: the full weights under HF names in `dtype`, on the device, for a push to the
+    engines; rank 0 gets them, the others an empty dict. No host copy, no resharding.
+
+    After `gather_for_next_forward` the parameters are the gathered copies the next forward reads
+    (in the compute dtype), so the step's one gather serves the push too; a parameter still sharded
+    (a layer unit resharded after backward) is gathered here. Tied parameters keep one tensor.
+    """
+    from torch.distributed.tensor import DTensor
+
+    lm = model.lm if isinstance(model, PolicyModel) else model
+    out, seen = {}, {}
+    for name, param in lm.named_parameters(remove_duplicate=False):
+        if id(param) not in seen:
+            full = param.full_tensor() if isinstance(param, DTensor) else param
+            seen[id(param)] = full.detach().to(dtype)  # no copy when it is in `dtype` already
+        if is_rank0():
+            out[hf_name(name)] = seen[id(param)]
+    return out
 
 
 def full_state_dict(model: nn.Module) -> dict[str, Tensor]:

@@ -1,74 +1,208 @@
-"""Weights out: each new policy version pushed to every registered rollout node.
+"""Weights out, never waiting on a node: each new policy version goes to every node in the background.
 
-The publisher keeps the latest version it was given, so a node that joins mid-run gets the current
-weights before it generates. A node whose transfer fails or times out is evicted: told `Stop` and
-forgotten by the registry; the other nodes carry on.
+`publish(version, weights)` is the learner's only blocking part: it packs the weights (on the GPU,
+in the dtype the engines serve) into flat buckets of a staging set and returns. One thread per node
+(`_Link`) then pushes the newest published version to its node: layout over the control channel,
+the node posts its receives, the broadcast. A node that falls behind skips to the newest version;
+one whose transfer fails, or that does not confirm a version live within one deadline
+(`weights.timeout_s`) after its transfer, is evicted: told `Stop` and forgotten. The learner trains on.
+
+A staging set stays allocated while a transfer reads it or while it is the newest; a set no link
+holds is reused by the next `publish`, so the learner keeps at most one set per version in flight.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import threading
+import time
 from collections.abc import Mapping
 
 import torch
 from torch import Tensor
 
 from streamrl.engine.config import Config
-from streamrl.engine.messages import Stop, WeightsReady
-from streamrl.engine.weights import TransferResult, WeightBroadcaster
+from streamrl.engine.messages import Stop
+from streamrl.engine.weight_layout import BufferPool, PackedBuckets, plan_buckets
+from streamrl.engine.weights import WeightSender, WeightTransferError, resolve_backend
 from streamrl.learner.nodes import NodeRegistry
 
 log = logging.getLogger("streamrl.learner")
 
 
+@dataclasses.dataclass
+class _Set:
+    """One published version's packed buckets."""
+
+    version: int
+    packed: PackedBuckets
+    pool: BufferPool
+    event: torch.cuda.Event | None
+    readers: int = 0
+
+
+@dataclasses.dataclass
+class NodeWeights:
+    """What the learner knows of one node's weights (for metrics and eviction)."""
+
+    sent: int = 0  # newest version whose transfer finished
+    sent_at: float = 0.0  # time.monotonic() of that
+    applied: int = 0  # newest version the node confirmed live
+    transfers: int = 0
+    last_transfer_s: float = 0.0
+    last_swap_s: float = 0.0  # the node's receive + swap, as it reported
+
+
+class _Link(threading.Thread):
+    """One node's sender thread: pushes the newest published version whenever the node is behind."""
+
+    def __init__(self, publisher: Publisher, node_id: str, sender: WeightSender):
+        super().__init__(name=f"weights-{node_id}", daemon=True)
+        self.publisher, self.node_id, self.sender = publisher, node_id, sender
+        self.state = NodeWeights()
+        self.error: WeightTransferError | None = None
+        self.stopping = threading.Event()
+
+    def run(self) -> None:
+        while not self.stopping.is_set():
+            published = self.publisher.take_newer(self.state.sent, timeout_s=0.2)
+            if published is None:
+                continue
+            try:
+                self._transfer(published)
+            except WeightTransferError as e:
+                self.error = e
+                return
+            finally:
+                self.publisher.give_back(published)
+
+    def _transfer(self, published: _Set) -> None:
+        ready = self.sender.prepare(published.version, published.packed.specs)
+        try:
+            self.publisher.registry.send(self.node_id, ready).result(timeout=self.sender.timeout_s)
+        except Exception as e:
+            raise WeightTransferError(self.node_id, "layout", f"{type(e).__name__}: {e}") from e
+        seconds = self.sender.send(published.packed, ready, packed_event=published.event)
+        self.state.sent, self.state.sent_at = published.version, time.monotonic()
+        self.state.transfers += 1
+        self.state.last_transfer_s = seconds
+
+
 class Publisher:
     def __init__(self, cfg: Config, registry: NodeRegistry, device: torch.device):
-        self.cfg, self.registry = cfg, registry
-        self.broadcaster = WeightBroadcaster(cfg.weights, device=device)
-        self.latest: tuple[int, Mapping[str, Tensor]] | None = None
+        self.cfg, self.registry, self.device = cfg, registry, device
+        self.backend = resolve_backend(cfg.weights.backend, device)
+        self.links: dict[str, _Link] = {}
+        self._sets: list[_Set] = []
+        self._latest: _Set | None = None
+        self._cond = threading.Condition()
+        self.evicted = 0  # nodes evicted so far
 
     @property
     def nodes(self) -> list[str]:
-        return self.broadcaster.nodes
+        return list(self.links)
+
+    @property
+    def latest_version(self) -> int:
+        return self._latest.version if self._latest is not None else 0
+
+    # ---- the learner's side: publish ---------------------------------------------------------
+
+    def publish(self, version: int, weights: Mapping[str, Tensor]) -> float:
+        """Pack `weights` as `version` for every node (they get it in the background); the seconds
+        the caller was held: the packing alone."""
+        start = time.perf_counter()
+        specs = plan_buckets(weights, int(self.cfg.weights.bucket_mb * 2**20))
+        with self._cond:
+            free = next((s for s in self._sets if s.readers == 0 and s is not self._latest), None)
+        pool = free.pool if free is not None else BufferPool()
+        packed = PackedBuckets(specs, weights, self._buffer_device, pool)
+        for i in range(len(packed)):
+            packed.get(i)  # pack now: the caller may change `weights` as soon as this returns
+        event = None
+        if self._buffer_device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record()
+        fresh = _Set(version, packed, pool, event)
+        with self._cond:
+            if free is not None:
+                self._sets.remove(free)
+            self._sets.append(fresh)
+            self._latest = fresh
+            self._cond.notify_all()
+        return time.perf_counter() - start
+
+    @property
+    def _buffer_device(self) -> torch.device:
+        return self.device if self.backend == "nccl" else torch.device("cpu")
+
+    def take_newer(self, than: int, timeout_s: float) -> _Set | None:
+        """The newest set if it is newer than `than` (held until `give_back`), else None after `timeout_s`."""
+        with self._cond:
+            if self._latest is None or self._latest.version <= than:
+                self._cond.wait(timeout_s)
+            latest = self._latest
+            if latest is None or latest.version <= than:
+                return None
+            latest.readers += 1
+            return latest
+
+    def give_back(self, published: _Set) -> None:
+        with self._cond:
+            published.readers -= 1
+
+    # ---- nodes --------------------------------------------------------------------------------
 
     def add(self, node_id: str) -> None:
-        """A node joined (or re-joined: it gets a fresh weight group); it gets the latest weights first."""
-        if node_id in self.broadcaster.senders:
-            self.broadcaster.remove_node(node_id)
-        self.broadcaster.add_node(node_id)
-        if self.latest is not None and self.latest[0] > 0:
-            self.push(*self.latest, nodes=[node_id])
+        """A node joined (or re-joined: a fresh weight group); it is sent the newest version at once."""
+        self.remove(node_id)
+        w = self.cfg.weights
+        sender = WeightSender(
+            node_id, host=w.store_host, backend=self.backend, device=self.device, timeout_s=w.timeout_s
+        )
+        link = self.links[node_id] = _Link(self, node_id, sender)
+        link.start()
 
     def remove(self, node_id: str) -> None:
-        self.broadcaster.remove_node(node_id)
+        link = self.links.pop(node_id, None)
+        if link is not None:
+            link.stopping.set()
+            link.sender.close()
 
-    def push(
-        self, version: int, state: Mapping[str, Tensor], nodes: list[str] | None = None
-    ) -> dict[str, TransferResult]:
-        """Push `state` as `version` to the nodes (all by default); failed nodes are evicted and told."""
-        self.latest = (version, state)
-        if not self.broadcaster.nodes:
-            return {}
-        results = self.broadcaster.broadcast(state, version, self._send_layout, self.registry.wait_applied, nodes=nodes)
-        for node_id, result in results.items():
-            if not result.ok:
-                self._evict(node_id, str(result.error))
-        return results
+    def poll(self) -> list[str]:
+        """Confirmations in, deadlines checked: the nodes evicted now (told `Stop`, forgotten)."""
+        now, evicted = time.monotonic(), []
+        for node_id, link in list(self.links.items()):
+            why = self._check(link, now)
+            if why:
+                self._evict(node_id, why)
+                evicted.append(node_id)
+        return evicted
+
+    def _check(self, link: _Link, now: float) -> str:
+        while (applied := self.registry.take_applied(link.node_id)) is not None:
+            if applied.error:
+                return f"version {applied.version} failed on the node: {applied.error}"
+            link.state.applied = max(link.state.applied, applied.version)
+            link.state.last_swap_s = applied.seconds
+        if link.error is not None:
+            return str(link.error)
+        late = now - link.state.sent_at > self.cfg.weights.timeout_s
+        if link.state.sent > link.state.applied and late:
+            return (f"version {link.state.sent} was transferred {now - link.state.sent_at:.0f} s ago and is not "
+                    f"live on the node (weights.timeout_s = {self.cfg.weights.timeout_s:g})")  # fmt: skip
+        return ""
 
     def _evict(self, node_id: str, why: str) -> None:
         log.error("evicted node %s: %s", node_id, why)
-        told = self.registry.send(node_id, Stop(reason=f"evicted: {why}"))
-        try:  # forget the node only once the Stop left (or could not), or it is never sent
-            told.result(timeout=self.cfg.transport.send_timeout_s + 5.0)
-        except Exception:  # noqa: BLE001 - gone already: nothing more to tell it
-            pass
-        self.registry.forget(node_id)
+        self.evicted += 1
+        self.remove(node_id)
+        self.registry.send(node_id, Stop(reason=f"evicted: {why}"), then_forget=True)
 
-    def _send_layout(self, node_id: str, ready: WeightsReady) -> None:
-        """Deliver the layout or raise at once: a node that is gone fails its transfer now, not at the
-        rendezvous deadline."""
-        self.registry.send(node_id, ready).result(timeout=self.cfg.transport.send_timeout_s + 5.0)
+    def states(self) -> dict[str, NodeWeights]:
+        return {node_id: link.state for node_id, link in self.links.items()}
 
     def close(self) -> None:
-        for node_id in self.broadcaster.nodes:
-            self.broadcaster.remove_node(node_id)
+        for node_id in list(self.links):
+            self.remove(node_id)

@@ -132,7 +132,7 @@ def check_engine(ctx: _Context) -> list[Problem]:
         ]
     if ctx.hf_config is None:
         return []
-    from streamrl.rollout.main import resolve_device
+    from streamrl.rollout.backends import resolve_device
     from streamrl.rollout.vllm_support import support_problems
 
     device = resolve_device(cfg.run.device)

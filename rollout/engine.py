@@ -11,6 +11,8 @@ be matched by the learner at all.
 
 from __future__ import annotations
 
+import threading
+import time
 from typing import Protocol, runtime_checkable
 
 import msgspec
@@ -42,13 +44,15 @@ class GenerationEngine(Protocol):
     """What the rollout node needs from a generation backend."""
 
     policy_version: int
+    clock: EngineClock  # where its time goes (reported in heartbeats)
 
     async def generate(self, prompt_ids: list[int], n: int, max_tokens: int) -> list[Completion]:
         """`n` samples of one prompt (one group), with behavior logprobs and per-token versions."""
         ...
 
     async def update_weights(self, ready: WeightsReady) -> float:
-        """Receive and apply the weights of `ready.version`; return the seconds it took."""
+        """Receive the weights of `ready.version` while generation goes on, swap them in at the next
+        safe point, and return once they are live: the seconds from the layout to live."""
         ...
 
     async def close(self) -> None: ...
@@ -64,3 +68,44 @@ def check_sampling(cfg: RolloutConfig) -> None:
             "renormalised over the top-k/top-p tokens, neither of which is the temperature-scaled "
             "distribution the learner recomputes. Set rollout.temperature = 1.0, or top_p = 1.0 and top_k = 0"
         )
+
+
+class EngineClock:
+    """Where a generation engine's time goes: generating, paused for weight swaps, idle (the rest).
+
+    `begin`/`end` bracket work (a request for vLLM, a batch for transformers); overlapping work counts
+    once. A swap that pauses running work is counted as swap time, not generation.
+    """
+
+    def __init__(self) -> None:
+        self.started = time.monotonic()
+        self._generate_s = 0.0
+        self.swap_s = 0.0
+        self._active = 0
+        self._busy_since = 0.0
+        self._lock = threading.Lock()
+
+    def begin(self) -> None:
+        with self._lock:
+            if self._active == 0:
+                self._busy_since = time.monotonic()
+            self._active += 1
+
+    def end(self) -> None:
+        with self._lock:
+            self._active -= 1
+            if self._active == 0:
+                self._generate_s += time.monotonic() - self._busy_since
+
+    def swapped(self, seconds: float) -> None:
+        with self._lock:
+            self.swap_s += seconds
+            if self._active:  # the pause happened inside a busy stretch: not generation
+                self._generate_s -= seconds
+
+    def snapshot(self) -> tuple[float, float, float]:
+        """(generate_s, idle_s, swap_s) since the engine started."""
+        with self._lock:
+            now = time.monotonic()
+            generate = self._generate_s + (now - self._busy_since if self._active else 0.0)
+            return generate, max(0.0, now - self.started - generate - self.swap_s), self.swap_s

@@ -3,19 +3,32 @@
 Requests that wait while a batch runs are batched together (left-padded) into the next
 `generate` call, so several groups in flight share one forward pass per step, as vLLM's
 continuous batching would (but only at batch boundaries). On CUDA the cache is static
-(FINDINGS: 6x the dynamic cache at batch 256). Behavior logprobs are log_softmax(raw logits / T)
+(FINDINGS: 6x the dynamic cache at batch 256), and transformers compiles the decode step for the
+shapes it sees: batches are padded to a few bucketed shapes (rows to a power of two, prompts to a
+multiple of `WIDTH_STEP`, new tokens always `rollout.max_tokens`) and `warm_up` compiles them before
+the node registers, so nothing compiles mid-run. Behavior logprobs are log_softmax(raw logits / T)
 at the sampled token — the same definition as the vLLM backend (rollout/engine.py).
+
+Weights: a new version is received into staging buffers while a batch runs (`weights.Stager`, in a
+thread of its own) and swapped into the model between batches, on the generation thread itself.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import logging
 import time
 
 from streamrl.engine.config import ModelConfig, RolloutConfig
 from streamrl.engine.messages import WeightsReady
-from streamrl.rollout.engine import Completion, check_sampling
+from streamrl.engine.weights import Staged, Stager
+from streamrl.rollout.engine import Completion, EngineClock, check_sampling
+
+log = logging.getLogger("streamrl.rollout")
+
+WIDTH_STEP = 64  # prompt widths are padded to a multiple of this on CUDA
+MIN_ROWS = 16  # the smallest batch bucket on CUDA
 
 
 class _Request:
@@ -44,23 +57,29 @@ class HFEngine:
         torch.manual_seed(seed)
         self.rollout, self.device, self.max_batch = rollout, device, max_batch
         self.max_model_len = model.max_model_len
+        self.static = device.startswith("cuda")  # bucketed shapes and a compiled decode step
         self.tokenizer = load_tokenizer(model_path, model.trust_remote_code)
         self.model = load_model(model_path, model.dtype, device, model.trust_remote_code)
         self.policy_version = 0
         self.tokens_generated = 0
+        self.clock = EngineClock()
+        self.stager = Stager(device)
         self._queue: list[_Request] = []
         self._lock_and_loop: tuple[asyncio.Lock, asyncio.AbstractEventLoop] | None = None
-        # Every generate on one thread: on CUDA the static cache runs compiled CUDA graphs, whose
-        # state is thread-local (another thread fails in cudagraph_trees with an AssertionError).
+        # Every generate and every swap on one thread: on CUDA the static cache runs compiled CUDA
+        # graphs, whose state is thread-local (another thread fails in cudagraph_trees with an
+        # AssertionError); and a swap queued here runs between two batches, never during one.
         self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="hf-generate")
 
     @property
     def _lock(self) -> asyncio.Lock:
-        """One generate or weight update at a time; a lock per event loop (asyncio locks are bound to one)."""
+        """One batch at a time; a lock per event loop (asyncio locks are bound to one)."""
         loop = asyncio.get_running_loop()
         if self._lock_and_loop is None or self._lock_and_loop[1] is not loop:
             self._lock_and_loop = (asyncio.Lock(), loop)
         return self._lock_and_loop[0]
+
+    # ---- generation -------------------------------------------------------------------------
 
     async def generate(self, prompt_ids: list[int], n: int, max_tokens: int) -> list[Completion]:
         room = self.max_model_len - len(prompt_ids)
@@ -87,9 +106,10 @@ class HFEngine:
         return batch
 
     async def _run(self, batch: list[_Request]) -> None:
-        version = self.policy_version
         try:
-            results = await asyncio.get_running_loop().run_in_executor(self._thread, self._generate_batch, batch)
+            version, results = await asyncio.get_running_loop().run_in_executor(
+                self._thread, self._generate_batch, batch
+            )
         except Exception as e:  # every waiter learns why
             for request in batch:
                 request.future.set_exception(e)
@@ -100,45 +120,61 @@ class HFEngine:
                 self.tokens_generated += len(c.token_ids)
             request.future.set_result(completions)
 
-    def _generate_batch(self, batch: list[_Request]) -> list[list[Completion]]:
+    def _generate_batch(self, batch: list[_Request]) -> tuple[int, list[list[Completion]]]:
+        """(the policy version that generated it, each request's completions); on the generation thread."""
         import torch
 
         rows = [r.prompt_ids for r in batch for _ in range(r.n)]
-        input_ids, attention_mask = self._left_pad(rows)
-        max_new = max(r.max_tokens for r in batch)
-        with torch.inference_mode():
-            out = self.model.generate(
-                input_ids=input_ids,
-                attention_mask=attention_mask,
-                do_sample=True,
-                max_new_tokens=max_new,
-                temperature=self.rollout.temperature,
-                top_p=self.rollout.top_p,
-                top_k=self.rollout.top_k,
-                output_logits=True,
-                return_dict_in_generate=True,
-                pad_token_id=self.tokenizer.pad_token_id,
-                eos_token_id=self.tokenizer.eos_token_id,
-                cache_implementation="static" if self.device.startswith("cuda") else None,
-            )
-        new_tokens = out.sequences[:, input_ids.shape[1] :]  # [B, T]
-        logprobs = torch.stack(out.logits, dim=1).float().div(self.rollout.temperature).log_softmax(-1)  # [B, T, V]
-        picked = logprobs.gather(-1, new_tokens.unsqueeze(-1)).squeeze(-1)  # [B, T]
+        version, used = self.policy_version, len(rows)
+        input_ids, attention_mask = self._left_pad(self._bucket_rows(rows))
+        max_new = self.rollout.max_tokens if self.static else max(r.max_tokens for r in batch)
+        self.clock.begin()
+        try:
+            with torch.inference_mode():
+                out = self.model.generate(
+                    input_ids=input_ids,
+                    attention_mask=attention_mask,
+                    do_sample=True,
+                    max_new_tokens=max_new,
+                    temperature=self.rollout.temperature,
+                    top_p=self.rollout.top_p,
+                    top_k=self.rollout.top_k,
+                    output_logits=True,
+                    return_dict_in_generate=True,
+                    pad_token_id=self.tokenizer.pad_token_id,
+                    eos_token_id=self.tokenizer.eos_token_id,
+                    cache_implementation="static" if self.static else None,
+                )
+            new_tokens = out.sequences[:used, input_ids.shape[1] :]  # [B, T]
+            logits = torch.stack(out.logits, dim=1)[:used].float()  # [B, T, V]
+            picked = logits.div(self.rollout.temperature).log_softmax(-1).gather(-1, new_tokens.unsqueeze(-1))
+            picked = picked.squeeze(-1).tolist()  # [B, T]
+            new_tokens = new_tokens.tolist()
+        finally:
+            self.clock.end()
         results, row = [], 0
         for request in batch:
             results.append(
-                [
-                    self._completion(new_tokens[row + i].tolist(), picked[row + i].tolist(), request.max_tokens)
-                    for i in range(request.n)
-                ]
+                [self._completion(new_tokens[row + i], picked[row + i], request.max_tokens) for i in range(request.n)]
             )
             row += request.n
-        return results
+        return version, results
+
+    def _bucket_rows(self, rows: list[list[int]]) -> list[list[int]]:
+        """On CUDA, rows padded (with copies of the first, dropped afterwards) to a power of two."""
+        if not self.static:
+            return rows
+        size = MIN_ROWS
+        while size < len(rows):
+            size *= 2
+        return rows + [rows[0]] * (min(size, max(self.max_batch, len(rows))) - len(rows))
 
     def _left_pad(self, rows: list[list[int]]):
         import torch
 
         width = max(map(len, rows))
+        if self.static:
+            width = -(-width // WIDTH_STEP) * WIDTH_STEP
         pad = self.tokenizer.pad_token_id
         input_ids = torch.tensor([[pad] * (width - len(r)) + r for r in rows], device=self.device)
         attention_mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], device=self.device)
@@ -150,6 +186,20 @@ class HFEngine:
         end, finish = (head.index(eos) + 1, "stop") if eos in head else (len(head), "length")
         return Completion(token_ids=token_ids[:end], logprobs=logprobs[:end], finish_reason=finish, token_versions=[])
 
+    async def warm_up(self) -> float:
+        """Compile the decode step for the bucketed shapes before serving (CUDA); the seconds it took."""
+        if not self.static:
+            return 0.0
+        start, prompt = time.perf_counter(), [self.tokenizer.eos_token_id]
+        shapes = [(MIN_ROWS, WIDTH_STEP), (self.max_batch, 2 * WIDTH_STEP), (self.max_batch // 2, WIDTH_STEP)]
+        for rows, width in shapes:
+            batch = [_Request(prompt * width, 1, self.rollout.max_tokens) for _ in range(rows)]
+            shape_start = time.perf_counter()
+            await asyncio.get_running_loop().run_in_executor(self._thread, self._generate_batch, batch)
+            log.info("warm-up: %d rows x %d prompt tokens in %.1f s", rows, width, time.perf_counter() - shape_start)
+        self.clock = EngineClock()  # warm-up is not generation
+        return time.perf_counter() - start
+
     def score(self, prompt_ids: list[int], completion_ids: list[int]) -> list[float]:
         """log_softmax(logits / T) of each completion token given what precedes it (teacher-forced)."""
         import torch
@@ -160,15 +210,30 @@ class HFEngine:
         logprobs = logits.div(self.rollout.temperature).log_softmax(-1)
         return logprobs.gather(-1, ids[0, len(prompt_ids) :, None]).squeeze(-1).tolist()
 
+    # ---- weights ----------------------------------------------------------------------------
+
     async def update_weights(self, ready: WeightsReady) -> float:
-        """Receive `ready` into the model between batches; later batches sample with `ready.version`."""
-        from streamrl.rollout.worker_ext import apply_to_hf_model
+        """Receive `ready` into staging while batches run, then swap it in between two batches; later
+        batches sample with `ready.version`. The seconds from the layout to live."""
+        start = time.perf_counter()
+        staged = await asyncio.to_thread(self.stager.receive, ready)
+        await asyncio.get_running_loop().run_in_executor(self._thread, self._swap, staged, ready)
+        return time.perf_counter() - start
+
+    def _swap(self, staged: Staged, ready: WeightsReady) -> None:
+        from streamrl.rollout.worker_ext import swap_into_hf_model
 
         start = time.perf_counter()
-        async with self._lock:
-            await asyncio.to_thread(apply_to_hf_model, self.model, ready, self.device)
-            self.policy_version = ready.version
-        return time.perf_counter() - start
+        try:
+            swap_into_hf_model(self.model, staged, f"learner@{ready.store_host}:{ready.store_port}")
+            if self.static:
+                import torch
+
+                torch.cuda.synchronize(self.device)  # the copies are done before the next batch reads
+            self.policy_version = staged.version
+        finally:
+            self.stager.release()
+            self.clock.swapped(time.perf_counter() - start)
 
     async def close(self) -> None:
         self._thread.shutdown(wait=False)

@@ -17,6 +17,7 @@ import json
 import logging
 import os
 import pathlib
+import queue
 import signal
 import socket
 import threading
@@ -76,9 +77,12 @@ class LedgerSink:
 
 
 class ControlLoop(threading.Thread):
-    """Heartbeats to the learner out; WeightsReady and Stop in. Weights are applied on the node's
-    event loop; `first_weights` is set once a transfer was applied (a node joining past version 0
-    waits for it before generating)."""
+    """Heartbeats to the learner out; WeightsReady and Stop in. The control socket is this thread's.
+
+    A `WeightsReady` starts the update on the node's event loop and the thread goes on serving (the
+    engine keeps generating while the version is staged); the `WeightsApplied` is sent from here once
+    the version is live. `first_weights` is set once a version went live (a node joining past version
+    0 waits for it before generating)."""
 
     def __init__(self, client: ControlClient, node, loop: asyncio.AbstractEventLoop):
         super().__init__(name="control", daemon=True)
@@ -86,6 +90,7 @@ class ControlLoop(threading.Thread):
         self.stopping = threading.Event()
         self.first_weights = threading.Event()
         self.stop_reason = ""
+        self._applied: queue.Queue[WeightsApplied] = queue.Queue()
 
     def run(self) -> None:
         last_beat = 0.0
@@ -93,7 +98,8 @@ class ControlLoop(threading.Thread):
             if time.monotonic() - last_beat > HEARTBEAT_S:
                 self._beat()
                 last_beat = time.monotonic()
-            msg = self.client.recv(0.1)
+            self._confirm()
+            msg = self.client.recv(0.02)
             if isinstance(msg, WeightsReady):
                 self._apply(msg)
             elif isinstance(msg, Stop):
@@ -104,6 +110,8 @@ class ControlLoop(threading.Thread):
                 return
 
     def _beat(self) -> None:
+        clock = getattr(self.node.engine, "clock", None)
+        generate_s, idle_s, swap_s = clock.snapshot() if clock is not None else (0.0, 0.0, 0.0)
         try:
             self.client.send(
                 Heartbeat(
@@ -111,6 +119,9 @@ class ControlLoop(threading.Thread):
                     policy_version=self.node.policy_version,
                     in_flight=len(self.node.in_flight),
                     tokens_generated=self.node.stats.tokens_sent,
+                    generate_s=generate_s,
+                    idle_s=idle_s,
+                    swap_s=swap_s,
                 ),
                 timeout_s=1.0,
             )
@@ -118,20 +129,30 @@ class ControlLoop(threading.Thread):
             log.warning("heartbeat to the learner failed: %s", e)
 
     def _apply(self, ready: WeightsReady) -> None:
+        future = asyncio.run_coroutine_threadsafe(self.node.apply_weights(ready), self.loop)
+        future.add_done_callback(lambda done: self._applied.put(self._outcome(ready, done)))
+
+    def _outcome(self, ready: WeightsReady, done) -> WeightsApplied:
         error, seconds = "", 0.0
         try:
-            seconds = asyncio.run_coroutine_threadsafe(self.node.apply_weights(ready), self.loop).result()
+            seconds = done.result()
         except Exception as e:  # noqa: BLE001 - reported to the learner, which evicts the node
             error = f"{type(e).__name__}: {e}"
             log.error("weights version %d failed: %s", ready.version, error)
-        try:
-            self.client.send(
-                WeightsApplied(node_id=self.node.node_id, version=ready.version, seconds=seconds, error=error)
-            )
-        except TransportError as e:  # the learner times the transfer out and evicts; keep serving
-            log.warning("could not confirm weights version %d: %s", ready.version, e)
-        if not error:
-            self.first_weights.set()
+        return WeightsApplied(node_id=self.node.node_id, version=ready.version, seconds=seconds, error=error)
+
+    def _confirm(self) -> None:
+        while True:
+            try:
+                applied = self._applied.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                self.client.send(applied)
+            except TransportError as e:  # the learner times the version out and evicts; keep serving
+                log.warning("could not confirm weights version %d: %s", applied.version, e)
+            if not applied.error:
+                self.first_weights.set()
 
 
 class LedgerHeartbeat(threading.Thread):
@@ -220,6 +241,9 @@ async def serve(cfg: Config, learner_addr: str, node_id: str, max_groups: int | 
         check_reachable(learner_addr, cfg.transport.send_timeout_s)
         device = resolve_device(cfg.run.device)
         engine = build_engine(cfg, device)  # before registering: weights can be taken at once
+        warm_s = await engine.warm_up()  # compile before serving, so nothing compiles mid-run
+        if warm_s:
+            log.info("engine warmed up in %.1f s", warm_s)
     except BaseException:
         inputs.scorer.close()
         raise

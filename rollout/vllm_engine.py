@@ -19,12 +19,11 @@ from __future__ import annotations
 import importlib.util
 import itertools
 import logging
-import time
 import uuid
 
 from streamrl.engine.config import ModelConfig, RolloutConfig
 from streamrl.engine.messages import WeightsReady
-from streamrl.rollout.engine import Completion, check_sampling
+from streamrl.rollout.engine import Completion, EngineClock, check_sampling
 from streamrl.rollout.vllm_support import check_servable
 
 log = logging.getLogger(__name__)
@@ -101,6 +100,8 @@ class VLLMEngine:
         self.rollout, self.max_model_len = rollout, model.max_model_len
         self.policy_version = 0
         self.tokens_generated = 0
+        self.clock = EngineClock()
+        self.staging_bytes = 0
         self._ids = itertools.count()
         self._prefix = uuid.uuid4().hex[:8]
         self._engine = AsyncLLM.from_engine_args(engine_args(model_path, model, rollout, seed, device))
@@ -132,25 +133,35 @@ class VLLMEngine:
         stream = self._engine.generate(
             {"prompt_token_ids": list(prompt_ids)}, self._params(n, min(max_tokens, room)), request_id
         )
-        async for out in stream:
-            version = self.policy_version
-            for output in out.outputs:
-                samples[output.index].add(output, version)
-                self.tokens_generated += len(output.token_ids)
+        self.clock.begin()
+        try:
+            async for out in stream:
+                version = self.policy_version
+                for output in out.outputs:
+                    samples[output.index].add(output, version)
+                    self.tokens_generated += len(output.token_ids)
+        finally:
+            self.clock.end()
         return [s.build() for s in samples]
 
     async def update_weights(self, ready: WeightsReady) -> float:
-        """Receive and apply `ready` (worker_ext pauses with requests kept, loads, resets KV, resumes).
+        """Stage `ready` in the workers while generation goes on, then pause (keep requests), load,
+        reset KV and resume (worker_ext); the seconds from the layout to live.
 
         The version is bumped once that returns: a token computed in the instant between resume
         and the bump is stamped with the old version, which only overstates its staleness.
         """
-        from streamrl.rollout.worker_ext import apply_to_async_llm
+        from streamrl.rollout.worker_ext import stage_and_swap_async_llm
 
-        start = time.perf_counter()
-        await apply_to_async_llm(self._engine, ready)
+        done = await stage_and_swap_async_llm(self._engine, ready)
         self.policy_version = ready.version
-        return time.perf_counter() - start
+        self.clock.swapped(done["swap_s"])
+        self.staging_bytes = done["nbytes"]
+        return done["seconds"]
+
+    async def warm_up(self) -> float:
+        """Nothing to compile ahead (enforce_eager, or vLLM's own capture at start)."""
+        return 0.0
 
     async def close(self) -> None:
         if self._engine is not None:

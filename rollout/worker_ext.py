@@ -1,91 +1,159 @@
-"""The rollout side of the weight broadcast: into a running vLLM engine, or into a transformers model.
+"""The rollout side of the weight push: staged while the engine generates, swapped in at a safe point.
 
-vLLM: `WeightReceiverExtension` is the engine's `worker_extension_cls`; `apply_to_async_llm`
-pauses generation with in-flight requests kept, has every worker join the node's weight group and
-receive the buckets (a blocking receive that would stall the engine core's loop, hence the pause),
-loads them with `reload_weights` (a plain `model.load_weights` on the live model fails in vLLM
-0.32), resets the prefix cache, and always resumes. No `timeout=` on `collective_rpc`: a timed-out
-RPC leaves the worker blocked and kills the engine core; the group's own timeout bounds the receive.
+Both backends share `weights.Stager`: a version is received into staging buffers in a thread of
+its own while generation goes on; the engine then swaps it in where nothing is mid-computation.
+
+- vLLM: `WeightReceiverExtension` is the engine's `worker_extension_cls`. `stage_weights` starts
+  the worker's receive in a background thread and returns at once (the engine core keeps stepping);
+  `stage_and_swap_async_llm` polls `staged_status` between engine steps, then pauses generation
+  keeping the running requests, loads the staged tensors with `reload_weights` (a plain
+  `model.load_weights` on the live model fails in vLLM 0.32), resets the prefix cache and the
+  running requests' KV (every later token comes from the new weights), and always resumes.
+  No `timeout=` on `collective_rpc`: a timed-out RPC leaves the worker blocked and kills the engine
+  core; every RPC here returns at once, and the staging's own deadline bounds the receive.
+- transformers: `swap_into_hf_model` copies the staged tensors into the model's parameters in place
+  (tied ones share storage; CUDA graphs captured on those parameters stay valid).
 """
 
 from __future__ import annotations
 
+import asyncio
+import threading
 import time
 import traceback
 
 import torch
 
-from streamrl.engine import messages, weights
+from streamrl.engine import messages
 from streamrl.engine.messages import WeightsReady
-from streamrl.engine.weights import WeightTransferError
+from streamrl.engine.weights import Staged, Stager, WeightTransferError
 
 WORKER_EXTENSION = "streamrl.rollout.worker_ext.WeightReceiverExtension"
+STATUS_POLL_S = 0.005
 
 
 def _decode_ready(ready_bytes: bytes) -> WeightsReady:
     ready = messages.decode_control(ready_bytes)
     if not isinstance(ready, WeightsReady):
-        raise TypeError(f"receive_weights got a {type(ready).__name__}, expected WeightsReady")
+        raise TypeError(f"stage_weights got a {type(ready).__name__}, expected WeightsReady")
     return ready
 
 
 class WeightReceiverExtension:
     """Mixed into each vLLM worker (`worker_extension_cls=WORKER_EXTENSION`).
 
-    Worker rank r (tensor/pipeline parallel) is rank r + 1 of the node's weight group.
+    Worker rank r (tensor/pipeline parallel) is rank r + 1 of the node's weight group. Every method
+    returns a dict and never raises into the engine core.
     """
 
-    def receive_weights(self, ready_bytes: bytes) -> dict:
-        """Receive and load one `WeightsReady` (msgpack bytes); never raises into the engine core."""
-        start = time.perf_counter()
+    def _staging(self) -> dict:
+        if not hasattr(self, "_streamrl_staging"):
+            rank = 1 + int(getattr(self, "rank", 0))
+            self._streamrl_staging = {
+                "stager": Stager(self.device, rank),
+                "staged": None,
+                "error": "",
+                "lock": threading.Lock(),
+            }
+        return self._streamrl_staging
+
+    def stage_weights(self, ready_bytes: bytes) -> dict:
+        """Start receiving one `WeightsReady` (msgpack bytes) into staging buffers; returns at once."""
+        state = self._staging()
         try:
             ready = _decode_ready(ready_bytes)
-            rank = 1 + int(getattr(self, "rank", 0))
-            # every bucket in before loading: a transfer that fails half-way must leave the old weights whole
-            named = list(weights.receive(ready, self.device, rank=rank))
+        except Exception as e:  # noqa: BLE001 - reported to the caller
+            return {"started": False, "error": f"{type(e).__name__}: {e}"}
+
+        def receive():
+            try:
+                staged = state["stager"].receive(ready)
+                with state["lock"]:
+                    state["staged"], state["error"] = staged, ""
+            except Exception as e:  # noqa: BLE001 - reported by staged_status
+                with state["lock"]:
+                    state["error"] = f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=4)}"
+
+        with state["lock"]:
+            state["error"] = ""
+        threading.Thread(target=receive, name=f"stage-v{ready.version}", daemon=True).start()
+        return {"started": True, "error": ""}
+
+    def staged_status(self) -> dict:
+        state = self._staging()
+        with state["lock"]:
+            staged = state["staged"]
+            return {"version": staged.version if staged is not None else -1, "error": state["error"]}
+
+    def swap_staged(self) -> dict:
+        """Load the staged version (call it with generation paused); the staging buffers are freed."""
+        state, start = self._staging(), time.perf_counter()
+        with state["lock"]:
+            staged, state["staged"] = state["staged"], None
+        if staged is None:
+            return {"version": -1, "seconds": 0.0, "error": "nothing staged"}
+        try:
             reload = getattr(self, "reload_weights", None) or self.model_runner.reload_weights
-            reload(weights_iterator=named)
-            return {"version": ready.version, "seconds": time.perf_counter() - start, "error": ""}
-        except Exception as e:
-            detail = f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=4)}"
-            return {"version": -1, "seconds": time.perf_counter() - start, "error": detail}
+            reload(weights_iterator=staged.named)
+            return {
+                "version": staged.version,
+                "seconds": time.perf_counter() - start,
+                "error": "",
+                "nbytes": staged.nbytes,
+            }
+        except Exception as e:  # noqa: BLE001 - reported to the node, which tells the learner
+            return {"version": -1, "seconds": 0.0, "error": f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=4)}"}
+        finally:
+            state["stager"].release()
+
+    def discard_staged(self) -> dict:
+        """Free the staging buffers without loading (another worker failed: the version is given up)."""
+        state = self._staging()
+        with state["lock"]:
+            had, state["staged"] = state["staged"] is not None, None
+        if had:
+            state["stager"].release()
+        return {"discarded": had}
 
 
-async def apply_to_async_llm(engine, ready: WeightsReady) -> dict:
-    """Pause (keep requests) -> every worker receives and loads -> reset prefix cache -> resume.
-
-    Returns `{"version", "seconds"}`; raises `WeightTransferError` when a worker failed (after
-    resuming: the engine keeps generating with the weights it had).
-    """
-    start = time.perf_counter()
+async def stage_and_swap_async_llm(engine, ready: WeightsReady) -> dict:
+    """Stage in every worker (generation goes on), then pause (keep requests) → load → reset KV →
+    resume. Returns `{"version", "seconds", "swap_s", "nbytes"}`; raises `WeightTransferError` when a
+    worker failed (the engine keeps generating with the weights it had)."""
+    peer, start = f"learner@{ready.store_host}:{ready.store_port}", time.perf_counter()
+    started = await engine.collective_rpc("stage_weights", args=(messages.encode(ready),))
+    errors = [r["error"] for r in started if r.get("error")]
+    deadline = time.monotonic() + ready.timeout_s + 5.0
+    while not errors:
+        statuses = await engine.collective_rpc("staged_status")
+        errors = [s["error"] for s in statuses if s.get("error")]
+        if all(s["version"] == ready.version for s in statuses):
+            break
+        if time.monotonic() > deadline:
+            errors = [f"version {ready.version} not staged within {ready.timeout_s:g} s"]
+        await asyncio.sleep(STATUS_POLL_S)
+    if errors:
+        await engine.collective_rpc("discard_staged")  # workers that did stage free their buffers
+        raise WeightTransferError(peer, "staging", f"{len(errors)} worker(s) failed: {errors[0]}")
+    paused = time.perf_counter()
     await engine.pause_generation(mode="keep")
     try:
-        results = await engine.collective_rpc("receive_weights", args=(messages.encode(ready),))
+        results = await engine.collective_rpc("swap_staged")
         errors = [r["error"] for r in results if r.get("error")]
         if errors:
-            raise WeightTransferError(
-                f"learner@{ready.store_host}:{ready.store_port}",
-                "apply",
-                f"{len(errors)}/{len(results)} worker(s) failed: {errors[0]}",
-            )
-        versions = {r["version"] for r in results}
-        if versions != {ready.version}:
-            raise WeightTransferError(
-                f"learner@{ready.store_host}:{ready.store_port}",
-                "apply",
-                f"workers loaded versions {sorted(versions)}, expected {ready.version}",
-            )
+            raise WeightTransferError(peer, "apply", f"{len(errors)}/{len(results)} worker(s) failed: {errors[0]}")
         await engine.reset_prefix_cache(reset_running_requests=True)
     finally:
         await engine.resume_generation()
-    return {"version": ready.version, "seconds": time.perf_counter() - start}
+    done = time.perf_counter()
+    return {"version": ready.version, "seconds": done - start, "swap_s": done - paused,
+            "nbytes": sum(r.get("nbytes", 0) for r in results)}  # fmt: skip
 
 
-def apply_to_hf_model(model: torch.nn.Module, ready: WeightsReady, device: torch.device | str) -> None:
-    """Receive into a transformers model's parameters and buffers in place (tied ones share storage)."""
-    targets, peer = model.state_dict(), f"learner@{ready.store_host}:{ready.store_port}"
-    received = list(weights.receive(ready, device))  # all of it first: a failed transfer changes nothing
-    for name, tensor in received:
+def swap_into_hf_model(model: torch.nn.Module, staged: Staged, peer: str = "learner") -> None:
+    """Copy staged tensors into a transformers model's parameters and buffers, in place."""
+    targets = model.state_dict()
+    for name, tensor in staged.named:
         target = targets.get(name)
         if target is None:
             raise WeightTransferError(peer, "apply", f"tensor {name!r} is not in the model (same architecture?)")
@@ -94,4 +162,15 @@ def apply_to_hf_model(model: torch.nn.Module, ready: WeightsReady, device: torch
                 peer, "apply", f"tensor {name!r} is {list(tensor.shape)}, the model has {list(target.shape)}"
             )
     with torch.no_grad():
-        torch._foreach_copy_([targets[name] for name, _ in received], [tensor for _, tensor in received])
+        torch._foreach_copy_([targets[name] for name, _ in staged.named], [tensor for _, tensor in staged.named])
+
+
+def apply_to_hf_model(model: torch.nn.Module, ready: WeightsReady, device: torch.device | str) -> None:
+    """Receive and apply in one blocking call (no generation to overlap with): a failed transfer
+    changes nothing."""
+    stager = Stager(device)
+    staged = stager.receive(ready)
+    try:
+        swap_into_hf_model(model, staged, f"learner@{ready.store_host}:{ready.store_port}")
+    finally:
+        stager.release()

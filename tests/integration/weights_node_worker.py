@@ -61,12 +61,12 @@ class Node:
         return final
 
     async def weights(self, req: dict) -> dict:
-        from streamrl.rollout.worker_ext import apply_to_async_llm
+        from streamrl.rollout.worker_ext import stage_and_swap_async_llm
 
         ready = messages.decode_control(req["ready"])
         start = time.perf_counter()
         try:
-            await apply_to_async_llm(self.engine, ready)
+            await stage_and_swap_async_llm(self.engine, ready)
             self.version = ready.version
             self.tokens_at_apply = len(self.long_tokens)
             reply = WeightsApplied(node_id=self.node_id, version=self.version, seconds=time.perf_counter() - start)

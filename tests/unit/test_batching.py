@@ -113,3 +113,11 @@ def test_pack_for_ranks_packs_each_share():
     assert sorted(ids[0] + ids[1]) == [f"s{i}" for i in range(6)] and set(ids[0]).isdisjoint(ids[1])
     positions = [sum(mb.num_tokens for mb in mbs) for mbs in per_rank]
     assert abs(positions[0] - positions[1]) <= max(2 * i + 2 for i in range(6))
+
+
+def test_pad_multiple_pads_each_micro_batch_to_a_bucket_not_the_budget():
+    # A costs 3 + 2 - 1 = 4 positions, B costs 1 + 3 - 1 = 3: one bin of 7, padded up to 8 (a multiple of 4)
+    (mb,) = pack([A, B], [1.0, 1.0], token_budget=64, pad_multiple=4)
+    assert mb.num_tokens == 8 and mb.loss_tokens == 5 and mb.loss_mask[7].item() is False
+    (full,) = pack([A, B], [1.0, 1.0], token_budget=64, pad_to_budget=True)
+    assert full.num_tokens == 64

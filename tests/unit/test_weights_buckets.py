@@ -4,16 +4,12 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import threading
-import time
 
 import pytest
 import torch
 
 from streamrl.engine import messages, weights
-from streamrl.engine.config import WeightsConfig
-from streamrl.engine.messages import WeightsApplied
-from streamrl.engine.weights import WeightBroadcaster, WeightSender, WeightTransferError, plan_buckets
+from streamrl.engine.weights import WeightSender, WeightTransferError, plan_buckets
 
 
 def _layout(buckets):
@@ -139,58 +135,3 @@ def test_rendezvous_timeout_names_node_and_next_prepare_rebuilds():
         sender.send({"w": torch.ones(4)}, ready)
     assert info.value.node_id == "ghost" and info.value.phase == "rendezvous"
     assert sender.prepare(4, ready.buckets).group_prefix != ready.group_prefix
-
-
-class _ThreadNodes:
-    """In-process nodes: each `send_control` starts a receiving thread, as a rollout node would."""
-
-    def __init__(self, silent=(), report_version=None):
-        self.silent, self.report_version = set(silent), report_version
-        self.received: dict[str, dict[str, torch.Tensor]] = {}
-        self.replies: dict[str, WeightsApplied] = {}
-        self.done: dict[str, threading.Event] = {}
-
-    def send_control(self, node_id, ready):
-        self.done[node_id] = threading.Event()
-        if node_id not in self.silent:
-            threading.Thread(target=self._receive, args=(node_id, ready), daemon=True).start()
-
-    def _receive(self, node_id, ready):
-        got = {k: v.clone() for k, v in weights.receive(ready, "cpu")}
-        self.received[node_id] = got
-        version = ready.version if self.report_version is None else self.report_version
-        self.replies[node_id] = WeightsApplied(node_id=node_id, version=version, seconds=0.0)
-        self.done[node_id].set()
-
-    def wait_applied(self, node_id, timeout_s):
-        if not self.done[node_id].wait(timeout_s):
-            raise TimeoutError(f"{node_id} sent nothing")
-        return self.replies[node_id]
-
-
-def test_broadcaster_evicts_silent_node_and_serves_the_rest():
-    broadcaster = WeightBroadcaster(WeightsConfig(backend="gloo", bucket_mb=0.001, timeout_s=2.0))
-    for node in ("n1", "n2", "dead"):
-        broadcaster.add_node(node)
-    nodes, state = _ThreadNodes(silent={"dead"}), _planted_state()
-    start = time.monotonic()
-    results = broadcaster.broadcast(state, 5, nodes.send_control, nodes.wait_applied)
-    assert time.monotonic() - start < 30  # the dead node costs its phase deadline, not forever
-    assert results["n1"].ok and results["n2"].ok and not results["dead"].ok
-    assert results["dead"].error.phase == "rendezvous" and "'dead'" in str(results["dead"].error)
-    assert broadcaster.applied == {"n1": 5, "n2": 5}
-    assert broadcaster.nodes == ["n1", "n2"] and "dead" in broadcaster.evicted
-    assert torch.equal(nodes.received["n2"]["embed"], state["embed"])
-    # the next version goes to the survivors only, over their kept groups
-    results = broadcaster.broadcast({k: v + 1 for k, v in state.items()}, 6, nodes.send_control, nodes.wait_applied)
-    assert set(results) == {"n1", "n2"} and broadcaster.applied == {"n1": 6, "n2": 6}
-    assert torch.equal(nodes.received["n1"]["ids"], state["ids"] + 1)
-
-
-def test_broadcaster_version_mismatch_is_loud():
-    broadcaster = WeightBroadcaster(WeightsConfig(backend="gloo", timeout_s=5.0))
-    broadcaster.add_node("liar")
-    nodes = _ThreadNodes(report_version=41)
-    with pytest.raises(weights.WeightVersionError, match="version 7.*liar applied 41"):
-        broadcaster.broadcast({"w": torch.ones(3)}, 7, nodes.send_control, nodes.wait_applied)
-    assert "liar" not in broadcaster.applied and "liar" in broadcaster.evicted

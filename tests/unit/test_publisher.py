@@ -1,0 +1,136 @@
+"""The learner's weight publisher over real gloo groups: nodes as threads with real `Stager`s.
+
+What it promises: `publish` holds the learner for the packing alone, whatever the nodes do; every
+node gets the newest version, in order, bit-exact; a node that never receives, or never confirms a
+version live, is evicted once, after one deadline, while the others keep receiving.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import queue
+import threading
+import time
+
+import torch
+
+from streamrl.engine.config import build
+from streamrl.engine.messages import Stop, WeightsApplied, WeightsReady
+from streamrl.engine.weights import Stager
+from streamrl.learner.publisher import Publisher
+
+TIMEOUT_S = 2.0
+
+
+class _Nodes:
+    """The publisher's control channel (the `NodeRegistry` seam), each node a thread on a real gloo group.
+
+    Behaviours: "ok" receives, swaps, confirms; "silent" never joins its group; "stuck" receives but
+    never confirms the version live; "slow" waits `slow_s` before each receive (a busy engine)."""
+
+    def __init__(self, behaviours: dict[str, str], slow_s: float = 0.0):
+        self.behaviours, self.slow_s = behaviours, slow_s
+        self.applied: dict[str, queue.Queue] = {n: queue.Queue() for n in behaviours}
+        self.live: dict[str, list[tuple[int, dict]]] = {n: [] for n in behaviours}
+        self.stopped: list[str] = []
+        self.forgotten: list[str] = []
+        self.stagers = {n: Stager("cpu") for n in behaviours}
+
+    def send(self, node_id, msg, then_forget=False):
+        done = concurrent.futures.Future()
+        if isinstance(msg, WeightsReady) and self.behaviours[node_id] != "silent":
+            threading.Thread(target=self._node, args=(node_id, msg), daemon=True).start()
+        elif isinstance(msg, Stop):
+            self.stopped.append(node_id)
+        if then_forget:
+            self.forgotten.append(node_id)
+        done.set_result(None)
+        return done
+
+    def _node(self, node_id: str, ready: WeightsReady) -> None:
+        if self.behaviours[node_id] == "slow":
+            time.sleep(self.slow_s)
+        staged = self.stagers[node_id].receive(ready)
+        self.live[node_id].append((staged.version, {k: v.clone() for k, v in staged.named}))
+        self.stagers[node_id].release()
+        if self.behaviours[node_id] != "stuck":
+            self.applied[node_id].put(WeightsApplied(node_id=node_id, version=ready.version, seconds=0.01))
+
+    def take_applied(self, node_id):
+        try:
+            return self.applied[node_id].get_nowait()
+        except queue.Empty:
+            return None
+
+
+def _publisher(nodes: _Nodes) -> Publisher:
+    cfg = build({}, ["weights.backend='gloo'", "weights.bucket_mb=0.01", f"weights.timeout_s={TIMEOUT_S}"])
+    publisher = Publisher(cfg, nodes, torch.device("cpu"))
+    for node_id in nodes.behaviours:
+        publisher.add(node_id)
+    return publisher
+
+
+def _weights(version: int) -> dict[str, torch.Tensor]:
+    embed = torch.arange(4000, dtype=torch.float32).reshape(200, 20) * version
+    return {"embed": embed, "norm": torch.full((20,), float(version)), "head": embed}  # tied
+
+
+def _poll_until(publisher: Publisher, cond, timeout_s: float) -> list[str]:
+    evicted, deadline = [], time.monotonic() + timeout_s
+    while not cond() and time.monotonic() < deadline:
+        evicted += publisher.poll()
+        time.sleep(0.02)
+    return evicted + publisher.poll()
+
+
+def test_publish_holds_only_for_packing_and_a_silent_node_is_evicted_after_one_deadline():
+    nodes = _Nodes({"a": "ok", "b": "ok", "dead": "silent"})
+    publisher = _publisher(nodes)
+    try:
+        held = publisher.publish(1, _weights(1))
+        assert held < 0.5  # packing 32 KB; the dead node's deadline is not the learner's
+        start = time.monotonic()
+        evicted = _poll_until(publisher, lambda: "dead" not in publisher.links, TIMEOUT_S + 10)
+        waited = time.monotonic() - start
+        assert evicted == ["dead"] and nodes.stopped == ["dead"] and nodes.forgotten == ["dead"]
+        assert TIMEOUT_S * 0.8 < waited < TIMEOUT_S + 8  # one deadline, not one per phase or bucket
+        assert publisher.publish(2, _weights(2)) < 0.5  # the survivors carry on
+        _poll_until(publisher, lambda: all(s.applied == 2 for s in publisher.states().values()), 10)
+        assert {n: s.applied for n, s in publisher.states().items()} == {"a": 2, "b": 2}
+        assert publisher.evicted == 1
+        for node in ("a", "b"):
+            version, got = nodes.live[node][-1]
+            assert version == 2 and got.keys() == {"embed", "norm", "head"}
+            assert torch.equal(got["embed"], _weights(2)["embed"]) and torch.equal(got["head"], got["embed"])
+    finally:
+        publisher.close()
+
+
+def test_a_busy_node_gets_the_newest_version_in_order_and_never_delays_publish():
+    nodes = _Nodes({"busy": "slow"}, slow_s=0.5)
+    publisher = _publisher(nodes)
+    try:
+        holds = []
+        for version in range(1, 6):  # five versions while the node takes 0.5 s per receive
+            holds.append(publisher.publish(version, _weights(version)))
+            time.sleep(0.1)
+        assert max(holds) < 0.5
+        _poll_until(publisher, lambda: publisher.states()["busy"].applied == 5, 15)
+        versions = [v for v, _ in nodes.live["busy"]]
+        assert versions[-1] == 5 and versions == sorted(versions) and len(versions) < 5  # skipped to the newest
+        assert torch.equal(nodes.live["busy"][-1][1]["norm"], torch.full((20,), 5.0))
+    finally:
+        publisher.close()
+
+
+def test_a_node_that_never_confirms_a_version_live_is_evicted_after_one_deadline():
+    nodes = _Nodes({"ok": "ok", "stuck": "stuck"})
+    publisher = _publisher(nodes)
+    try:
+        publisher.publish(1, _weights(1))
+        evicted = _poll_until(publisher, lambda: "stuck" not in publisher.links, TIMEOUT_S + 10)
+        assert evicted == ["stuck"] and nodes.live["stuck"][0][0] == 1  # it did receive; it never went live
+        assert publisher.states()["ok"].applied == 1
+    finally:
+        publisher.close()
