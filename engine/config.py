@@ -181,14 +181,11 @@ class RewardConfig(_Section):
 class LossConfig(_Section):
     """The small config the pure loss functions see (learner/losses.py; formulas in docs/ALGORITHMS.md).
 
-    The default off-policy correction is sequence-level masked importance sampling with a cap of 3:
-    each sequence is weighted by pi_prox(y) / mu(y) (the product of its token ratios), and a sequence
-    whose weight exceeds 3 is left out of the policy loss. That is TRL GRPOTrainer's default
-    (`vllm_importance_sampling_mode = "sequence_mask"`, `vllm_importance_sampling_clip_max = 3.0`);
-    verl's `rollout_is` defaults to the sequence level too (truncated at 2), and prime-rl masks by
-    default. Bounded, so a stale or mismatched sample can never scale a gradient without limit; at the
-    sequence level, because the reward is one per sequence and only the sequence's ratio weights it
-    without bias (a per-token weight is a biased shortcut).
+    The default correction is bounded: sequence-level masked importance sampling, cap 3. A sequence is
+    weighted by pi_prox(y) / mu(y) and left out of the policy loss when that exceeds 3, as TRL's
+    GRPOTrainer does by default (`vllm_importance_sampling_mode = "sequence_mask"`, `clip_max = 3.0`;
+    verl's RolloutCorrectionConfig class defaults to the sequence level too, prime-rl masks by default).
+    Sequence level, because the reward is one per sequence and only its ratio weights it without bias.
     """
 
     clip_low: Annotated[float, _doc("Ratio lower clip 1 - clip_low.", ge=0.0, lt=1.0)] = 0.2
