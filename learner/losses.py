@@ -10,13 +10,14 @@ gradient (the clip can only act from a step's second update on).
 `importance` picks how mu enters, through w = pi_prox / mu (never differentiated), at the level
 `importance_level` (token: one w per token; sequence: w = exp(sum of the sequence's token
 log-ratios) = pi_prox(y) / mu(y), one w for all its tokens):
-- masked (MIS, the default at sequence level): clip pi_theta / pi_prox, multiply by w; tokens or
-  sequences whose w leaves [is_low, is_high] get no policy loss;
-- truncated (TIS): as masked, with w clamped to [is_low, is_high] instead;
+- truncated (TIS, the default, per token with cap 3): clip pi_theta / pi_prox, multiply by w
+  clamped to [is_low, is_high];
+- masked (MIS): as truncated, but tokens or sequences whose w leaves [is_low, is_high] get no
+  policy loss instead;
 - decoupled (AReaL's decoupled PPO): w unbounded but for the log-ratio clamp;
 - none: classic PPO that treats mu as the old policy: clip pi_theta / mu, no weight.
-Why the default is sequence-level masking with cap 3: see `LossConfig`; docs/ALGORITHMS.md has the
-formulas and the verl/TRL names.
+Why the default is token-level truncation: see `LossConfig`; docs/ALGORITHMS.md has the formulas,
+the verl/TRL names and the measurement behind the choice.
 
 `ratio_level = "sequence"` is GSPO: the PPO ratio of every token of a sequence is the geometric mean
 of the sequence's token ratios, so the clip acts per sequence. In value exp(mean log-ratio); in

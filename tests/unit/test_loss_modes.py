@@ -24,9 +24,9 @@ def means(stats):
     return summarize({k: v.item() for k, v in stats.items()})
 
 
-def test_default_correction_is_bounded_sequence_masking():
+def test_default_correction_is_bounded_token_truncation():
     c = LossConfig()
-    assert (c.importance, c.importance_level, c.is_low, c.is_high) == ("masked", "sequence", 0.0, 3.0)
+    assert (c.importance, c.importance_level, c.is_low, c.is_high) == ("truncated", "token", 0.0, 3.0)
     assert (c.ratio_level, c.log_ratio_clamp, c.kl_estimator, c.entropy_coef) == ("token", 20.0, "k3", 0.0)
 
 
@@ -151,7 +151,8 @@ SEQ_TOKEN_W = [1.5, 1.5, 0.5, 0.8, 4.0]
 def seq_is(**kw):
     lp = leaf([-1.0] * 5)
     mu = const([-1.0 - math.log(w) for w in SEQ_TOKEN_W])
-    loss, stats = policy_loss(lp, mu, const([1.0] * 5), torch.ones(5, dtype=torch.bool), LossConfig(**kw), seq_ids=SEQ)
+    cfg = LossConfig(**{"importance_level": "sequence", **kw})
+    loss, stats = policy_loss(lp, mu, const([1.0] * 5), torch.ones(5, dtype=torch.bool), cfg, seq_ids=SEQ)
     loss.backward()
     return loss.item(), lp.grad.tolist(), means(stats)
 
@@ -163,12 +164,14 @@ def seq_is(**kw):
         ({"importance": "truncated"}, -1.66, [2.25, 2.25, 0.4, 0.4, 3.0], 0),
         # lower bound 0.5 lifts sequence 1: -(4.5 + 1.0 + 3) / 5 = -1.7
         ({"importance": "truncated", "is_low": 0.5}, -1.7, [2.25, 2.25, 0.5, 0.5, 3.0], 0),
-        # the default: sequence 2 (w = 4 > 3) masked: -(4.5 + 0.8) / 5 = -1.06
-        ({}, -1.06, [2.25, 2.25, 0.4, 0.4, 0.0], 1),
+        # masked [0, 3] (TRL's default): sequence 2 (w = 4 > 3) masked: -(4.5 + 0.8) / 5 = -1.06
+        ({"importance": "masked"}, -1.06, [2.25, 2.25, 0.4, 0.4, 0.0], 1),
         # [0.5, 3]: sequences 1 (0.4) and 2 (4) masked: -4.5 / 5 = -0.9
         ({"importance": "masked", "is_low": 0.5}, -0.9, [2.25, 2.25, 0.0, 0.0, 0.0], 3),
         # the same band per token keeps 0.5 (>= low) and drops only 4: -(1.5 + 1.5 + 0.5 + 0.8) / 5 = -0.86
         ({"importance": "masked", "is_low": 0.5, "importance_level": "token"}, -0.86, [1.5, 1.5, 0.5, 0.8, 0.0], 1),
+        # the default, token truncation at 3: w = [1.5, 1.5, 0.5, 0.8, 3]: -(3 + 0.5 + 0.8 + 3) / 5 = -1.46
+        ({"importance": "truncated", "importance_level": "token"}, -1.46, [1.5, 1.5, 0.5, 0.8, 3.0], 0),
     ],
 )
 def test_sequence_level_importance(kw, expected_loss, expected_w, masked):
@@ -203,12 +206,19 @@ def test_log_ratio_clamp_keeps_an_extreme_token_finite():
     assert loss.item() == pytest.approx(-4.85165e8, rel=1e-5) and math.isfinite(lp.grad.item())
 
 
-def test_default_masks_a_sequence_with_an_extreme_importance_log_ratio():
-    # prox - mu = 100: w = e^100 > 3, so the (default) sequence-level mask drops it, in fp32 with finite stats
+def test_bounded_modes_tame_an_extreme_importance_log_ratio():
+    # prox - mu = 100 in fp32: the default caps w = e^100 at 3; sequence masking drops the sequence
     lp, mu, mask = torch.tensor([-1.0], requires_grad=True), torch.tensor([-101.0]), torch.ones(1, dtype=torch.bool)
     loss, stats = policy_loss(lp, mu, torch.tensor([1.0]), mask, LossConfig())
+    loss.backward()
+    # ratio 1, A = 1: -3 x 1, gradient -w r A = -3
+    assert loss.item() == pytest.approx(-3.0) and lp.grad.item() == pytest.approx(-3.0)
+    assert all(math.isfinite(v.item()) for v in stats.values())
+    loss, stats = policy_loss(
+        lp, mu, torch.tensor([1.0]), mask, LossConfig(importance="masked", importance_level="sequence")
+    )
     assert loss.item() == 0.0 and means(stats)["is_masked_fraction"] == 1.0
-    assert all(math.isfinite(v.item()) for k, v in stats.items() if k != "is_weight_min" and k != "is_weight_max")
+    assert all(math.isfinite(v.item()) for k, v in stats.items() if k not in ("is_weight_min", "is_weight_max"))
 
 
 @pytest.mark.parametrize(
@@ -262,7 +272,8 @@ def test_entropy_bonus_without_a_differentiable_entropy_is_a_named_error():
     "kw",
     [
         {},
-        {"importance": "truncated", "is_low": 0.5, "is_high": 1.5},
+        {"importance": "masked", "importance_level": "sequence"},
+        {"importance": "truncated", "importance_level": "sequence", "is_low": 0.5, "is_high": 1.5},
         {"ratio_level": "sequence", "aggregation": "sequence"},
         {"kl_coef": 0.1, "kl_estimator": "k2", "entropy_coef": 0.01, "aggregation": "constant"},
     ],
@@ -306,7 +317,7 @@ def test_sequence_modes_split_with_global_normaliser_equal_whole(kw):
         ("loss.is_high=0", ["`loss.is_high` = 0", "> 0.0"]),
         ("loss.log_ratio_clamp=100", ["`loss.log_ratio_clamp` = 100", "<= 80.0"]),
         ("loss.entropy_coef=-1", ["`loss.entropy_coef` = -1", ">= 0.0"]),
-        ("loss.importance_level='batch'", ["`loss.importance_level` = 'batch'", "'sequence', 'token'"]),
+        ("loss.importance_level='batch'", ["`loss.importance_level` = 'batch'", "'token', 'sequence'"]),
         ("loss.ratio_level='word'", ["`loss.ratio_level` = 'word'", "'token', 'sequence'"]),
     ],
 )
