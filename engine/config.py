@@ -215,12 +215,26 @@ class EnvConfig(_Section):
 
 
 class LossConfig(_Section):
-    """The small config the pure loss functions see (learner/losses.py)."""
+    """The small config the pure loss functions see (learner/losses.py; formulas in docs/ALGORITHMS.md).
 
-    kind: Annotated[Literal["ppo", "grpo"], _doc("ppo: clipped surrogate; grpo: same with group advantages.")] = "grpo"
+    The default correction is bounded, per token: truncated importance sampling, w = pi_prox / mu
+    capped at 3, as the asynchronous anchors bound it (verl's fully-async recipes: token level, cap 2;
+    AReaL's behav_imp_weight_cap; prime-rl's token mask) with TRL's cap. A per-sequence weight (TRL's
+    synchronous default) is a product over the tokens that shrinks with length x staleness: on the
+    demo at max_staleness 4 its reward stayed under 0.7 for 30 steps, where per-token truncation
+    reached 0.9 by step 23 (docs/ALGORITHMS.md, "The default, and why").
+    """
+
     clip_low: Annotated[float, _doc("Ratio lower clip 1 - clip_low.", ge=0.0, lt=1.0)] = 0.2
     clip_high: Annotated[float, _doc("Ratio upper clip 1 + clip_high (clip-higher when > clip_low).", ge=0.0)] = 0.28
     dual_clip: Annotated[float, _doc("Dual-clip bound c for negative advantages; 0 disables (else > 1).", ge=0.0)] = 0.0
+    ratio_level: Annotated[
+        Literal["token", "sequence"],
+        _doc(
+            "PPO ratio pi_theta / pi_prox per token, or per sequence (GSPO: the geometric mean of the "
+            "sequence's token ratios, clipped per sequence; wants clip_low/high near 3e-4/4e-4)."
+        ),
+    ] = "token"
     aggregation: Annotated[
         Literal["token", "sequence", "constant"],
         _doc(
@@ -230,13 +244,42 @@ class LossConfig(_Section):
     ] = "token"
     norm_constant: Annotated[float, _doc("Divisor for aggregation=constant (usually max_tokens).", gt=0.0)] = 1024.0
     importance: Annotated[
-        Literal["decoupled", "truncated", "masked", "none"],
-        _doc("Off-policy correction between behavior (rollout) and learner policy."),
-    ] = "decoupled"
-    is_cap: Annotated[float, _doc("Truncated IS: importance weights capped at this value.", gt=0.0)] = 2.0
-    is_mask_low: Annotated[float, _doc("Masked IS: tokens with weight below this are masked.", ge=0.0)] = 0.5
-    is_mask_high: Annotated[float, _doc("Masked IS: tokens with weight above this are masked.", gt=0.0)] = 2.0
-    kl_coef: Annotated[float, _doc("k3 KL penalty to a reference policy; 0 disables.", ge=0.0)] = 0.0
+        Literal["truncated", "masked", "decoupled", "none"],
+        _doc(
+            "Off-policy correction w = pi_prox / mu (mu: the rollout policy). truncated (TIS): w clamped "
+            "to [is_low, is_high]; masked (MIS): tokens or sequences whose w is outside [is_low, is_high] "
+            "get no policy loss; decoupled: w unbounded (only the log-ratio clamp); none: no w, the PPO "
+            "ratio is taken against mu."
+        ),
+    ] = "truncated"
+    importance_level: Annotated[
+        Literal["token", "sequence"],
+        _doc("w per token, or per sequence: exp of the sum of its token log-ratios, one w for all its tokens."),
+    ] = "token"
+    is_low: Annotated[
+        float, _doc("Lower bound on w: masked drops below it, truncated raises to it; 0: no lower bound.", ge=0.0)
+    ] = 0.0
+    is_high: Annotated[float, _doc("Upper bound on w: masked drops above it, truncated caps at it.", gt=0.0)] = 3.0
+    log_ratio_clamp: Annotated[
+        float,
+        _doc(
+            "Every log-ratio (importance weight, PPO ratio, KL) is clamped to +-this before exp, so an "
+            "extreme token gives a finite loss and gradient (exp(80) is still finite in fp32).",
+            gt=0.0,
+            le=80.0,
+        ),
+    ] = 20.0
+    kl_coef: Annotated[float, _doc("KL penalty to a reference policy; 0 disables.", ge=0.0)] = 0.0
+    kl_estimator: Annotated[
+        Literal["k1", "k2", "k3"],
+        _doc(
+            "Per-token estimator of KL(pi_theta || ref), r = ref / pi_theta: k1 = -log r, "
+            "k2 = (log r)^2 / 2, k3 = r - 1 - log r (unbiased, >= 0, low variance)."
+        ),
+    ] = "k3"
+    entropy_coef: Annotated[
+        float, _doc("Entropy bonus: the loss minus entropy_coef x the policy entropy of each loss token.", ge=0.0)
+    ] = 0.0
     advantage: Annotated[
         Literal["group_mean", "group_std", "leave_one_out"], _doc("Group-relative advantage estimator.")
     ] = "group_std"
@@ -244,10 +287,10 @@ class LossConfig(_Section):
     def __post_init__(self) -> None:
         if 0.0 < self.dual_clip <= 1.0:
             raise ValueError(f"loss.dual_clip = {self.dual_clip} must be > 1 (a bound c on -c*A), or 0 to disable")
-        if self.is_mask_low >= self.is_mask_high:
+        if self.is_low >= self.is_high:
             raise ValueError(
-                f"loss.is_mask_low = {self.is_mask_low} must be below loss.is_mask_high = "
-                f"{self.is_mask_high}: masked IS keeps weights inside [low, high]"
+                f"loss.is_low = {self.is_low} must be below loss.is_high = {self.is_high}: "
+                "importance weights are kept (masked) or clamped (truncated) inside [is_low, is_high]"
             )
 
 

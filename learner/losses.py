@@ -2,17 +2,35 @@
 
 Three policies meet in an asynchronous run: the behavior policy mu that sampled the tokens (the
 rollout engine's logprobs, possibly some versions old), the proximal policy pi_prox (the learner's
-weights at the start of this step) and pi_theta (the weights being trained). With one optimizer
-step per batch pi_prox is pi_theta detached, so the clip ratio is exactly 1 in value and the
-gradient is the plain policy gradient: no extra forward pass is needed for it.
+weights at the start of this step) and pi_theta (the weights being trained). The caller passes
+pi_prox as `proximal_logprobs` (computed once, without grad, before a step's first update); without
+it pi_prox is pi_theta detached, so the PPO ratio is exactly 1 and the gradient is the plain policy
+gradient (the clip can only act from a step's second update on).
 
-`importance` picks how mu enters (the weight w = pi_prox / mu, never differentiated):
-- decoupled (AReaL's decoupled PPO): clip pi_theta / pi_prox, multiply by w;
-- truncated (TIS): as decoupled with w capped at `is_cap`;
-- masked (MIS): as decoupled, tokens whose w leaves [is_mask_low, is_mask_high] get no loss;
+`importance` picks how mu enters, through w = pi_prox / mu (never differentiated), at the level
+`importance_level` (token: one w per token; sequence: w = exp(sum of the sequence's token
+log-ratios) = pi_prox(y) / mu(y), one w for all its tokens):
+- truncated (TIS, the default, per token with cap 3): clip pi_theta / pi_prox, multiply by w
+  clamped to [is_low, is_high];
+- masked (MIS): as truncated, but tokens or sequences whose w leaves [is_low, is_high] get no
+  policy loss instead;
+- decoupled (AReaL's decoupled PPO): w unbounded but for the log-ratio clamp;
 - none: classic PPO that treats mu as the old policy: clip pi_theta / mu, no weight.
+Why the default is token-level truncation: see `LossConfig`; docs/ALGORITHMS.md has the formulas,
+the verl/TRL names and the measurement behind the choice.
 
-`ppo` and `grpo` share this surrogate; they differ in where the advantages come from.
+`ratio_level = "sequence"` is GSPO: the PPO ratio of every token of a sequence is the geometric mean
+of the sequence's token ratios, so the clip acts per sequence. In value exp(mean log-ratio); in
+gradient each token's own log-prob (GSPO-token, as verl computes it), which for one advantage per
+sequence is GSPO's gradient.
+
+Every log-ratio is clamped to +-`log_ratio_clamp` before exp (as verl's 20): unclamped, a log-ratio
+of 100 is inf in fp32, which makes an infinite loss (negative advantage) or a NaN gradient (0 x inf
+through the clipped branch). Beyond the clamp the token gets no gradient; the PPO clip had already
+cut it off.
+
+The reference KL (`kl_coef`, estimator `kl_estimator`) and the entropy bonus (`entropy_coef`) are
+added per token on every loss token, masked by importance or not, as TRL and verl add theirs.
 
 Aggregation is expressed as a per-token weight and one normaliser, so that summing the loss of
 micro-batches and ranks and dividing by the *global* normaliser gives the same number however the
@@ -20,6 +38,8 @@ batch was split:
 - token: weight 1, normaliser = loss tokens;
 - sequence: weight 1 / (the sequence's loss tokens), normaliser = sequences (mean of means);
 - constant (Dr.GRPO): weight 1 / norm_constant, normaliser = sequences.
+Sequence-level quantities are summed over `seq_ids` inside one call, so a sequence must not be split
+across micro-batches (batching.py never splits one).
 
 Statistics come back as sums (and max/min) so they reduce exactly across micro-batches and ranks;
 `summarize` turns the reduced sums into means.
@@ -35,10 +55,25 @@ from torch import Tensor
 from streamrl.engine.config import LossConfig
 
 
-def k3(log_p: Tensor, log_q: Tensor) -> Tensor:
+def kl_estimate(log_p: Tensor, log_q: Tensor, estimator: str = "k3", clamp: float = 20.0) -> Tensor:
+    """Per-token estimate of KL(q || p) from samples of q, with log r = log p - log q clamped to +-clamp.
+
+    k1 = -log r (unbiased, can be negative); k2 = (log r)^2 / 2 (biased, >= 0); k3 = (r - 1) - log r
+    (unbiased, >= 0, lowest variance when p is near q). Schulman, "Approximating KL divergence" (2020).
+    """
+    log_r = (log_p - log_q).clamp(-clamp, clamp)
+    if estimator == "k1":
+        return -log_r
+    if estimator == "k2":
+        return 0.5 * log_r.square()
+    if estimator == "k3":
+        return torch.expm1(log_r) - log_r
+    raise ValueError(f"loss.kl_estimator = {estimator!r} is unknown; use k1, k2 or k3")
+
+
+def k3(log_p: Tensor, log_q: Tensor, clamp: float = 20.0) -> Tensor:
     """Per-token k3 estimate of KL(q || p) from samples of q: (p/q - 1) - log(p/q), always >= 0."""
-    log_ratio = log_p - log_q
-    return torch.expm1(log_ratio) - log_ratio
+    return kl_estimate(log_p, log_q, "k3", clamp)
 
 
 def sequence_lengths(mask: Tensor, seq_ids: Tensor | None) -> Tensor:
@@ -47,10 +82,20 @@ def sequence_lengths(mask: Tensor, seq_ids: Tensor | None) -> Tensor:
     Sized T (sequence ids < positions), zeros past the last sequence: sizing it by max(seq_ids), as
     bincount does, is a host sync per micro-batch on CUDA.
     """
+    return sequence_sums(torch.ones_like(mask, dtype=torch.float32), mask, seq_ids)
+
+
+def sequence_sums(values: Tensor, mask: Tensor, seq_ids: Tensor | None) -> Tensor:
+    """Sum of `values` over each sequence's loss tokens, indexed by sequence id (sized T; [1] if None)."""
+    masked = torch.where(mask.to(torch.bool), values, torch.zeros_like(values))
     if seq_ids is None:
-        return mask.sum().reshape(1).to(torch.float32)
-    weights = mask.to(torch.float32)
-    return torch.zeros_like(weights).scatter_add_(0, seq_ids, weights)
+        return masked.sum().reshape(1)
+    return torch.zeros_like(masked).scatter_add_(0, seq_ids, masked)
+
+
+def per_token(per_sequence: Tensor, seq_ids: Tensor | None, like: Tensor) -> Tensor:
+    """Each token's value of its sequence ([T], from `sequence_sums`-shaped `per_sequence`)."""
+    return per_sequence[seq_ids] if seq_ids is not None else per_sequence.expand_as(like)
 
 
 def token_weights(mask: Tensor, seq_ids: Tensor | None, cfg: LossConfig) -> Tensor:
@@ -60,9 +105,7 @@ def token_weights(mask: Tensor, seq_ids: Tensor | None, cfg: LossConfig) -> Tens
         return m
     if cfg.aggregation == "constant":
         return m / cfg.norm_constant
-    lengths = sequence_lengths(mask, seq_ids)
-    per_token = lengths[seq_ids] if seq_ids is not None else lengths.expand_as(m)
-    return m / per_token.clamp(min=1.0)
+    return m / per_token(sequence_lengths(mask, seq_ids), seq_ids, m).clamp(min=1.0)
 
 
 def local_normalizer(mask: Tensor, seq_ids: Tensor | None, cfg: LossConfig) -> Tensor:
@@ -72,18 +115,44 @@ def local_normalizer(mask: Tensor, seq_ids: Tensor | None, cfg: LossConfig) -> T
     return (sequence_lengths(mask, seq_ids) > 0).sum().to(torch.float32)
 
 
-def importance_weights(proximal: Tensor, behavior: Tensor, cfg: LossConfig) -> tuple[Tensor, Tensor]:
-    """(w, keep): the behavior correction per token and which tokens it keeps (masked IS drops some)."""
-    raw = torch.exp(proximal - behavior)
-    keep = torch.ones_like(raw, dtype=torch.bool)
+def importance_weights(
+    proximal: Tensor, behavior: Tensor, cfg: LossConfig, *, mask: Tensor | None = None, seq_ids: Tensor | None = None
+) -> tuple[Tensor, Tensor]:
+    """(w, keep): the behavior correction pi_prox / mu per token and which tokens it keeps (masked IS drops some).
+
+    At sequence level every token carries its sequence's w, from the log-ratios on `mask` (default:
+    every token). Bounds are compared in log space on the unclamped log-ratio, so a sequence whose
+    log-ratio is past the clamp is still masked; w itself is exp of the clamped log-ratio.
+    """
+    log_w = proximal - behavior
+    if cfg.importance_level == "sequence":
+        mask = torch.ones_like(log_w, dtype=torch.bool) if mask is None else mask
+        log_w = per_token(sequence_sums(log_w, mask, seq_ids), seq_ids, log_w)
+    keep = torch.ones_like(log_w, dtype=torch.bool)
     if cfg.importance == "none":
-        return torch.ones_like(raw), keep
+        return torch.ones_like(log_w), keep
+    low = math.log(cfg.is_low) if cfg.is_low > 0 else -math.inf
+    high = math.log(cfg.is_high)
     if cfg.importance == "truncated":
-        return raw.clamp(max=cfg.is_cap), keep
-    if cfg.importance == "masked":
-        keep = (raw >= cfg.is_mask_low) & (raw <= cfg.is_mask_high)
-        return torch.where(keep, raw, torch.zeros_like(raw)), keep
-    return raw, keep
+        log_w = log_w.clamp(low, high)
+    elif cfg.importance == "masked":
+        keep = (log_w >= low) & (log_w <= high)
+    w = torch.exp(log_w.clamp(-cfg.log_ratio_clamp, cfg.log_ratio_clamp))
+    return torch.where(keep, w, torch.zeros_like(w)), keep
+
+
+def ppo_log_ratio(logprobs: Tensor, old: Tensor, mask: Tensor, seq_ids: Tensor | None, cfg: LossConfig) -> Tensor:
+    """log(pi_theta / pi_old) per token, clamped to +-log_ratio_clamp; per sequence (GSPO) when ratio_level says so.
+
+    GSPO's value is the sequence's mean token log-ratio, its gradient each token's own log-prob:
+    log s_t = log pi_t - sg(log pi_t) + sg(mean log-ratio of the sequence).
+    """
+    log_ratio = logprobs - old
+    if cfg.ratio_level == "sequence":
+        lengths = sequence_lengths(mask, seq_ids).clamp(min=1.0)
+        mean = sequence_sums(log_ratio.detach(), mask, seq_ids) / lengths
+        log_ratio = logprobs - logprobs.detach() + per_token(mean, seq_ids, logprobs)
+    return log_ratio.clamp(-cfg.log_ratio_clamp, cfg.log_ratio_clamp)
 
 
 def clipped_surrogate(ratio: Tensor, advantages: Tensor, cfg: LossConfig) -> tuple[Tensor, Tensor]:
@@ -118,37 +187,52 @@ def policy_loss(
 
     logprobs: log pi_theta of the taken tokens (differentiable); behavior_logprobs: log mu;
     proximal_logprobs: log pi_prox (default: logprobs detached); ref_logprobs: the reference policy
-    for the k3 penalty (needed when kl_coef > 0); seq_ids: sequence index per token (for sequence
-    aggregation); normalizer: the global normaliser (default: this batch's own, see module doc);
-    same_version: tokens sampled by the weights the learner holds now, where `mismatch_kl` is measured.
+    (needed when kl_coef > 0); entropy: pi_theta's entropy per position (needed, differentiable, when
+    entropy_coef > 0; else only a statistic); seq_ids: sequence index per token (for sequence
+    aggregation, sequence-level weights and GSPO; None: all one sequence); normalizer: the global
+    normaliser (default: this batch's own, see module doc); same_version: tokens sampled by the
+    weights the learner holds now, where `mismatch_kl` is measured.
     """
-    if cfg.kl_coef > 0 and ref_logprobs is None:
-        raise ValueError(
-            "loss.kl_coef > 0 needs ref_logprobs (the reference policy's logprobs); "
-            "set loss.kl_coef = 0 to train without a reference"
-        )
+    _check_inputs(cfg, logprobs, ref_logprobs, entropy)
     mask = mask.to(torch.bool)
     proximal = logprobs.detach() if proximal_logprobs is None else proximal_logprobs.detach()
     behavior = behavior_logprobs.detach()
-    weight, keep = importance_weights(proximal, behavior, cfg)
+    weight, keep = importance_weights(proximal, behavior, cfg, mask=mask, seq_ids=seq_ids)
     old = behavior if cfg.importance == "none" else proximal
-    ratio = torch.exp(logprobs - old)
-    per_token, was_clipped = clipped_surrogate(ratio, advantages, cfg)
-    per_token = per_token * weight
+    log_ratio = ppo_log_ratio(logprobs, old, mask, seq_ids, cfg)
+    surrogate, was_clipped = clipped_surrogate(torch.exp(log_ratio), advantages, cfg)
+    # where() rather than a product: a kept-out token's surrogate never reaches the sum, not even as 0 x inf
+    loss_per_token = torch.where(keep, surrogate * weight, torch.zeros_like(surrogate))
     if cfg.kl_coef > 0:
-        ref_kl = k3(ref_logprobs.detach(), logprobs)
-        per_token = per_token + cfg.kl_coef * ref_kl
-    agg = token_weights(mask, seq_ids, cfg) * keep
+        ref_kl = kl_estimate(ref_logprobs.detach(), logprobs, cfg.kl_estimator, cfg.log_ratio_clamp)
+        loss_per_token = loss_per_token + cfg.kl_coef * ref_kl
+    if cfg.entropy_coef > 0:
+        loss_per_token = loss_per_token - cfg.entropy_coef * entropy
+    agg = token_weights(mask, seq_ids, cfg)
     if normalizer is None:
         normalizer = local_normalizer(mask, seq_ids, cfg)
-    loss = (per_token * agg).sum() / torch.as_tensor(normalizer, dtype=torch.float32).clamp(min=1.0)
-    stats = _stats(mask, keep, was_clipped, weight, old - logprobs.detach(), k3(proximal, behavior), same_version)
-    stats["loss_sum"] = (per_token.detach() * agg).sum()
+    loss = (loss_per_token * agg).sum() / torch.as_tensor(normalizer, dtype=torch.float32).clamp(min=1.0)
+    mismatch = k3(proximal, behavior, cfg.log_ratio_clamp)
+    stats = _stats(mask, keep, was_clipped, weight, old - logprobs.detach(), mismatch, same_version)
+    stats["loss_sum"] = (loss_per_token.detach() * agg).sum()
     if entropy is not None:
         stats["entropy_sum"] = (entropy.detach() * mask).sum()
     if cfg.kl_coef > 0:
         stats["ref_kl_sum"] = (ref_kl.detach() * mask).sum()
     return loss, stats
+
+
+def _check_inputs(cfg: LossConfig, logprobs: Tensor, ref_logprobs: Tensor | None, entropy: Tensor | None) -> None:
+    if cfg.kl_coef > 0 and ref_logprobs is None:
+        raise ValueError(
+            "loss.kl_coef > 0 needs ref_logprobs (the reference policy's logprobs); "
+            "set loss.kl_coef = 0 to train without a reference"
+        )
+    if cfg.entropy_coef > 0 and (entropy is None or (logprobs.requires_grad and not entropy.requires_grad)):
+        raise ValueError(
+            "loss.entropy_coef > 0 needs the policy entropy with its gradient (the forward gave "
+            f"{'none' if entropy is None else 'one without a gradient'}); set loss.entropy_coef = 0"
+        )
 
 
 def _stats(

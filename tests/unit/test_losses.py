@@ -65,7 +65,7 @@ def two_token_loss(**kw):
         torch.tensor(MU2, dtype=torch.float64),
         torch.tensor(ADV2, dtype=torch.float64),
         torch.ones(2, dtype=torch.bool),
-        cfg(**kw),
+        cfg(**{"importance_level": "token", **kw}),
     )
     loss.backward()
     return loss.item(), lp.grad.tolist(), summarize({k: v.item() for k, v in stats.items()})
@@ -82,14 +82,14 @@ def test_decoupled_weights_by_proximal_over_behavior():
 
 
 def test_truncated_importance_caps_the_weight():
-    loss, grad, _ = two_token_loss(importance="truncated", is_cap=1.1)
+    loss, grad, _ = two_token_loss(importance="truncated", is_high=1.1)
     # w = [min(1.25, 1.1), 0.8] = [1.1, 0.8]; loss = -(1.1 * 2 + 0.8) / 2 = -1.5
     assert loss == pytest.approx(-1.5)
     assert grad == pytest.approx([-1.1, -0.4])
 
 
 def test_masked_importance_drops_tokens_outside_the_band():
-    loss, grad, m = two_token_loss(importance="masked", is_mask_low=0.5, is_mask_high=1.2)
+    loss, grad, m = two_token_loss(importance="masked", is_low=0.5, is_high=1.2)
     # w = 1.25 > 1.2 -> token 0 masked; token 1: -0.8 * 1; normaliser stays 2 tokens -> -0.4
     assert loss == pytest.approx(-0.4)
     assert grad == pytest.approx([0.0, -0.4])
@@ -105,7 +105,7 @@ def test_decoupled_clips_against_proximal_not_behavior():
         mu,
         torch.tensor([1.0], dtype=torch.float64),
         torch.ones(1, dtype=torch.bool),
-        cfg(importance="decoupled"),
+        cfg(importance="decoupled", importance_level="token"),
         proximal_logprobs=prox,
     )
     # r = exp(-0.5 + 1) = 1.64872 -> clipped to 1.28; w = 1.25: loss = -1.25 * 1.28 = -1.6
@@ -207,7 +207,8 @@ def test_mismatch_kl_only_on_tokens_of_the_current_version():
 
 
 @pytest.mark.parametrize(
-    "override, field", [("loss.dual_clip=0.5", "loss.dual_clip"), ("loss.is_mask_low=3.0", "loss.is_mask_low")]
+    "override, field",
+    [("loss.dual_clip=0.5", "loss.dual_clip"), ("loss.is_low=3.0", "loss.is_low"), ("loss.is_high=0", "loss.is_high")],
 )
 def test_bad_loss_config_names_the_field(override, field):
     from streamrl.engine.config import ConfigError, build
