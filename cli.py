@@ -67,13 +67,30 @@ def make_tiny_model(
     typer.echo(f"tiny model written to {folder}")
 
 
+GpusOpt = Annotated[str, typer.Option("--gpus", help="GPUs of this host for this role, e.g. 0 or 0,1.")]
+
+
+def _use_gpus(gpus: str) -> None:
+    """Restrict this process (and what it starts) to `gpus`, before anything initialises CUDA."""
+    import os
+
+    if gpus:
+        if not all(part.strip().isdigit() for part in gpus.split(",")):
+            typer.secho(f"error: --gpus {gpus!r}: give GPU indices, e.g. 0 or 0,1", fg="red", err=True)
+            raise typer.Exit(2)
+        os.environ["CUDA_VISIBLE_DEVICES"] = gpus
+
+
 @app.command()
-def learner(config: ConfigOpt = None, overrides: SetOpt = None, resume: ResumeOpt = "") -> None:
+def learner(config: ConfigOpt = None, overrides: SetOpt = None, resume: ResumeOpt = "", gpus: GpusOpt = "") -> None:
     """Run the learner (rank 0 binds the sockets); more ranks: learner.ranks, under torchrun."""
     import os
     import sys
 
     cfg = _load(config, overrides)
+    if not gpus and cfg.learner.gpus and "CUDA_VISIBLE_DEVICES" not in os.environ:
+        gpus = ",".join(map(str, cfg.learner.gpus))  # a launcher that placed us set the variable already
+    _use_gpus(gpus)
     if cfg.learner.ranks > 1 and "RANK" not in os.environ:
         # become torchrun, which starts this same command once per rank; Ctrl-C and SIGTERM then
         # reach it (and so its workers) directly
@@ -94,10 +111,12 @@ def rollout(
     learner: Annotated[str, typer.Option(help="Learner control address tcp://HOST:PORT, or its run folder.")] = "",
     node_id: Annotated[str | None, typer.Option(help="Unique node name (default: host-pid).")] = None,
     max_groups: Annotated[int | None, typer.Option(min=1, help="Stop after starting this many groups.")] = None,
+    gpus: GpusOpt = "",
 ) -> None:
     """Run one rollout node: register with the learner, take its weights, generate until stopped."""
     from streamrl.rollout.service import main as rollout_main
 
+    _use_gpus(gpus)
     raise typer.Exit(rollout_main(_load(config, overrides), learner, node_id, max_groups))
 
 

@@ -100,6 +100,13 @@ class RolloutConfig(_Section):
     ] = 0.25
     gpu_memory_utilization: Annotated[float, _doc("vLLM's GPU memory share (CUDA only).", gt=0.0, le=1.0)] = 0.5
     enforce_eager: Annotated[bool, _doc("Skip CUDA graphs / compilation in vLLM (fast start).")] = True
+    gpus: Annotated[
+        list[int],
+        _doc("GPUs the rollout nodes of `streamrl run` take, round robin; empty: those the learner leaves free."),
+    ] = msgspec.field(default_factory=list)
+    share_learner_gpus: Annotated[
+        bool, _doc("Let rollout nodes run on the learner's GPUs (refused otherwise: the roles would compete).")
+    ] = False
 
 
 class RewardModelConfig(_Section):
@@ -303,6 +310,9 @@ class LearnerConfig(_Section):
     groups_per_step: Annotated[int, _doc("Prompt groups consumed per optimizer step.", ge=1)] = 4
     micro_batch_tokens: Annotated[int, _doc("Token budget of one packed micro-batch.", ge=16)] = 8192
     ranks: Annotated[int, _doc("Learner processes (FSDP2 ranks); >1 runs under torchrun.", ge=1)] = 1
+    gpus: Annotated[
+        list[int], _doc("GPUs of this host for the learner ranks, one per rank; empty: the first learner.ranks.")
+    ] = msgspec.field(default_factory=list)
     activation_checkpointing: Annotated[bool, _doc("Recompute activations in backward to save memory.")] = False
     compile: Annotated[
         bool | Literal["auto"],

@@ -21,8 +21,10 @@ import tempfile
 import time
 
 from streamrl.engine.config import Config, dump
+from streamrl.engine.placement import Placement, plan, visible_gpus
 from streamrl.engine.redis_server import RedisServer
 
+_UNPLANNED = Placement(learner=[], nodes=[])  # start() plans the GPUs unless plan_gpus() ran first
 STOP_GRACE_S = 45.0  # longer than a node's own grace for finishing its groups (30 s)
 
 
@@ -70,13 +72,24 @@ class Launcher:
         # of our own under the system temp dir (not the run folder), removed when the run ends.
         self.tmp = pathlib.Path(tempfile.mkdtemp(prefix="streamrl-"))
         self._next_node = 0
+        self.placement: Placement | None = _UNPLANNED
+
+    def plan_gpus(self, nodes: int) -> Placement | None:
+        """Each role's GPU (None on CPU); raises ConfigError naming the fields of a placement that cannot be."""
+        gpus = visible_gpus() if self.cfg.run.device in ("auto", "cuda") else 0
+        if gpus == 0 and self.cfg.run.device != "cuda":
+            self.placement = None
+        else:
+            self.placement = plan(self.cfg, gpus, nodes)
+        return self.placement
 
     def start(self, nodes: int, timeout_s: float = 300.0) -> None:
+        if self.placement is _UNPLANNED:
+            self.plan_gpus(nodes)
         if not self.cfg.ledger.url:
             self.redis = RedisServer(self.run_dir / "redis")
             self.cfg = _with(self.cfg, "ledger", url=self.redis.start())
         self.config_path.write_text(dump(self.cfg))
-        self.gpus = _gpu_count() if self.cfg.run.device in ("auto", "cuda") else 0
         self.learner = self._spawn("learner", self._learner_command(), self._learner_gpus())
         self.wait_for_learner(timeout_s)
         for _ in range(nodes):
@@ -96,14 +109,10 @@ class Launcher:
         self.wait_for_learner(timeout_s)
 
     def _learner_gpus(self) -> list[int] | None:
-        return list(range(min(self.cfg.learner.ranks, self.gpus))) if self.gpus else None
+        return self.placement.learner if self.placement is not None else None
 
     def _node_gpu(self, index: int) -> list[int] | None:
-        """Nodes take the GPUs the learner leaves free, round robin; with none free they share GPU 0..."""
-        if not self.gpus:
-            return None
-        free = list(range(min(self.cfg.learner.ranks, self.gpus), self.gpus)) or list(range(self.gpus))
-        return [free[index % len(free)]]
+        return [self.placement.node_gpu(index)] if self.placement is not None else None
 
     def wait_for_learner(self, timeout_s: float) -> dict:
         """The learner's addresses, once it wrote them; a clear error if it died or took too long."""
@@ -185,12 +194,6 @@ def _stop(process: subprocess.Popen, timeout_s: float) -> int | None:
             process.kill()
             process.wait(timeout=10)
     return process.returncode
-
-
-def _gpu_count() -> int:
-    import torch
-
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
 def _with(cfg: Config, section: str, **fields) -> Config:

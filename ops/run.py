@@ -9,7 +9,7 @@ import msgspec
 from rich.console import Console
 from rich.live import Live
 
-from streamrl.engine.config import Config
+from streamrl.engine.config import Config, ConfigError
 from streamrl.engine.telemetry import MetricsTail, read_metrics
 from streamrl.ops.launcher import Launcher
 from streamrl.ops.live import live_table
@@ -49,7 +49,14 @@ def run_local(
     console = console or Console()
     cfg = fresh_name(cfg, explicit_name or bool(resume))
     launcher = Launcher(cfg, resume=resume)
+    try:
+        placement = launcher.plan_gpus(nodes)
+    except ConfigError as e:
+        console.print(f"[red]error:[/] {e}")
+        return 2
     console.print(f"run [bold]{cfg.run.name}[/]: folder {launcher.run_dir}, logs in {launcher.run_dir / 'logs'}")
+    if placement is not None:
+        console.print(placement.describe(nodes))
     started, code = time.monotonic(), 1
     signal.signal(signal.SIGTERM, _interrupt)  # a SIGTERM stops the run as cleanly as Ctrl-C
     try:

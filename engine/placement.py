@@ -1,0 +1,71 @@
+"""Which GPU each role gets on one host: learner ranks and rollout nodes, explicitly, never shared unless asked.
+
+`plan(cfg, gpus, nodes)` turns `learner.gpus`, `rollout.gpus` and `rollout.share_learner_gpus` into a
+`Placement` (learner rank r -> GPU, node i -> GPU), or raises `ConfigError` naming the fields when the
+placement cannot be honoured: more ranks than GPUs, a GPU given twice, a GPU this host does not
+have, nodes left without a GPU. Empty lists mean automatic: the learner takes the first
+`learner.ranks` GPUs and nodes take the rest, round robin. `streamrl run` prints the plan at start.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from streamrl.engine.config import Config, ConfigError
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    learner: list[int]  # GPU of learner rank r
+    nodes: list[int]  # GPUs the rollout nodes take, round robin (node i -> nodes[i % len])
+
+    def node_gpu(self, index: int) -> int:
+        return self.nodes[index % len(self.nodes)]
+
+    def describe(self, nodes: int) -> str:
+        ranks = ", ".join(f"rank {r} → GPU {g}" for r, g in enumerate(self.learner))
+        rollout = ", ".join(f"node-{i} → GPU {self.node_gpu(i)}" for i in range(nodes)) or "no nodes"
+        return f"placement: learner {ranks}; {rollout}"
+
+
+def plan(cfg: Config, gpus: int, nodes: int = 1) -> Placement:
+    """The GPUs of a run on a host with `gpus` GPUs and `nodes` rollout nodes (nodes = 0: learner only)."""
+    ranks, learner, rollout = cfg.learner.ranks, list(cfg.learner.gpus), list(cfg.rollout.gpus)
+    if gpus < 1:
+        raise ConfigError("run.device = 'cuda' but this host has no CUDA device (nvidia-smi?); use run.device = 'cpu'")
+    _check_listed("learner.gpus", learner, gpus)
+    _check_listed("rollout.gpus", rollout, gpus)
+    if not learner:
+        if ranks > gpus:
+            raise ConfigError(f"learner.ranks = {ranks} but this host has {gpus} GPU(s); one rank per GPU")
+        learner = list(range(ranks))
+    elif len(learner) != ranks:
+        raise ConfigError(f"learner.gpus = {learner} lists {len(learner)} GPU(s) for learner.ranks = {ranks}; "
+                          "give one GPU per rank")  # fmt: skip
+    shared = sorted(set(learner) & set(rollout))
+    if shared and not cfg.rollout.share_learner_gpus:
+        raise ConfigError(f"GPU(s) {shared} are in both learner.gpus and rollout.gpus; give each role its own, "
+                          "or set rollout.share_learner_gpus = true")  # fmt: skip
+    if not rollout:
+        rollout = [g for g in range(gpus) if g not in learner]
+    if not rollout and nodes:
+        if not cfg.rollout.share_learner_gpus:
+            raise ConfigError(f"the learner takes every GPU of this host ({gpus}); rollout nodes have none left: "
+                              "lower learner.ranks, or set rollout.share_learner_gpus = true")  # fmt: skip
+        rollout = learner
+    return Placement(learner=learner, nodes=rollout)
+
+
+def _check_listed(field: str, listed: list[int], gpus: int) -> None:
+    if len(set(listed)) != len(listed):
+        raise ConfigError(f"{field} = {listed} gives a GPU twice; each GPU once")
+    missing = [g for g in listed if not 0 <= g < gpus]
+    if missing:
+        raise ConfigError(f"{field} = {listed}: this host has GPUs 0..{gpus - 1}, not {missing}")
+
+
+def visible_gpus() -> int:
+    """CUDA devices this process sees (0 without CUDA)."""
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0

@@ -1,0 +1,46 @@
+"""GPU placement: explicit, never two roles on one GPU unless asked, refused at start naming the fields."""
+
+import pytest
+
+from streamrl.engine.config import ConfigError, build
+from streamrl.engine.placement import plan
+
+
+def _cfg(*sets):
+    return build({}, list(sets))
+
+
+def test_automatic_split_gives_the_learner_the_first_gpus_and_nodes_the_rest():
+    p = plan(_cfg("learner.ranks=1"), gpus=2, nodes=2)
+    assert p.learner == [0] and [p.node_gpu(i) for i in range(3)] == [1, 1, 1]
+    assert p.describe(2) == "placement: learner rank 0 → GPU 0; node-0 → GPU 1, node-1 → GPU 1"
+    p = plan(_cfg("learner.ranks=2"), gpus=4, nodes=3)
+    assert p.learner == [0, 1] and [p.node_gpu(i) for i in range(3)] == [2, 3, 2]
+
+
+def test_explicit_gpus_are_honoured():
+    p = plan(_cfg("learner.ranks=2", "learner.gpus=[3, 1]", "rollout.gpus=[0]"), gpus=4, nodes=2)
+    assert p.learner == [3, 1] and p.nodes == [0]
+
+
+@pytest.mark.parametrize(
+    "sets, gpus, message",
+    [
+        (["learner.ranks=3"], 2, "learner.ranks = 3 but this host has 2 GPU"),
+        (["learner.gpus=[0, 0]"], 2, r"learner.gpus = \[0, 0\] gives a GPU twice"),
+        (["learner.gpus=[2]"], 2, r"learner.gpus = \[2\]: this host has GPUs 0..1, not \[2\]"),
+        (["learner.ranks=2", "learner.gpus=[0]"], 2, "lists 1 GPU.*learner.ranks = 2"),
+        (["rollout.gpus=[0]"], 2, r"GPU\(s\) \[0\] are in both learner.gpus and rollout.gpus.*share_learner_gpus"),
+        (["learner.ranks=2"], 2, "rollout nodes have none left.*share_learner_gpus"),
+        ([], 0, "no CUDA device"),
+    ],
+)
+def test_placements_that_cannot_be_are_refused_naming_the_fields(sets, gpus, message):
+    with pytest.raises(ConfigError, match=message):
+        plan(_cfg(*sets), gpus=gpus, nodes=1)
+
+
+def test_sharing_is_allowed_when_asked():
+    p = plan(_cfg("learner.ranks=2", "rollout.share_learner_gpus=true"), gpus=2, nodes=1)
+    assert p.learner == [0, 1] and p.nodes == [0, 1]
+    assert plan(_cfg("learner.ranks=2"), gpus=2, nodes=0).learner == [0, 1]  # learner alone: no nodes to place
