@@ -18,8 +18,15 @@ import torch
 from streamrl.engine import messages, weights
 from streamrl.engine.messages import WeightsReady
 from streamrl.engine.weights import WeightTransferError
+from streamrl.rollout import lifeline
 
 WORKER_EXTENSION = "streamrl.rollout.worker_ext.WeightReceiverExtension"
+
+# vLLM imports this module inside its engine core and workers. A forked one watches its parent
+# already (lifeline's after-fork hook); a spawned one starts its watch here. In a main process
+# (the node itself) this does nothing.
+if lifeline.watch_parent():
+    lifeline.children_die_with_me()
 
 
 def _decode_ready(ready_bytes: bytes) -> WeightsReady:
