@@ -260,6 +260,16 @@ class LedgerConfig(_Section):
         "drop"
     )
     connect_retries: Annotated[int, _doc("Connection attempts (with backoff) before failing.", ge=1)] = 5
+    retry_s: Annotated[
+        float,
+        _doc(
+            "How long a ledger call keeps retrying (with backoff) while Redis cannot be reached, "
+            "e.g. a server restarting from its append-only file; then the role stops with an error "
+            "naming the server.",
+            gt=0.0,
+            le=300.0,
+        ),
+    ] = 30.0
 
 
 class TransportConfig(_Section):

@@ -12,14 +12,25 @@ not yet received are dropped as `node_lost`, or re-admitted for another node (`o
 
 The learner's hot path costs two round trips per step, `receive()` and `commit_step()`, plus
 `reap_lost_nodes()` (one) as often as it likes to check on nodes.
+
+Redis loss: every call retries a dropped connection with backoff for `ledger.retry_s` (the server
+restarting from its append-only file), then raises `LedgerUnavailableError` naming the server.
+A retried write cannot apply twice or answer differently: each writing call carries its own id,
+under which Redis keeps its reply (ledger_scripts.exactly_once).
+
+A run's end: the learner calls `finish_run()`; from then on a sample still in flight is an error
+of the books (`check`), not a sample on its way.
 """
 
 from __future__ import annotations
 
+import functools
 import json
+import logging
 import pathlib
 import re
 import time
+import uuid
 from collections.abc import Iterable, Sequence
 from typing import Protocol
 
@@ -28,14 +39,31 @@ import redis
 
 from streamrl.engine import ledger_scripts as lua
 from streamrl.engine.config import LedgerConfig
-from streamrl.engine.redis_server import RedisServer, connect
+from streamrl.engine.redis_server import RedisServer, connect, redact
 
-DROP_REASONS = ("stale", "node_lost", "reward_error", "overlong", "duplicate", "preempted")
+log = logging.getLogger(__name__)
+
+DROP_REASONS = ("stale", "node_lost", "reward_error", "overlong", "duplicate", "preempted", "rolled_back")
 _REASON = re.compile(r"^[a-z][a-z0-9_]*$")
+_WRITERS = (
+    "TAKE_CREDIT",
+    "TRANSITION",
+    "REAP",
+    "LEAVE",
+    "CLAIM_ORPHAN",
+    "PUBLISH_VERSION",
+    "ROLL_BACK",
+    "DROP_RECEIVED",
+)
+_READERS = ("IN_FLIGHT",)
 
 
 class LedgerError(RuntimeError):
     """A ledger call the run's state does not allow (node not alive, run not set up, ...)."""
+
+
+class LedgerUnavailableError(RuntimeError):
+    """Redis did not answer within `ledger.retry_s`; the message names the server and how long it was tried."""
 
 
 def is_stale(sample_version: int, current_version: int, max_staleness: int) -> bool:
@@ -59,6 +87,9 @@ class GeneratedSample(Protocol):
     @property
     def min_version(self) -> int: ...
 
+    @property
+    def max_version(self) -> int: ...
+
 
 class Received(msgspec.Struct):
     """What `receive()` made of a batch: train `fresh`; the others are resolved already."""
@@ -67,6 +98,7 @@ class Received(msgspec.Struct):
     stale: list[str]  # dropped as stale
     reward_errors: list[str]  # dropped as reward_error (reward None)
     rejected: list[tuple[str, str]]  # (sample_id, its state): a duplicate, a late arrival, an unknown id
+    rolled_back: list[str] = []  # dropped as rolled_back: a token from a policy newer than the current one
 
 
 class Orphan(msgspec.Struct):
@@ -112,6 +144,48 @@ class Counts(msgspec.Struct):
         return errors
 
 
+class InFlight(msgspec.Struct):
+    """Who holds the samples in flight (one snapshot): `in_flight == held + received + orphaned`."""
+
+    by_node: dict[str, int] = {}  # admitted or generated samples, per node that holds them
+    alive: list[str] = []  # the nodes of `by_node` with a live heartbeat
+    received: int = 0  # taken in by the learner, not trained yet
+    orphaned: int = 0  # a lost node's, waiting for another node (on_node_lost = readmit)
+
+    @property
+    def held_by_live_nodes(self) -> int:
+        return sum(n for node, n in self.by_node.items() if node in self.alive)
+
+    @property
+    def held_by_gone_nodes(self) -> dict[str, int]:
+        return {node: n for node, n in self.by_node.items() if node not in self.alive}
+
+    @property
+    def total(self) -> int:
+        return sum(self.by_node.values()) + self.received + self.orphaned
+
+    def describe(self) -> str:
+        """E.g. `16 held by gone nodes (node-b 16), 3 by live nodes, 2 received by the learner`."""
+        gone = self.held_by_gone_nodes
+        parts = [f"{sum(gone.values())} held by gone nodes ({', '.join(f'{k} {v}' for k, v in gone.items())})"] * bool(
+            gone
+        )
+        parts += [f"{self.held_by_live_nodes} by live nodes"] * bool(self.held_by_live_nodes)
+        parts += [f"{self.received} received by the learner, never trained"] * bool(self.received)
+        parts += [f"{self.orphaned} waiting for a node to re-generate them"] * bool(self.orphaned)
+        return ", ".join(parts) or "none"
+
+
+def _retried(method):
+    """Run a ledger method (reads and idempotent writes) under `Ledger._retry`."""
+
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        return self._retry(lambda: method(self, *args, **kwargs), method.__name__)
+
+    return wrapper
+
+
 class Ledger:
     """One run's books in Redis, under the key prefix `streamrl:{run}:` (runs may share a server)."""
 
@@ -124,19 +198,55 @@ class Ledger:
         self.run = run
         self.config = config or LedgerConfig()
         self.prefix = f"streamrl:{run}:"
-        self._scripts = {
-            name: client.register_script(getattr(lua, name))
-            for name in ("TAKE_CREDIT", "TRANSITION", "REAP", "LEAVE", "CLAIM_ORPHAN", "PUBLISH_VERSION")
-        }
+        self.url = _url_of(client)
+        self._scripts = {name: client.register_script(lua.exactly_once(getattr(lua, name))) for name in _WRITERS}
+        self._scripts.update({name: client.register_script(getattr(lua, name)) for name in _READERS})
 
     def _call(self, name: str, *args):
+        keys = [self._call_id()] if name in _WRITERS else []  # one id for every retry of this call
         try:
-            return self._scripts[name](args=[self.prefix, *args])
+            return self._retry(lambda: self._scripts[name](keys=keys, args=[self.prefix, *args]), name)
         except redis.ResponseError as e:
             raise LedgerError(f"ledger of run {self.run!r}: {e}") from None
 
+    def _call_id(self) -> str:
+        return f"{self.prefix}rq:{uuid.uuid4().hex}"
+
+    def _retry(self, attempt, what: str):
+        """`attempt()`, again with doubling waits while Redis cannot be reached, for `config.retry_s`."""
+        start, wait, warned = time.monotonic(), 0.05, False
+        while True:
+            try:
+                result = attempt()
+            except redis.AuthenticationError:
+                raise
+            except (redis.ConnectionError, redis.TimeoutError) as e:
+                tried = time.monotonic() - start
+                if tried >= self.config.retry_s:
+                    raise LedgerUnavailableError(
+                        f"ledger of run {self.run!r}: Redis at {self.url} did not answer for {tried:.1f} s "
+                        f"({what}: {type(e).__name__}: {e}); the ledger stays in Redis as it was; start the "
+                        f"server again (same port and folder) and resume, or raise ledger.retry_s = "
+                        f"{self.config.retry_s:g} to wait longer"
+                    ) from None
+                if not warned:
+                    log.warning(
+                        "ledger: Redis at %s unreachable (%s); retrying for up to %g s",
+                        self.url,
+                        e,
+                        self.config.retry_s,
+                    )
+                    warned = True
+                time.sleep(min(wait, self.config.retry_s - tried))
+                wait = min(2 * wait, 2.0)
+                continue
+            if warned:
+                log.warning("ledger: Redis at %s answers again after %.1f s", self.url, time.monotonic() - start)
+            return result
+
     # ---- run and versions -------------------------------------------------------------------
 
+    @_retried
     def init_run(self, groups_per_step: int) -> int:
         """Record the credit capacity `(max_staleness + 1) * groups_per_step`; the learner calls it at start."""
         if groups_per_step < 1:
@@ -154,6 +264,7 @@ class Ledger:
             self.publish_version(0, step=0)
         return capacity
 
+    @_retried
     def capacity(self) -> int | None:
         value = self.client.hget(self.prefix + "meta", "capacity")
         return None if value is None else int(value)
@@ -163,15 +274,18 @@ class Ledger:
         record = json.dumps({"step": step, "time": time.time()})
         self._call("PUBLISH_VERSION", version, record)
 
+    @_retried
     def current_version(self) -> int:
         return int(self.client.get(self.prefix + "version") or 0)
 
+    @_retried
     def version_history(self) -> list[VersionRecord]:
         raw = self.client.hgetall(self.prefix + "versions")
         return sorted((VersionRecord(int(v), **json.loads(r)) for v, r in raw.items()), key=lambda r: r.version)
 
     # ---- nodes ------------------------------------------------------------------------------
 
+    @_retried
     def heartbeat(self, node_id: str) -> None:
         """The node is alive for another `heartbeat_ttl_s`; call it well within that period."""
         pipe = self.client.pipeline(transaction=True)
@@ -180,6 +294,7 @@ class Ledger:
         pipe.srem(self.prefix + "lost", node_id)
         pipe.execute()
 
+    @_retried
     def alive_nodes(self) -> list[str]:
         nodes = sorted(self.client.smembers(self.prefix + "nodes"))
         alive = self.client.exists(*[self.prefix + "alive:" + n for n in nodes]) if nodes else 0
@@ -197,7 +312,50 @@ class Ledger:
 
     def leave(self, node_id: str, reason: str = "preempted") -> int:
         """A node leaving cleanly: its samples not yet received are dropped with `reason`."""
+        return self.resolve_node(node_id, reason)
+
+    def resolve_node(self, node_id: str, reason: str = "node_lost") -> int:
+        """Drop, as `reason`, the samples node `node_id` holds and has not delivered (admitted or
+        generated); how many. For whoever knows the node is gone (the launcher that stopped it, the
+        learner at the end of a run) without waiting for its heartbeat to expire: the node counts
+        as lost from now on, and its samples are no longer its to deliver."""
         return self._call("LEAVE", node_id, _check_reason(reason), time.time())
+
+    # ---- a run's end and a learner's resume ---------------------------------------------------
+
+    @_retried
+    def finish_run(self) -> None:
+        """The run has ended (the learner calls it last): a sample still in flight is an error from now on."""
+        self.client.hset(self.prefix + "meta", "finished", time.time())
+
+    @_retried
+    def finished(self) -> float | None:
+        """When `finish_run` was called (time.time()), or None while the run goes on."""
+        value = self.client.hget(self.prefix + "meta", "finished")
+        return None if value is None else float(value)
+
+    def roll_back(self, from_version: int) -> int:
+        """A learner resumed from a checkpoint of policy `from_version` makes the books match it.
+
+        Samples trained by `from_version` or a later policy (the steps after the checkpoint, which
+        its weights never saw) and in-flight samples generated by a later policy become
+        `dropped:rolled_back` (trained -> dropped, their staleness out of the histogram); the
+        version is set back to `from_version` and the later versions' records are removed (the
+        rollback itself is kept, see `rollbacks()`). One atomic script; returns the samples rolled back.
+        """
+        if from_version < 0:
+            raise ValueError(f"from_version = {from_version}: must be >= 0")
+        return self._call("ROLL_BACK", from_version, time.time())
+
+    @_retried
+    def rollbacks(self) -> list[dict]:
+        """Every `roll_back`, oldest first: {"from", "to", "samples", "time"}."""
+        return [json.loads(r) for r in self.client.lrange(self.prefix + "rollbacks", 0, -1)]
+
+    def drop_received(self, reason: str = "preempted") -> int:
+        """Drop every `received` sample as `reason`; how many. A new learner calls it at start: what
+        the previous one took in and never trained will not be delivered again."""
+        return self._call("DROP_RECEIVED", _check_reason(reason), time.time())
 
     # ---- credits ----------------------------------------------------------------------------
 
@@ -219,6 +377,7 @@ class Ledger:
         out = self._call("CLAIM_ORPHAN", node_id)
         return Orphan(out[0], out[1], list(out[2:])) if out else None
 
+    @_retried
     def groups_in_flight(self) -> int:
         return int(self.client.get(self.prefix + "inflight") or 0)
 
@@ -262,12 +421,17 @@ class Ledger:
     def commit_step(self, trained_ids: Sequence[str], version: int, step: int) -> list[bool]:
         """Learner side, one round trip after an optimizer step: mark the batch trained (staleness
         measured against the version that trained it), then publish the new `version`."""
-        pipe = self.client.pipeline(transaction=False)
-        if trained_ids:
-            self._scripts["TRANSITION"](args=[self.prefix, "trained", time.time(), 1, *trained_ids], client=pipe)
-        record = json.dumps({"step": step, "time": time.time()})
-        self._scripts["PUBLISH_VERSION"](args=[self.prefix, version, record], client=pipe)
-        results = _execute(pipe, self.run)
+        record, now, keys = json.dumps({"step": step, "time": time.time()}), time.time(), self._call_id()
+
+        def attempt():
+            pipe = self.client.pipeline(transaction=False)
+            if trained_ids:
+                args = [self.prefix, "trained", now, 1, *trained_ids]
+                self._scripts["TRANSITION"](keys=[keys + ":t"], args=args, client=pipe)
+            self._scripts["PUBLISH_VERSION"](keys=[keys + ":v"], args=[self.prefix, version, record], client=pipe)
+            return _execute(pipe, self.run)
+
+        results = self._retry(attempt, "commit_step")
         return [r == 1 for r in results[0]] if trained_ids else []
 
     def drop(self, sample_ids: Sequence[str], reason: str) -> list[bool]:
@@ -278,18 +442,25 @@ class Ledger:
 
         Staleness is measured on `min_version` (the oldest policy any token came from).
         """
-        by_target: dict[str, list] = {"received": [], "dropped:stale": [], "dropped:reward_error": []}
+        by_target: dict[str, list] = {t: [] for t in _RECEIVE_TARGETS}
         for s in samples:
-            if is_stale(s.min_version, current_version, self.config.max_staleness):
+            if s.max_version > current_version:  # a policy rolled back (a learner resumed from a checkpoint)
+                by_target["dropped:rolled_back"].append(s)
+            elif is_stale(s.min_version, current_version, self.config.max_staleness):
                 by_target["dropped:stale"].append(s)
             else:
                 by_target["received" if s.reward is not None else "dropped:reward_error"].append(s)
-        pipe = self.client.pipeline(transaction=False)
-        for target, group in by_target.items():
-            if group:
-                args = [self.prefix, target, time.time(), 1, *(s.sample_id for s in group)]
-                self._scripts["TRANSITION"](args=args, client=pipe)
-        results = iter(_execute(pipe, self.run))
+        now, key = time.time(), self._call_id()
+
+        def attempt():
+            pipe = self.client.pipeline(transaction=False)
+            for target, group in by_target.items():
+                if group:
+                    args = [self.prefix, target, now, 1, *(s.sample_id for s in group)]
+                    self._scripts["TRANSITION"](keys=[f"{key}:{target}"], args=args, client=pipe)
+            return _execute(pipe, self.run)
+
+        results = iter(self._retry(attempt, "receive"))
         moved: dict[str, list] = {target: [] for target in by_target}
         rejected = []
         for target, group in by_target.items():
@@ -303,14 +474,17 @@ class Ledger:
             stale=[s.sample_id for s in moved["dropped:stale"]],
             reward_errors=[s.sample_id for s in moved["dropped:reward_error"]],
             rejected=rejected,
+            rolled_back=[s.sample_id for s in moved["dropped:rolled_back"]],
         )
 
     # ---- reading the books ------------------------------------------------------------------
 
+    @_retried
     def record(self, sample_id: str) -> dict[str, str]:
         """The sample's stored fields (empty when the ledger never saw it)."""
         return self.client.hgetall(self.prefix + "s:" + sample_id)
 
+    @_retried
     def counts(self) -> Counts:
         raw = {k: int(v) for k, v in self.client.hgetall(self.prefix + "counts").items()}
         reasons = {k.removeprefix("dropped:"): v for k, v in raw.items() if k.startswith("dropped:") and v}
@@ -318,6 +492,14 @@ class Ledger:
             **{f: raw.get(f, 0) for f in Counts.__struct_fields__ if f != "dropped_by_reason"},
             dropped_by_reason=dict(sorted(reasons.items())),
         )
+
+    @_retried
+    def in_flight(self) -> InFlight:
+        """Who holds the samples in flight, in one consistent snapshot (a read-only script)."""
+        out = self._call("IN_FLIGHT")
+        by_node = {node: int(n) for node, n in zip(out[2::3], out[4::3])}
+        alive = [node for node, up in zip(out[2::3], out[3::3]) if up]
+        return InFlight(by_node=by_node, alive=alive, received=int(out[0]), orphaned=int(out[1]))
 
     def staleness_histogram(self) -> dict[int, int]:
         """Versions between a trained sample's oldest token and the policy that trained on it -> samples."""
@@ -327,6 +509,11 @@ class Ledger:
         """Why the books do not balance (empty when they do); `deep` also recounts every record."""
         counts = self.counts()
         errors = counts.balance_errors()
+        if counts.in_flight and self.finished() is not None:
+            errors.append(
+                f"the run has finished with {counts.in_flight} samples neither trained nor dropped: "
+                f"{self.in_flight().describe()}"
+            )
         if deep:
             expected = {
                 "admitted": counts.admitted,
@@ -339,8 +526,12 @@ class Ledger:
             found = self.audit()
             if found != expected:
                 errors.append(f"sample records by state {found} != counters {expected}")
+            held = self.in_flight()
+            if held.total != counts.in_flight:
+                errors.append(f"in flight by holder {held.total} ({held.describe()}) != counters {counts.in_flight}")
         return errors
 
+    @_retried
     def audit(self) -> dict[str, int]:
         """Count every sample record's state by scanning (slow on big runs); compare with `counts()`."""
         states: dict[str, int] = {}
@@ -367,6 +558,19 @@ def open_ledger(config: LedgerConfig, run: str, run_dir: str | pathlib.Path) -> 
     except BaseException:
         server.stop()
         raise
+
+
+_RECEIVE_TARGETS = ("received", "dropped:stale", "dropped:reward_error", "dropped:rolled_back")
+
+
+def _url_of(client: redis.Redis) -> str:
+    """The client's server as a URL, password redacted (for errors: the ledger is given a client, not a URL)."""
+    kw = client.connection_pool.connection_kwargs
+    if "path" in kw:
+        return f"unix://{kw['path']}"
+    scheme = "rediss" if issubclass(client.connection_pool.connection_class, redis.SSLConnection) else "redis"
+    auth = f"{kw.get('username') or ''}:{kw['password']}@" if kw.get("password") else ""
+    return redact(f"{scheme}://{auth}{kw.get('host', 'localhost')}:{kw.get('port', 6379)}/{kw.get('db', 0)}")
 
 
 def _check_reason(reason: str) -> str:

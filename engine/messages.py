@@ -66,6 +66,11 @@ class Trajectory(_Wire):
         """The oldest policy version any token of this sample came from (what staleness is measured on)."""
         return min(self.token_versions) if self.token_versions else self.policy_version
 
+    @property
+    def max_version(self) -> int:
+        """The newest policy version any token of this sample came from."""
+        return max(self.token_versions) if self.token_versions else self.policy_version
+
 
 # ---- control channel -------------------------------------------------------------------------
 

