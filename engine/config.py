@@ -357,6 +357,16 @@ class LedgerConfig(_Section):
         "drop"
     )
     connect_retries: Annotated[int, _doc("Connection attempts (with backoff) before failing.", ge=1)] = 5
+    retry_s: Annotated[
+        float,
+        _doc(
+            "How long a ledger call keeps retrying (with backoff) while Redis cannot be reached, "
+            "e.g. a server restarting from its append-only file; then the role stops with an error "
+            "naming the server.",
+            gt=0.0,
+            le=300.0,
+        ),
+    ] = 30.0
 
 
 class TransportConfig(_Section):
@@ -368,6 +378,23 @@ class TransportConfig(_Section):
     hwm: Annotated[int, _doc("Messages queued per socket before a sender blocks (backpressure).", ge=1)] = 1000
     send_timeout_s: Annotated[float, _doc("A send blocked this long fails, naming the peer.", gt=0.0)] = 60.0
     recv_timeout_s: Annotated[float, _doc("A control reply slower than this fails, naming the peer.", gt=0.0)] = 30.0
+    max_frame_mb: Annotated[
+        float,
+        _doc(
+            "Largest message a socket accepts, in MiB (ZMQ drops the connection of a peer that sends "
+            "a bigger one before reading it); a node refuses to send one. A trajectory of 500k tokens "
+            "is about 12 MiB.",
+            gt=0.0,
+        ),
+    ] = 16.0
+    fault_log_interval_s: Annotated[
+        float,
+        _doc(
+            "Undecodable frames, duplicates and gaps are counted per sender and logged as one summary "
+            "line per sender at most this often.",
+            gt=0.0,
+        ),
+    ] = 60.0
 
 
 class WeightsConfig(_Section):

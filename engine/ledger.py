@@ -12,131 +12,67 @@ not yet received are dropped as `node_lost`, or re-admitted for another node (`o
 
 The learner's hot path costs two round trips per step, `receive()` and `commit_step()`, plus
 `reap_lost_nodes()` (one) as often as it likes to check on nodes.
+
+Redis loss: every call retries a dropped connection with backoff for `ledger.retry_s` (the server
+restarting from its append-only file), then raises `LedgerUnavailableError` naming the server.
+A retried write cannot apply twice or answer differently: each writing call carries its own id,
+under which Redis keeps its reply (ledger_scripts.exactly_once).
+
+A run's end: the learner calls `finish_run()`; from then on a sample still in flight is an error
+of the books (`check`), not a sample on its way.
 """
 
 from __future__ import annotations
 
 import json
 import pathlib
-import re
 import time
-from collections.abc import Iterable, Sequence
-from typing import Protocol
+from collections.abc import Sequence
 
-import msgspec
 import redis
 
-from streamrl.engine import ledger_scripts as lua
 from streamrl.engine.config import LedgerConfig
+from streamrl.engine.ledger_books import (
+    DROP_REASONS,
+    Counts,
+    GeneratedSample,
+    InFlight,
+    LedgerBooks,
+    LedgerError,
+    LedgerUnavailableError,
+    Orphan,
+    Received,
+    VersionRecord,
+    check_reason,
+    is_stale,
+    retried,
+    sample_ids,
+)
 from streamrl.engine.redis_server import RedisServer, connect
 
-DROP_REASONS = ("stale", "node_lost", "reward_error", "overlong", "duplicate", "preempted")
-_REASON = re.compile(r"^[a-z][a-z0-9_]*$")
+__all__ = [
+    "DROP_REASONS",
+    "Counts",
+    "GeneratedSample",
+    "InFlight",
+    "Ledger",
+    "LedgerError",
+    "LedgerUnavailableError",
+    "Orphan",
+    "Received",
+    "VersionRecord",
+    "is_stale",
+    "open_ledger",
+    "sample_ids",
+]
 
 
-class LedgerError(RuntimeError):
-    """A ledger call the run's state does not allow (node not alive, run not set up, ...)."""
+class Ledger(LedgerBooks):
+    """One run's books in Redis, read (LedgerBooks) and moved: credits, nodes, versions, every sample's fate."""
 
+    # ---- run and versions ------------------------------------------------------------------------
 
-def is_stale(sample_version: int, current_version: int, max_staleness: int) -> bool:
-    """True when the sample's policy is more than `max_staleness` versions behind the current one."""
-    return current_version - sample_version > max_staleness
-
-
-def sample_ids(group_id: str, group_size: int) -> list[str]:
-    """The ids of a group's samples, as the ledger admits them."""
-    return [f"{group_id}:{i}" for i in range(group_size)]
-
-
-class GeneratedSample(Protocol):
-    """What `mark_generated` / `receive` read from a sample (`messages.Trajectory` has it all)."""
-
-    sample_id: str
-    node_id: str
-    policy_version: int
-    reward: float | None
-
-    @property
-    def min_version(self) -> int: ...
-
-
-class Received(msgspec.Struct):
-    """What `receive()` made of a batch: train `fresh`; the others are resolved already."""
-
-    fresh: list  # the samples to train, in arrival order
-    stale: list[str]  # dropped as stale
-    reward_errors: list[str]  # dropped as reward_error (reward None)
-    rejected: list[tuple[str, str]]  # (sample_id, its state): a duplicate, a late arrival, an unknown id
-
-
-class Orphan(msgspec.Struct):
-    """A lost node's group, handed to another node to generate `sample_ids` again."""
-
-    group_id: str
-    prompt: str
-    sample_ids: list[str]
-
-
-class VersionRecord(msgspec.Struct):
-    version: int
-    step: int
-    time: float
-
-
-class Counts(msgspec.Struct):
-    """The books: `total == trained + dropped + in_flight` when they balance."""
-
-    total: int = 0
-    admitted: int = 0
-    generated: int = 0
-    received: int = 0
-    trained: int = 0
-    dropped: int = 0
-    dropped_by_reason: dict[str, int] = {}
-
-    @property
-    def in_flight(self) -> int:
-        return self.admitted + self.generated + self.received
-
-    def balance_errors(self) -> list[str]:
-        errors = []
-        if self.total != self.trained + self.dropped + self.in_flight:
-            errors.append(
-                f"total {self.total} != trained {self.trained} + dropped {self.dropped} + in flight {self.in_flight}"
-            )
-        if self.dropped != sum(self.dropped_by_reason.values()):
-            errors.append(f"dropped {self.dropped} != sum over reasons {sum(self.dropped_by_reason.values())}")
-        negative = [f for f in ("admitted", "generated", "received") if getattr(self, f) < 0]
-        if negative:
-            errors.append(f"negative counts: {', '.join(negative)}")
-        return errors
-
-
-class Ledger:
-    """One run's books in Redis, under the key prefix `streamrl:{run}:` (runs may share a server)."""
-
-    def __init__(self, client: redis.Redis, run: str, config: LedgerConfig | None = None):
-        if not run or not re.match(r"^[A-Za-z0-9_.-]+$", run):
-            raise ValueError(f"run = {run!r}: a run id is letters, digits, '_', '.', '-'")
-        if not client.get_connection_kwargs().get("decode_responses"):
-            raise ValueError("the ledger needs a client made with decode_responses=True (use redis_server.connect)")
-        self.client = client
-        self.run = run
-        self.config = config or LedgerConfig()
-        self.prefix = f"streamrl:{run}:"
-        self._scripts = {
-            name: client.register_script(getattr(lua, name))
-            for name in ("TAKE_CREDIT", "TRANSITION", "REAP", "LEAVE", "CLAIM_ORPHAN", "PUBLISH_VERSION")
-        }
-
-    def _call(self, name: str, *args):
-        try:
-            return self._scripts[name](args=[self.prefix, *args])
-        except redis.ResponseError as e:
-            raise LedgerError(f"ledger of run {self.run!r}: {e}") from None
-
-    # ---- run and versions -------------------------------------------------------------------
-
+    @retried
     def init_run(self, groups_per_step: int) -> int:
         """Record the credit capacity `(max_staleness + 1) * groups_per_step`; the learner calls it at start."""
         if groups_per_step < 1:
@@ -154,24 +90,14 @@ class Ledger:
             self.publish_version(0, step=0)
         return capacity
 
-    def capacity(self) -> int | None:
-        value = self.client.hget(self.prefix + "meta", "capacity")
-        return None if value is None else int(value)
-
     def publish_version(self, version: int, step: int) -> None:
         """The learner's new policy version (after step `step`); refuses to go backwards."""
         record = json.dumps({"step": step, "time": time.time()})
         self._call("PUBLISH_VERSION", version, record)
 
-    def current_version(self) -> int:
-        return int(self.client.get(self.prefix + "version") or 0)
+    # ---- nodes -----------------------------------------------------------------------------------
 
-    def version_history(self) -> list[VersionRecord]:
-        raw = self.client.hgetall(self.prefix + "versions")
-        return sorted((VersionRecord(int(v), **json.loads(r)) for v, r in raw.items()), key=lambda r: r.version)
-
-    # ---- nodes ------------------------------------------------------------------------------
-
+    @retried
     def heartbeat(self, node_id: str) -> None:
         """The node is alive for another `heartbeat_ttl_s`; call it well within that period."""
         pipe = self.client.pipeline(transaction=True)
@@ -180,16 +106,6 @@ class Ledger:
         pipe.srem(self.prefix + "lost", node_id)
         pipe.execute()
 
-    def alive_nodes(self) -> list[str]:
-        nodes = sorted(self.client.smembers(self.prefix + "nodes"))
-        alive = self.client.exists(*[self.prefix + "alive:" + n for n in nodes]) if nodes else 0
-        if alive == len(nodes):
-            return nodes
-        pipe = self.client.pipeline(transaction=False)
-        for node in nodes:
-            pipe.exists(self.prefix + "alive:" + node)
-        return [n for n, up in zip(nodes, pipe.execute()) if up]
-
     def reap_lost_nodes(self) -> dict[str, int]:
         """Resolve the samples of every node whose heartbeat expired (one round trip); node -> samples."""
         out = self._call("REAP", self.config.on_node_lost, time.time())
@@ -197,9 +113,41 @@ class Ledger:
 
     def leave(self, node_id: str, reason: str = "preempted") -> int:
         """A node leaving cleanly: its samples not yet received are dropped with `reason`."""
-        return self._call("LEAVE", node_id, _check_reason(reason), time.time())
+        return self.resolve_node(node_id, reason)
 
-    # ---- credits ----------------------------------------------------------------------------
+    def resolve_node(self, node_id: str, reason: str = "node_lost") -> int:
+        """Drop, as `reason`, the samples node `node_id` holds and has not delivered (admitted or
+        generated); how many. For whoever knows the node is gone (the launcher that stopped it, the
+        learner at the end of a run) without waiting for its heartbeat to expire: the node counts
+        as lost from now on, and its samples are no longer its to deliver."""
+        return self._call("LEAVE", node_id, check_reason(reason), time.time())
+
+    # ---- a run's end and a learner's resume ------------------------------------------------------
+
+    @retried
+    def finish_run(self) -> None:
+        """The run has ended (the learner calls it last): a sample still in flight is an error from now on."""
+        self.client.hset(self.prefix + "meta", "finished", time.time())
+
+    def roll_back(self, from_version: int) -> int:
+        """A learner resumed from a checkpoint of policy `from_version` makes the books match it.
+
+        Samples trained by `from_version` or a later policy (the steps after the checkpoint, which
+        its weights never saw) and in-flight samples generated by a later policy become
+        `dropped:rolled_back` (trained -> dropped, their staleness out of the histogram); the
+        version is set back to `from_version` and the later versions' records are removed (the
+        rollback itself is kept, see `rollbacks()`). One atomic script; returns the samples rolled back.
+        """
+        if from_version < 0:
+            raise ValueError(f"from_version = {from_version}: must be >= 0")
+        return self._call("ROLL_BACK", from_version, time.time())
+
+    def drop_received(self, reason: str = "preempted") -> int:
+        """Drop every `received` sample as `reason`; how many. A new learner calls it at start: what
+        the previous one took in and never trained will not be delivered again."""
+        return self._call("DROP_RECEIVED", check_reason(reason), time.time())
+
+    # ---- credits ---------------------------------------------------------------------------------
 
     def take_credit(self, node_id: str, group_id: str, group_size: int, prompt: str = "") -> list[str] | None:
         """Take a credit for a group and admit its samples; their ids, or None when no credit is free.
@@ -219,10 +167,7 @@ class Ledger:
         out = self._call("CLAIM_ORPHAN", node_id)
         return Orphan(out[0], out[1], list(out[2:])) if out else None
 
-    def groups_in_flight(self) -> int:
-        return int(self.client.get(self.prefix + "inflight") or 0)
-
-    # ---- sample transitions -----------------------------------------------------------------
+    # ---- sample transitions ----------------------------------------------------------------------
 
     def transition(self, sample_ids: Sequence[str], target: str, extra: Sequence[Sequence] = ()) -> list[str]:
         """Move samples to `target` atomically; per sample '' when moved, else the state that refused it."""
@@ -262,34 +207,46 @@ class Ledger:
     def commit_step(self, trained_ids: Sequence[str], version: int, step: int) -> list[bool]:
         """Learner side, one round trip after an optimizer step: mark the batch trained (staleness
         measured against the version that trained it), then publish the new `version`."""
-        pipe = self.client.pipeline(transaction=False)
-        if trained_ids:
-            self._scripts["TRANSITION"](args=[self.prefix, "trained", time.time(), 1, *trained_ids], client=pipe)
-        record = json.dumps({"step": step, "time": time.time()})
-        self._scripts["PUBLISH_VERSION"](args=[self.prefix, version, record], client=pipe)
-        results = _execute(pipe, self.run)
+        record, now, keys = json.dumps({"step": step, "time": time.time()}), time.time(), self._call_id()
+
+        def attempt():
+            pipe = self.client.pipeline(transaction=False)
+            if trained_ids:
+                args = [self.prefix, "trained", now, 1, *trained_ids]
+                self._scripts["TRANSITION"](keys=[keys + ":t"], args=args, client=pipe)
+            self._scripts["PUBLISH_VERSION"](keys=[keys + ":v"], args=[self.prefix, version, record], client=pipe)
+            return _execute(pipe, self.run)
+
+        results = self._retry(attempt, "commit_step")
         return [r == 1 for r in results[0]] if trained_ids else []
 
     def drop(self, sample_ids: Sequence[str], reason: str) -> list[bool]:
-        return [r == "" for r in self.transition(sample_ids, "dropped:" + _check_reason(reason))]
+        return [r == "" for r in self.transition(sample_ids, "dropped:" + check_reason(reason))]
 
     def receive(self, samples: Sequence[GeneratedSample], current_version: int) -> Received:
         """Learner side, one round trip: mark a batch received, dropping stale ones and failed rewards.
 
         Staleness is measured on `min_version` (the oldest policy any token came from).
         """
-        by_target: dict[str, list] = {"received": [], "dropped:stale": [], "dropped:reward_error": []}
+        by_target: dict[str, list] = {t: [] for t in _RECEIVE_TARGETS}
         for s in samples:
-            if is_stale(s.min_version, current_version, self.config.max_staleness):
+            if s.max_version > current_version:  # a policy rolled back (a learner resumed from a checkpoint)
+                by_target["dropped:rolled_back"].append(s)
+            elif is_stale(s.min_version, current_version, self.config.max_staleness):
                 by_target["dropped:stale"].append(s)
             else:
                 by_target["received" if s.reward is not None else "dropped:reward_error"].append(s)
-        pipe = self.client.pipeline(transaction=False)
-        for target, group in by_target.items():
-            if group:
-                args = [self.prefix, target, time.time(), 1, *(s.sample_id for s in group)]
-                self._scripts["TRANSITION"](args=args, client=pipe)
-        results = iter(_execute(pipe, self.run))
+        now, key = time.time(), self._call_id()
+
+        def attempt():
+            pipe = self.client.pipeline(transaction=False)
+            for target, group in by_target.items():
+                if group:
+                    args = [self.prefix, target, now, 1, *(s.sample_id for s in group)]
+                    self._scripts["TRANSITION"](keys=[f"{key}:{target}"], args=args, client=pipe)
+            return _execute(pipe, self.run)
+
+        results = iter(self._retry(attempt, "receive"))
         moved: dict[str, list] = {target: [] for target in by_target}
         rejected = []
         for target, group in by_target.items():
@@ -303,66 +260,8 @@ class Ledger:
             stale=[s.sample_id for s in moved["dropped:stale"]],
             reward_errors=[s.sample_id for s in moved["dropped:reward_error"]],
             rejected=rejected,
+            rolled_back=[s.sample_id for s in moved["dropped:rolled_back"]],
         )
-
-    def drop_received(self, reason: str) -> int:
-        """Drop every sample in state `received` (a learner that died took them in and never trained
-        them: nobody delivers them again) with `reason`; how many. Scans the run's records once."""
-        keys = list(self.client.scan_iter(match=self.prefix + "s:*", count=1000))
-        pipe = self.client.pipeline(transaction=False)
-        for key in keys:
-            pipe.hget(key, "state")
-        states = pipe.execute() if keys else []
-        ids = [key.removeprefix(self.prefix + "s:") for key, state in zip(keys, states) if state == "received"]
-        return sum(self.drop(ids, reason)) if ids else 0
-
-    # ---- reading the books ------------------------------------------------------------------
-
-    def record(self, sample_id: str) -> dict[str, str]:
-        """The sample's stored fields (empty when the ledger never saw it)."""
-        return self.client.hgetall(self.prefix + "s:" + sample_id)
-
-    def counts(self) -> Counts:
-        raw = {k: int(v) for k, v in self.client.hgetall(self.prefix + "counts").items()}
-        reasons = {k.removeprefix("dropped:"): v for k, v in raw.items() if k.startswith("dropped:") and v}
-        return Counts(
-            **{f: raw.get(f, 0) for f in Counts.__struct_fields__ if f != "dropped_by_reason"},
-            dropped_by_reason=dict(sorted(reasons.items())),
-        )
-
-    def staleness_histogram(self) -> dict[int, int]:
-        """Versions between a trained sample's oldest token and the policy that trained on it -> samples."""
-        return dict(sorted((int(k), int(v)) for k, v in self.client.hgetall(self.prefix + "lag").items()))
-
-    def check(self, deep: bool = False) -> list[str]:
-        """Why the books do not balance (empty when they do); `deep` also recounts every record."""
-        counts = self.counts()
-        errors = counts.balance_errors()
-        if deep:
-            expected = {
-                "admitted": counts.admitted,
-                "generated": counts.generated,
-                "received": counts.received,
-                "trained": counts.trained,
-                **{"dropped:" + r: n for r, n in counts.dropped_by_reason.items()},
-            }
-            expected = {k: v for k, v in expected.items() if v}
-            found = self.audit()
-            if found != expected:
-                errors.append(f"sample records by state {found} != counters {expected}")
-        return errors
-
-    def audit(self) -> dict[str, int]:
-        """Count every sample record's state by scanning (slow on big runs); compare with `counts()`."""
-        states: dict[str, int] = {}
-        batch: list[str] = []
-        for key in self.client.scan_iter(match=self.prefix + "s:*", count=1000):
-            batch.append(key)
-            if len(batch) == 1000:
-                _tally_states(self.client, batch, states)
-                batch = []
-        _tally_states(self.client, batch, states)
-        return states
 
 
 def open_ledger(config: LedgerConfig, run: str, run_dir: str | pathlib.Path) -> tuple[Ledger, RedisServer | None]:
@@ -380,12 +279,7 @@ def open_ledger(config: LedgerConfig, run: str, run_dir: str | pathlib.Path) -> 
         raise
 
 
-def _check_reason(reason: str) -> str:
-    if not _REASON.match(reason):
-        raise ValueError(
-            f"drop reason {reason!r}: use lowercase letters, digits and '_' (e.g. {', '.join(DROP_REASONS)})"
-        )
-    return reason
+_RECEIVE_TARGETS = ("received", "dropped:stale", "dropped:reward_error", "dropped:rolled_back")
 
 
 def _interleave(ids: Sequence[str], extra: Sequence[Sequence]) -> list:
@@ -401,11 +295,3 @@ def _execute(pipe, run: str) -> list:
         return pipe.execute()
     except redis.ResponseError as e:
         raise LedgerError(f"ledger of run {run!r}: {e}") from None
-
-
-def _tally_states(client: redis.Redis, keys: Iterable[str], states: dict[str, int]) -> None:
-    pipe = client.pipeline(transaction=False)
-    for key in keys:
-        pipe.hget(key, "state")
-    for state in pipe.execute():
-        states[state] = states.get(state, 0) + 1

@@ -2,22 +2,49 @@
 
 Keys are built inside the scripts from the run prefix (ARGV[1]), so these assume one Redis
 server, not a cluster. Every script is safe to run twice with the same arguments (a client that
-retries after a dropped connection must not take a second credit or train a sample twice).
+retries after a dropped connection must not take a second credit or train a sample twice), and
+every writing script answers a repeat exactly as it answered the first call: `exactly_once` keeps
+the reply under the call's own key (KEYS[1], one per call) for `REPLY_TTL_S`. Without that, a
+retried `TRANSITION` whose first reply was lost would report its samples as refused (they moved
+the first time), and the learner would never train them.
 
 Key layout under the prefix `streamrl:{run}:`:
-  meta            hash   capacity, max_staleness, groups_per_step
+  meta            hash   capacity, max_staleness, groups_per_step, finished (time the run ended)
   version         string current policy version
   versions        hash   version -> JSON {"step", "time"}
+  rollbacks       list   JSON {"from", "to", "samples", "time"} per roll_back
   inflight        string groups holding a credit (taken, not every sample resolved)
   counts          hash   total, admitted, generated, received, trained, dropped, dropped:<reason>
   lag             hash   staleness (versions) at training -> samples
-  s:<sample_id>   hash   node, group, state, v_adm, v, vmin, t_adm, t_gen, t_rcv, t_end
+  s:<sample_id>   hash   node, group, state, v_adm, v, vmin, v_trn, t_adm, t_gen, t_rcv, t_end
   g:<group_id>    hash   node, n, open (samples not yet resolved), prompt, t
   ng:<node_id>    set    groups of the node holding a credit
+  tv:<version>    set    samples trained by that policy version (what a roll-back undoes)
   nodes / lost    set    nodes seen alive / nodes reaped or gone
   alive:<node_id> string heartbeat, expires after the TTL
   orphans         list   groups of lost nodes waiting for another node (on_node_lost = readmit)
+  rq:<call id>    string a writing call's reply, kept REPLY_TTL_S for its retries
 """
+
+REPLY_TTL_S = 600  # longer than any retry (ledger.retry_s is at most 300 s)
+
+
+def exactly_once(body: str) -> str:
+    """`body` as a script whose reply is kept under KEYS[1]: a repeat of the call returns it unchanged.
+
+    Error replies are not kept (a repeat re-checks). The reply goes through cjson, so it must be
+    an integer or a flat array of integers and strings, which every ledger reply is.
+    """
+    return (
+        "local kept = redis.call('GET', KEYS[1])\n"
+        "if kept then return cjson.decode(kept) end\n"
+        "local function body()\n" + body + "\nend\n"
+        "local out = body()\n"
+        "if type(out) == 'table' and out.err then return out end\n"
+        f"redis.call('SET', KEYS[1], cjson.encode(out), 'EX', {REPLY_TTL_S})\n"
+        "return out\n"
+    )
+
 
 # Shared helpers, pasted in front of the scripts that resolve samples. Counter, staleness and
 # group changes are summed over the batch (`books`) and written once at the end (`flush`): the
@@ -33,6 +60,8 @@ local function finish(b, key, id, state, target, now, vmin)
   if target == 'trained' then
     bump(b, 'trained', 1)
     b.version = b.version or tonumber(redis.call('GET', b.p .. 'version') or '0')
+    redis.call('HSET', key, 'v_trn', b.version)
+    redis.call('SADD', b.p .. 'tv:' .. b.version, id)
     local lag = tostring(b.version - tonumber(vmin or '0'))
     b.lag[lag] = (b.lag[lag] or 0) + 1
   else
@@ -48,7 +77,9 @@ local function flush(b)
   for field, n in pairs(b.counts) do
     if n ~= 0 then redis.call('HINCRBY', b.p .. 'counts', field, n) end
   end
-  for lag, n in pairs(b.lag) do redis.call('HINCRBY', b.p .. 'lag', lag, n) end
+  for lag, n in pairs(b.lag) do
+    if n ~= 0 and redis.call('HINCRBY', b.p .. 'lag', lag, n) == 0 then redis.call('HDEL', b.p .. 'lag', lag) end
+  end
   for group, n in pairs(b.groups) do
     local gk = b.p .. 'g:' .. group
     if redis.call('HINCRBY', gk, 'open', -n) == 0 then
@@ -175,6 +206,24 @@ end
 """
 )
 
+# Every group holding a credit, once: those of each node seen (alive or gone), then those waiting
+# for a node (readmit). Bounded by the credit capacity, so scripts may walk it.
+_GROUPS_IN_FLIGHT = r"""
+local function groups_in_flight(p)
+  local seen, out = {}, {}
+  local function add(group, node)
+    if not seen[group] then seen[group] = true; out[#out + 1] = {group, node} end
+  end
+  for _, set in ipairs({'nodes', 'lost'}) do
+    for _, node in ipairs(redis.call('SMEMBERS', p .. set)) do
+      for _, group in ipairs(redis.call('SMEMBERS', p .. 'ng:' .. node)) do add(group, node) end
+    end
+  end
+  for _, group in ipairs(redis.call('LRANGE', p .. 'orphans', 0, -1)) do add(group, '') end
+  return out
+end
+"""
+
 # ARGV: prefix, mode ('drop' | 'readmit'), now. Every node whose heartbeat expired is resolved
 # (reason node_lost). Returns {node, samples resolved, node, samples resolved, ...}.
 REAP = (
@@ -194,7 +243,8 @@ return out
 """
 )
 
-# ARGV: prefix, node, reason, now. A node leaving: its samples not yet received are dropped.
+# ARGV: prefix, node, reason, now. A node leaving, or one that is gone resolved by another
+# process: its samples not yet received are dropped with `reason`.
 LEAVE = (
     _RESOLVE_NODE
     + r"""
@@ -240,3 +290,115 @@ redis.call('SET', p .. 'version', v)
 redis.call('HSETNX', p .. 'versions', tostring(v), ARGV[3])
 return cur
 """
+
+
+# ARGV: prefix, from_version, now. A learner resumed from the weights of `from_version` undoes
+# what came after them: samples trained by that version or a later one (the steps the checkpoint
+# does not contain) and in-flight samples generated by a later one (a policy the run no longer
+# has) become dropped:rolled_back; the version goes back to `from_version`, the later versions'
+# records move into `rollbacks`. Returns the samples rolled back.
+ROLL_BACK = (
+    _RESOLVE
+    + _GROUPS_IN_FLIGHT
+    + r"""
+local p, from, now = ARGV[1], tonumber(ARGV[2]), ARGV[3]
+local cur = tonumber(redis.call('GET', p .. 'version') or '0')
+if from > cur then
+  return redis.error_reply('ROLLBACK_AHEAD version ' .. from .. ' is newer than the current ' .. cur)
+end
+local b = books(p)
+local n = 0
+for v = from, cur do
+  for _, id in ipairs(redis.call('SMEMBERS', p .. 'tv:' .. v)) do
+    local key = p .. 's:' .. id
+    local row = redis.call('HMGET', key, 'state', 'vmin')
+    if row[1] == 'trained' then
+      redis.call('HSET', key, 'state', 'dropped:rolled_back', 't_end', now)
+      bump(b, 'trained', -1)
+      bump(b, 'dropped', 1)
+      bump(b, 'dropped:rolled_back', 1)
+      local lag = tostring(v - tonumber(row[2] or '0'))
+      b.lag[lag] = (b.lag[lag] or 0) - 1
+      n = n + 1
+    end
+  end
+  redis.call('DEL', p .. 'tv:' .. v)
+end
+for _, entry in ipairs(groups_in_flight(p)) do
+  local group = entry[1]
+  for i = 0, tonumber(redis.call('HGET', p .. 'g:' .. group, 'n')) - 1 do
+    local id = group .. ':' .. i
+    local key = p .. 's:' .. id
+    local row = redis.call('HMGET', key, 'state', 'v', 'vmin')
+    if (row[1] == 'generated' or row[1] == 'received') and tonumber(row[2]) > from then
+      finish(b, key, id, row[1], 'dropped:rolled_back', now, row[3])
+      n = n + 1
+    end
+  end
+end
+flush(b)
+for v = from + 1, cur do redis.call('HDEL', p .. 'versions', tostring(v)) end
+redis.call('SET', p .. 'version', from)
+redis.call('RPUSH', p .. 'rollbacks', cjson.encode({from = from, to = cur, samples = n, time = tonumber(now)}))
+return n
+"""
+)
+
+# ARGV: prefix, reason, now. Every `received` sample is dropped with `reason`: what a learner took
+# in and never trained, when a new learner starts (nobody sends it again). Returns how many.
+DROP_RECEIVED = (
+    _RESOLVE
+    + _GROUPS_IN_FLIGHT
+    + r"""
+local p, target, now = ARGV[1], 'dropped:' .. ARGV[2], ARGV[3]
+local b = books(p)
+local n = 0
+for _, entry in ipairs(groups_in_flight(p)) do
+  local group = entry[1]
+  for i = 0, tonumber(redis.call('HGET', p .. 'g:' .. group, 'n')) - 1 do
+    local id = group .. ':' .. i
+    local key = p .. 's:' .. id
+    local row = redis.call('HMGET', key, 'state', 'vmin')
+    if row[1] == 'received' then
+      finish(b, key, id, 'received', target, now, row[2])
+      n = n + 1
+    end
+  end
+end
+flush(b)
+return n
+"""
+)
+
+# ARGV: prefix. Read only: the in-flight samples by holder, in one consistent snapshot.
+# Returns {received, orphaned, node, alive (1|0), admitted + generated, node, alive, n, ...}.
+IN_FLIGHT = (
+    _GROUPS_IN_FLIGHT
+    + r"""
+local p = ARGV[1]
+local received, orphaned, held, order = 0, 0, {}, {}
+for _, entry in ipairs(groups_in_flight(p)) do
+  local group, node = entry[1], entry[2]
+  for i = 0, tonumber(redis.call('HGET', p .. 'g:' .. group, 'n')) - 1 do
+    local state = redis.call('HGET', p .. 's:' .. group .. ':' .. i, 'state')
+    if state == 'received' then
+      received = received + 1
+    elseif state == 'admitted' or state == 'generated' then
+      if node == '' then
+        orphaned = orphaned + 1
+      else
+        if not held[node] then held[node] = 0; order[#order + 1] = node end
+        held[node] = held[node] + 1
+      end
+    end
+  end
+end
+local out = {received, orphaned}
+for _, node in ipairs(order) do
+  out[#out + 1] = node
+  out[#out + 1] = redis.call('EXISTS', p .. 'alive:' .. node)
+  out[#out + 1] = held[node]
+end
+return out
+"""
+)

@@ -83,6 +83,11 @@ class Trajectory(_Wire):
         """Completion tokens the model sampled: what the loss is over and what token counts count."""
         return sum(self.loss_mask) if self.loss_mask else len(self.completion_ids)
 
+    @property
+    def max_version(self) -> int:
+        """The newest policy version any token of this sample came from."""
+        return max(self.token_versions) if self.token_versions else self.policy_version
+
 
 # ---- control channel -------------------------------------------------------------------------
 

@@ -10,6 +10,11 @@ learner fails the first send within the timeout instead of silently filling a qu
 Every wait has a timeout. Frames that do not decode are counted (`decode_errors`) and dropped.
 Sockets close with linger 0, except the trajectory sender, which gives queued messages
 `flush_timeout_s` to leave (dropping them at close would lose samples silently).
+
+Garbage costs neither memory nor log: every receiving socket has a frame size cap
+(`transport.max_frame_mb`, ZMQ's MAXMSGSIZE: ZMQ drops the connection of a peer that announces a
+bigger frame before reading it), and bad frames, duplicates and gaps are counted per sender
+(`FaultTally`) and logged as one summary line per sender at most every `fault_log_interval_s`.
 """
 
 from __future__ import annotations
@@ -22,11 +27,13 @@ from typing import Any
 import zmq
 
 from streamrl.engine import messages
+from streamrl.engine.faults import FAULT_LOG_INTERVAL_S, FaultTally
 from streamrl.engine.messages import Control, DecodeError, Trajectory
 
 log = logging.getLogger(__name__)
 
 LOOPBACK_ANY_PORT = "tcp://127.0.0.1:*"
+MAX_FRAME_MB = 16.0  # default cap: a trajectory of 500k tokens is ~12 MiB
 
 
 class TransportError(RuntimeError):
@@ -65,6 +72,14 @@ def bind_address(host: str = "127.0.0.1", port: int = 0) -> str:
     return f"tcp://{host}:{port if port else '*'}"
 
 
+def _cap_frames(sock: zmq.Socket, max_frame_mb: float) -> int:
+    if max_frame_mb <= 0:
+        raise ValueError(f"transport.max_frame_mb = {max_frame_mb}: must be > 0")
+    cap = int(max_frame_mb * (1 << 20))
+    sock.setsockopt(zmq.MAXMSGSIZE, cap)
+    return cap
+
+
 # ---- trajectory stream ---------------------------------------------------------------------------
 
 
@@ -79,10 +94,11 @@ class TrajectorySender:
         send_timeout_s: float = 60.0,
         flush_timeout_s: float = 5.0,
         context: zmq.Context | None = None,
+        max_frame_mb: float = MAX_FRAME_MB,
     ):
         if hwm < 1 or send_timeout_s <= 0:
             raise ValueError(f"hwm={hwm} must be >= 1 and send_timeout_s={send_timeout_s} > 0")
-        self.addr, self.node_id = addr, node_id
+        self.addr, self.node_id, self.max_frame_mb = addr, node_id, max_frame_mb
         self.send_timeout_s, self.flush_timeout_s = send_timeout_s, flush_timeout_s
         self.seq = 0  # the number the next message gets
         self._sock = (context or zmq.Context.instance()).socket(zmq.PUSH)
@@ -119,8 +135,16 @@ class TrajectorySender:
     def send(self, traj: Trajectory) -> int:
         """Stamp `traj` with this node's id and next seq, send it, return the seq. Blocks at the HWM."""
         traj.node_id, traj.seq = self.node_id, self.seq
+        frame = messages.encode(traj)
+        if len(frame) > self.max_frame_mb * (1 << 20):
+            # The learner would drop the connection on it (MAXMSGSIZE) and the sample would vanish.
+            raise TransportError(
+                f"node {self.node_id}: trajectory {traj.sample_id} is {len(frame) / (1 << 20):.1f} MiB, over "
+                f"transport.max_frame_mb = {self.max_frame_mb:g} (the learner's cap); raise it on both sides "
+                f"or lower model.max_model_len"
+            )
         try:
-            self._sock.send(messages.encode(traj), copy=False)
+            self._sock.send(frame, copy=False)
         except zmq.Again:
             raise TransportError(
                 f"node {self.node_id}: trajectory {traj.sample_id} (seq {self.seq}) not accepted by {self.addr} "
@@ -150,57 +174,74 @@ class TrajectoryReceiver:
     expected one) counts the missing messages in `gaps`, and the trajectory itself is returned.
     """
 
-    def __init__(self, bind_addr: str | int = LOOPBACK_ANY_PORT, hwm: int = 1000, context: zmq.Context | None = None):
+    def __init__(
+        self,
+        bind_addr: str | int = LOOPBACK_ANY_PORT,
+        hwm: int = 1000,
+        context: zmq.Context | None = None,
+        max_frame_mb: float = MAX_FRAME_MB,
+        fault_log_interval_s: float = FAULT_LOG_INTERVAL_S,
+    ):
         if isinstance(bind_addr, int):
             bind_addr = bind_address(port=bind_addr)
         self._sock = (context or zmq.Context.instance()).socket(zmq.PULL)
         self._sock.setsockopt(zmq.RCVHWM, hwm)
+        self.max_frame_bytes = _cap_frames(self._sock, max_frame_mb)
         self.addr = _bind(self._sock, bind_addr)
-        self.decode_errors = 0
-        self.gaps = 0
-        self.duplicates = 0
+        self.faults = FaultTally(f"trajectory socket {self.addr}", fault_log_interval_s)
         self.received = 0
         self.duplicate_ids: collections.deque[str] = collections.deque(maxlen=1000)
         self.next_seq: dict[str, int] = {}
 
+    @property
+    def decode_errors(self) -> int:
+        return self.faults.count("decode_errors")
+
+    @property
+    def duplicates(self) -> int:
+        return self.faults.count("duplicates")
+
+    @property
+    def gaps(self) -> int:
+        return self.faults.count("gaps")
+
     def recv(self, timeout_s: float) -> Trajectory | None:
         """The next new trajectory, or None when none came within `timeout_s`."""
         deadline = time.monotonic() + timeout_s
-        while self._sock.poll(_ms(deadline - time.monotonic())):
-            traj = self._decode(self._sock.recv(copy=False))
-            if traj is not None and self._admit(traj):
-                self.received += 1
-                return traj
-        return None
+        try:
+            while self._sock.poll(_ms(deadline - time.monotonic())):
+                traj = self._decode(self._sock.recv(copy=False))
+                if traj is not None and self._admit(traj):
+                    self.received += 1
+                    return traj
+            return None
+        finally:
+            self.faults.flush_due()
 
     def _decode(self, frame: zmq.Frame) -> Trajectory | None:
         try:
             return messages.decode_trajectory(frame.buffer)
         except DecodeError as e:
-            self.decode_errors += 1
-            log.warning("dropped an undecodable trajectory frame on %s (%d bytes): %s", self.addr, len(frame.buffer), e)
+            # A PULL socket does not know its peers; a frame that does not decode names no node either.
+            sender = f"peer {frame.get('Peer-Address') or '?'}"
+            self.faults.add(sender, "decode_errors", detail=f"{len(frame.buffer)} bytes: {e}")
             return None
 
     def _admit(self, traj: Trajectory) -> bool:
         expected = self.next_seq.get(traj.node_id, 0)
         if traj.seq < expected:
-            self.duplicates += 1
             self.duplicate_ids.append(traj.sample_id)
-            log.warning(
-                "duplicate from node %s: seq %d (expected %d), sample %s dropped",
-                traj.node_id,
-                traj.seq,
-                expected,
-                traj.sample_id,
-            )
+            detail = f"seq {traj.seq}, expected {expected}, sample {traj.sample_id}"
+            self.faults.add(f"node {traj.node_id}", "duplicates", detail=detail)
             return False
         if traj.seq > expected:
-            self.gaps += traj.seq - expected
-            log.warning("gap from node %s: seq %d..%d never arrived", traj.node_id, expected, traj.seq - 1)
+            detail = f"seq {expected}..{traj.seq - 1} never arrived"
+            self.faults.add(f"node {traj.node_id}", "gaps", traj.seq - expected, detail=detail)
         self.next_seq[traj.node_id] = traj.seq + 1
         return True
 
     def close(self) -> None:
+        self.faults.flush()
         self._sock.close(linger=0)
 
     def __enter__(self) -> TrajectoryReceiver:
@@ -217,28 +258,39 @@ class ControlServer:
     """ROUTER side of the control channel (the learner): one socket, every node a peer identity."""
 
     def __init__(
-        self, bind: str | int = LOOPBACK_ANY_PORT, send_timeout_s: float = 30.0, context: zmq.Context | None = None
+        self,
+        bind: str | int = LOOPBACK_ANY_PORT,
+        send_timeout_s: float = 30.0,
+        context: zmq.Context | None = None,
+        max_frame_mb: float = MAX_FRAME_MB,
+        fault_log_interval_s: float = FAULT_LOG_INTERVAL_S,
     ):
         if isinstance(bind, int):
             bind = bind_address(port=bind)
         self._sock = (context or zmq.Context.instance()).socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self._sock.setsockopt(zmq.SNDTIMEO, _ms(send_timeout_s))
+        _cap_frames(self._sock, max_frame_mb)
         self.send_timeout_s = send_timeout_s
         self.addr = _bind(self._sock, bind)
-        self.decode_errors = 0
+        self.faults = FaultTally(f"control socket {self.addr}", fault_log_interval_s)
+
+    @property
+    def decode_errors(self) -> int:
+        return self.faults.count("decode_errors")
 
     def recv(self, timeout_s: float, required: bool = False) -> tuple[bytes, Control] | None:
         """(peer identity, message), or None after `timeout_s` (TransportError instead when `required`)."""
         deadline = time.monotonic() + timeout_s
         while self._sock.poll(_ms(deadline - time.monotonic())):
             frames = self._sock.recv_multipart()
-            if len(frames) == 2:
-                try:
-                    return frames[0], messages.decode_control(frames[1])
-                except DecodeError as e:
-                    log.warning("undecodable control frame from %r on %s: %s", frames[0], self.addr, e)
-            self.decode_errors += 1
+            try:
+                if len(frames) != 2:
+                    raise DecodeError(f"{len(frames) - 1} frames, expected 1")
+                return frames[0], messages.decode_control(frames[1])
+            except DecodeError as e:
+                self.faults.add(f"node {frames[0]!r}", "decode_errors", detail=str(e))
+        self.faults.flush_due()
         if required:
             raise TransportError(f"no control message on {self.addr} within {timeout_s:g}s")
         return None
@@ -261,6 +313,7 @@ class ControlServer:
             ) from None
 
     def close(self) -> None:
+        self.faults.flush()
         self._sock.close(linger=0)
 
     def __enter__(self) -> ControlServer:
@@ -274,15 +327,28 @@ class ControlClient:
     """DEALER side (a rollout node). Messages that arrive while `request` waits for its reply are kept
     for `recv`, so a `Stop` or `WeightsReady` pushed by the learner is never lost."""
 
-    def __init__(self, addr: str, node_id: str, timeout_s: float = 30.0, context: zmq.Context | None = None):
+    def __init__(
+        self,
+        addr: str,
+        node_id: str,
+        timeout_s: float = 30.0,
+        context: zmq.Context | None = None,
+        max_frame_mb: float = MAX_FRAME_MB,
+        fault_log_interval_s: float = FAULT_LOG_INTERVAL_S,
+    ):
         self.addr, self.node_id, self.timeout_s = addr, node_id, timeout_s
         self._sock = (context or zmq.Context.instance()).socket(zmq.DEALER)
         self._sock.setsockopt(zmq.IDENTITY, node_id.encode())
         self._sock.setsockopt(zmq.IMMEDIATE, 1)
         self._sock.setsockopt(zmq.SNDTIMEO, _ms(timeout_s))
+        _cap_frames(self._sock, max_frame_mb)
         _connect(self._sock, addr)
         self._pending: collections.deque[Control] = collections.deque()
-        self.decode_errors = 0
+        self.faults = FaultTally(f"node {node_id}'s control socket", fault_log_interval_s)
+
+    @property
+    def decode_errors(self) -> int:
+        return self.faults.count("decode_errors")
 
     def send(self, msg: Control, timeout_s: float | None = None) -> None:
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
@@ -307,8 +373,8 @@ class ControlClient:
             try:
                 return messages.decode_control(self._sock.recv())
             except DecodeError as e:
-                self.decode_errors += 1
-                log.warning("undecodable control frame from %s: %s", self.addr, e)
+                self.faults.add(f"the learner at {self.addr}", "decode_errors", detail=str(e))
+        self.faults.flush_due()
         return None
 
     def request(
@@ -331,6 +397,7 @@ class ControlClient:
             self._pending.append(reply)
 
     def close(self) -> None:
+        self.faults.flush()
         self._sock.close(linger=0)
 
     def __enter__(self) -> ControlClient:

@@ -63,12 +63,10 @@ class Orchestrator:
             self._claim_run(resumed)
             self.redis_url = cfg.ledger.url or self.redis.url
             t = cfg.transport
-            self.intake = Intake(
-                TrajectoryReceiver(bind_address(t.host, t.trajectory_port), hwm=t.hwm),
-                self.ledger,
-                cfg.ledger.max_staleness,
-            )
-            server = ControlServer(bind_address(t.host, t.control_port), t.send_timeout_s)
+            caps = dict(max_frame_mb=t.max_frame_mb, fault_log_interval_s=t.fault_log_interval_s)
+            receiver = TrajectoryReceiver(bind_address(t.host, t.trajectory_port), hwm=t.hwm, **caps)
+            self.intake = Intake(receiver, self.ledger, cfg.ledger.max_staleness)
+            server = ControlServer(bind_address(t.host, t.control_port), t.send_timeout_s, **caps)
             self.registry = NodeRegistry(server, self._welcome)
             self.publisher = Publisher(cfg, self.registry, device)
             self.sink = MetricsSink(cfg.run.path, cfg.telemetry)
@@ -203,6 +201,7 @@ class Orchestrator:
             **{f"samples_{k}": v for k, v in self.intake.counters.items()},
             "gaps": self.intake.receiver.gaps,
             "duplicates": self.intake.receiver.duplicates,
+            "decode_errors": self.intake.receiver.decode_errors + self.registry.server.decode_errors,
         }
         self.sink.log(step, record)
         log.info(

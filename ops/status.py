@@ -1,29 +1,41 @@
-"""`streamrl status --run ID`: a run's books from the ledger, as a table; exit 1 when they do not balance."""
+"""`streamrl status --run ID`: a run's books from the ledger, as a table; exit 1 when they do not balance.
+
+In-flight samples are shown by holder: live nodes, gone nodes (no heartbeat: they will never
+deliver them; the learner's reaper or `Ledger.resolve_node` resolves them), the learner (received,
+not trained yet) and, in readmit mode, groups waiting for a node. On a run that has finished
+(`Ledger.finish_run`), anything still in flight is an error: nothing will resolve it any more.
+"""
 
 from __future__ import annotations
+
+import time
 
 from rich.console import Console
 from rich.table import Table
 
-from streamrl.engine.ledger import Ledger, LedgerError
+from streamrl.engine.config import LedgerConfig
+from streamrl.engine.ledger import Counts, InFlight, Ledger, LedgerError, LedgerUnavailableError
 from streamrl.engine.redis_server import RedisUnavailableError, connect, redact
+
+RETRY_S = 5.0  # a person waits for this command: a Redis that went away mid-read fails it soon
 
 
 def status_command(run: str, redis_url: str, deep: bool = False, console: Console | None = None) -> int:
-    """Print the run's ledger; 0 when `total == trained + dropped + in flight`, 1 when not, 2 when unreachable.
+    """Print the run's ledger; 0 when the books balance, 1 when not (or a finished run left samples
+    unresolved), 2 when Redis cannot be reached.
 
     `deep` also recounts every sample record against the counters (a full scan of the run's keys).
     """
     console = console or Console()
     try:
-        ledger = Ledger(connect(redis_url, retries=3), run)
+        ledger = Ledger(connect(redis_url, retries=3), run, LedgerConfig(retry_s=RETRY_S))
         counts = ledger.counts()
         if counts.total == 0 and ledger.capacity() is None:
             console.print(f"[red]no run {run!r} in the ledger at {redact(redis_url)}[/red]")
             return 1
-        console.print(_table(ledger, counts))
+        console.print(_table(ledger, counts, ledger.in_flight()))
         errors = ledger.check(deep=deep)
-    except (RedisUnavailableError, LedgerError) as e:
+    except (RedisUnavailableError, LedgerUnavailableError, LedgerError) as e:
         console.print(f"[red]{e}[/red]")
         return 2
     for error in errors:
@@ -36,11 +48,18 @@ def status_command(run: str, redis_url: str, deep: bool = False, console: Consol
     return 1 if errors else 0
 
 
-def _table(ledger: Ledger, counts) -> Table:
+def _nodes(held: dict[str, int]) -> str:
+    return f"{sum(held.values())} (" + ", ".join(f"{node} {n}" for node, n in held.items()) + ")" if held else "0"
+
+
+def _table(ledger: Ledger, counts: Counts, held: InFlight) -> Table:
     table = Table(title=f"run {ledger.run}", show_header=False)
     table.add_column("what")
     table.add_column("value", justify="right")
+    finished = ledger.finished()
+    live = {node: n for node, n in held.by_node.items() if node in held.alive}
     rows = [
+        ("run", "finished " + time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(finished)) if finished else "running"),
         ("current policy version", ledger.current_version()),
         ("nodes alive", ", ".join(ledger.alive_nodes()) or "none"),
         ("groups in flight / capacity", f"{ledger.groups_in_flight()} / {ledger.capacity()}"),
@@ -50,12 +69,16 @@ def _table(ledger: Ledger, counts) -> Table:
             f"{counts.in_flight} (admitted {counts.admitted}, generated {counts.generated}, "
             f"received {counts.received})",
         ),
-        ("trained", counts.trained),
-        ("dropped", counts.dropped),
+        ("  held by live nodes", _nodes(live)),
+        ("  held by gone nodes", _nodes(held.held_by_gone_nodes)),
+        ("  received by the learner", held.received),
     ]
+    rows += [("  waiting for a node (readmit)", held.orphaned)] * bool(held.orphaned)
+    rows += [("trained", counts.trained), ("dropped", counts.dropped)]
     rows += [(f"  dropped:{reason}", n) for reason, n in counts.dropped_by_reason.items()]
     histogram = ledger.staleness_histogram()
     rows += [("staleness at training", " ".join(f"{lag}:{n}" for lag, n in histogram.items()) or "-")]
+    rows += [(f"rolled back to v{r['from']}", f"{r['samples']} samples (from v{r['to']})") for r in ledger.rollbacks()]
     for name, value in rows:
         table.add_row(name, str(value))
     return table

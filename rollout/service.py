@@ -247,7 +247,9 @@ async def serve(cfg: Config, learner_addr: str, node_id: str, max_groups: int | 
     except BaseException:
         inputs.scorer.close()
         raise
-    client = ControlClient(learner_addr, node_id, cfg.transport.recv_timeout_s)
+    t = cfg.transport
+    client = ControlClient(learner_addr, node_id, t.recv_timeout_s, max_frame_mb=t.max_frame_mb,
+                           fault_log_interval_s=t.fault_log_interval_s)  # fmt: skip
     try:
         welcome = register(client, node_id, cfg.rollout.backend, device, cfg.transport.recv_timeout_s)
         ledger = Ledger(connect(welcome.redis_url, cfg.ledger.connect_retries), welcome.run_name, cfg.ledger)
@@ -255,8 +257,9 @@ async def serve(cfg: Config, learner_addr: str, node_id: str, max_groups: int | 
         beat = LedgerHeartbeat(ledger, node_id)
         beat.start()
         try:
-            t = cfg.transport
-            with TrajectorySender(welcome.trajectory_addr, node_id, t.hwm, t.send_timeout_s) as tx:
+            with TrajectorySender(
+                welcome.trajectory_addr, node_id, t.hwm, t.send_timeout_s, max_frame_mb=t.max_frame_mb
+            ) as tx:
                 sink, credits = LedgerSink(ledger, tx), LedgerCredits(ledger, node_id)
                 node = RolloutNode(
                     cfg, node_id, engine, inputs.source, inputs.scorer, sink, inputs.tokenizer, credits=credits

@@ -24,6 +24,7 @@ import uuid
 from streamrl.engine.config import ModelConfig, RolloutConfig
 from streamrl.engine.messages import WeightsReady
 from streamrl.rollout.engine import Completion, EngineClock, check_sampling
+from streamrl.rollout.lifeline import children_die_with_me
 from streamrl.rollout.vllm_support import check_servable
 
 log = logging.getLogger(__name__)
@@ -90,7 +91,7 @@ class _Collector:
 
 
 class VLLMEngine:
-    """`GenerationEngine` over vLLM's AsyncLLM (engine core in its own process)."""
+    """`GenerationEngine` over vLLM's AsyncLLM (engine core in its own process, which dies with this one)."""
 
     def __init__(self, model_path: str, model: ModelConfig, rollout: RolloutConfig, seed: int = 0, device: str = "cpu"):
         check_sampling(rollout)
@@ -104,6 +105,7 @@ class VLLMEngine:
         self.staging_bytes = 0
         self._ids = itertools.count()
         self._prefix = uuid.uuid4().hex[:8]
+        children_die_with_me()  # the engine core is our child: a killed node must not leave it orphaned
         self._engine = AsyncLLM.from_engine_args(engine_args(model_path, model, rollout, seed, device))
 
     def _params(self, n: int, max_tokens: int):

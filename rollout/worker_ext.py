@@ -27,9 +27,16 @@ import torch
 from streamrl.engine import messages
 from streamrl.engine.messages import WeightsReady
 from streamrl.engine.weights import Staged, Stager, WeightTransferError
+from streamrl.rollout import lifeline
 
 WORKER_EXTENSION = "streamrl.rollout.worker_ext.WeightReceiverExtension"
 STATUS_POLL_S = 0.005
+
+# vLLM imports this module inside its engine core and workers. A forked one watches its parent
+# already (lifeline's after-fork hook); a spawned one starts its watch here. In a main process
+# (the node itself) this does nothing.
+if lifeline.watch_parent():
+    lifeline.children_die_with_me()
 
 
 def _decode_ready(ready_bytes: bytes) -> WeightsReady:

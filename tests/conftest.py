@@ -203,3 +203,68 @@ def _torchrun(ranks: int, script, *args, timeout_s: float = 300.0) -> str:
 @pytest.fixture
 def torchrun():
     return _torchrun
+
+
+# ---- leftover processes: the session fails when a process it started outlives it ----
+# An orphan (reparented to pid 1) that was not there when the session began, is ours, and runs in
+# this checkout or under this session's temp folder was started by this session and left behind
+# (e.g. a killed node's `VLLM::EngineCore`). It is reported, the session fails, and it is killed
+# by its pid. Orphans get a grace period first: a child that watches its dead parent needs a moment.
+
+_LEFTOVER_GRACE_S = 10.0
+_PIDS_AT_START = {int(p) for p in os.listdir("/proc") if p.isdigit()}
+_leftovers: dict[int, str] = {}
+
+
+def _orphans_of_this_session(roots: list[str]) -> dict[int, str]:
+    found = {}
+    for entry in os.listdir("/proc"):
+        pid = int(entry) if entry.isdigit() else 0
+        if not pid or pid in _PIDS_AT_START:
+            continue
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                state, ppid = f.read().rsplit(")", 1)[1].split()[:2]  # the name before ")" may hold spaces
+            if ppid != "1" or state == "Z" or os.stat(f"/proc/{pid}").st_uid != os.getuid():
+                continue
+            cwd = os.readlink(f"/proc/{pid}/cwd")
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmdline = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+        except (OSError, IndexError, ValueError):
+            continue  # ended while we looked, or not ours to read
+        if any(cwd == root or cwd.startswith(root + os.sep) for root in roots):
+            found[pid] = f"{cmdline[:150]} (cwd {cwd})"
+    return found
+
+
+def pytest_sessionfinish(session, exitstatus):
+    import signal
+    import time
+
+    if not os.path.isdir("/proc"):
+        return
+    roots = [str(session.config.rootpath)]
+    factory = getattr(session.config, "_tmp_path_factory", None)
+    if factory is not None and factory._basetemp is not None:
+        roots.append(str(factory.getbasetemp().resolve()))
+    deadline = time.monotonic() + _LEFTOVER_GRACE_S
+    while (left := _orphans_of_this_session(roots)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    if left:
+        _leftovers.update(left)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+        for pid in left:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+
+
+def pytest_terminal_summary(terminalreporter):
+    if _leftovers:
+        terminalreporter.section("processes left behind", red=True)
+        for pid, what in sorted(_leftovers.items()):
+            terminalreporter.line(f"pid {pid}: {what} (orphaned; killed now)", red=True)
+        terminalreporter.line(
+            f"{len(_leftovers)} process(es) started by this session outlived it: the session fails", red=True
+        )

@@ -74,3 +74,21 @@ def test_status_of_an_unknown_run_or_server(redis_url):
     assert code == 1 and "no run 'never-ran'" in text
     code, text = _run_status("x", f"redis://127.0.0.1:{free_port()}/0")
     assert code == 2 and "cannot reach Redis at redis://127.0.0.1:" in text
+
+
+def test_a_finished_run_with_unresolved_samples_exits_1_naming_their_holders(redis_url, ledger_run):
+    ledger = _small_run(redis_url, ledger_run)  # node-a holds g0:3 (admitted); g0:1 received, never trained
+    ledger.client.delete(ledger.prefix + "alive:node-a")  # node-a is gone (its heartbeat ran out)
+    code, text = _run_status(ledger_run, redis_url)
+    assert code == 0 and "running" in text  # a run going on: these samples may still resolve
+    assert "held by gone nodes" in text and "1 (node-a 1)" in text and "held by live nodes" in text
+    ledger.finish_run()
+    code, text = _run_status(ledger_run, redis_url)
+    assert code == 1 and "finished" in text
+    assert (
+        "the run has finished with 2 samples neither trained nor dropped: 1 held by gone nodes (node-a 1), "
+        "1 received by the learner, never trained" in " ".join(text.split())
+    )
+    assert ledger.resolve_node("node-a") == 1 and ledger.drop_received() == 1
+    code, text = _run_status(ledger_run, redis_url)
+    assert code == 0 and "books balance: 4 = 1 trained + 3 dropped + 0 in flight" in text

@@ -32,8 +32,10 @@ def make_engine(model: str):
     from vllm import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
 
+    from streamrl.rollout.lifeline import children_die_with_me
     from streamrl.rollout.worker_ext import WORKER_EXTENSION
 
+    children_die_with_me()  # as VLLMEngine does: a killed node must not leave its engine core behind
     args = AsyncEngineArgs(
         model=model,
         dtype="float32",

@@ -2,7 +2,8 @@
 
 import pytest
 
-from streamrl.engine.ledger import Counts, _check_reason, is_stale, sample_ids
+from streamrl.engine.ledger import Counts, is_stale, sample_ids
+from streamrl.engine.ledger_books import check_reason
 from streamrl.engine.redis_server import redact
 
 
@@ -52,9 +53,9 @@ def test_sample_ids_of_a_group():
 
 
 def test_drop_reason_must_be_a_plain_word():
-    assert _check_reason("reward_error") == "reward_error"
+    assert check_reason("reward_error") == "reward_error"
     with pytest.raises(ValueError, match="drop reason 'Bad reason'"):
-        _check_reason("Bad reason")
+        check_reason("Bad reason")
 
 
 def test_redact_hides_only_the_password():

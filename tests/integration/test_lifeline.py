@@ -1,0 +1,73 @@
+"""rollout/lifeline.py with plain processes: a SIGKILLed parent's forked children, their children, and a
+spawned child that armed its own watch all die with it; without the watch they outlive it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+_PARENT = r"""
+import multiprocessing, sys, time
+from streamrl.rollout import lifeline
+
+def grandchild():
+    time.sleep(120)
+
+def forked():
+    p = multiprocessing.get_context("fork").Process(target=grandchild)
+    p.start()
+    print(p.pid, flush=True)
+    time.sleep(120)
+
+def spawned():
+    lifeline.watch_parent()  # what importing rollout/worker_ext.py does in a spawned vLLM process
+    time.sleep(120)
+
+if __name__ == "__main__":
+    if sys.argv[1] == "watch":
+        lifeline.children_die_with_me()
+    a = multiprocessing.get_context("fork").Process(target=forked)
+    b = multiprocessing.get_context("spawn").Process(target=spawned if sys.argv[1] == "watch" else grandchild)
+    a.start(); b.start()
+    print(a.pid, flush=True); print(b.pid, flush=True)
+    time.sleep(120)
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _kill_parent_and_wait(folder, mode: str, wait_s: float) -> tuple[list[int], list[int]]:
+    """Start the parent, SIGKILL it once it has three descendants; (descendants, those alive after `wait_s`)."""
+    script = folder / "parent.py"  # a file, not -c: spawned children import their target from it
+    script.write_text(_PARENT)
+    parent = subprocess.Popen([sys.executable, str(script), mode], stdout=subprocess.PIPE, text=True)
+    pids = [int(parent.stdout.readline()) for _ in range(3)]
+    time.sleep(1.0)  # the spawned child is up and watching
+    parent.send_signal(signal.SIGKILL)
+    parent.wait(timeout=10)
+    deadline = time.monotonic() + wait_s
+    while any(map(_alive, pids)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    left = [pid for pid in pids if _alive(pid)]
+    for pid in left:  # started by this test
+        os.kill(pid, signal.SIGKILL)
+    return pids, left
+
+
+@pytest.mark.slow
+def test_children_grandchildren_and_a_spawned_child_die_with_a_killed_parent(tmp_path):
+    _, left = _kill_parent_and_wait(tmp_path, "watch", wait_s=3.0)
+    assert left == []
+    _, left = _kill_parent_and_wait(tmp_path, "none", wait_s=1.0)  # what the watch prevents
+    assert len(left) == 3
