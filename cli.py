@@ -59,11 +59,18 @@ def doctor(
 def make_tiny_model(
     path: Annotated[pathlib.Path, typer.Argument(help="Folder to write the model and tokenizer to.")],
     seed: Annotated[int, typer.Option(help="Init and tokenizer seed; same seed, same bytes.")] = 0,
+    shape: Annotated[
+        str, typer.Option(help="Model body: tiny, or 0.5b (Qwen2-0.5B's layers, the tiny vocabulary).")
+    ] = "tiny",
 ) -> None:
-    """Write a random-init tiny Qwen2 with a BPE tokenizer (for tests and first runs; no hub needed)."""
+    """Write a random-init Qwen2 with a BPE tokenizer (for tests, first runs and GPU benchmarks; no hub needed)."""
+    from streamrl.engine.models import SHAPES
     from streamrl.engine.models import make_tiny_model as make
 
-    folder = make(path, seed=seed)
+    if shape not in SHAPES:
+        typer.secho(f"error: --shape {shape!r}: choose one of {', '.join(SHAPES)}", fg="red", err=True)
+        raise typer.Exit(2)
+    folder = make(path, seed=seed, **SHAPES[shape])
     typer.echo(f"tiny model written to {folder}")
 
 

@@ -18,22 +18,11 @@ import time
 
 from streamrl.engine.config import build
 from streamrl.engine.ledger import Ledger
-from streamrl.engine.models import make_tiny_model
+from streamrl.engine.models import SHAPES, make_tiny_model
 from streamrl.engine.redis_server import connect
 from streamrl.engine.telemetry import read_metrics
 from streamrl.ops.launcher import Launcher
 
-SHAPES = {
-    "tiny": {},
-    "0.5b": dict(
-        hidden_size=896,
-        intermediate_size=4864,
-        num_hidden_layers=24,
-        num_attention_heads=14,
-        num_key_value_heads=2,
-        head_dim=64,
-    ),
-}
 PEAK_FLOPS = 989e12  # H200 dense bf16
 
 

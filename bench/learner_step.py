@@ -64,11 +64,11 @@ TINY = dict(
 )
 
 
-def make_model(device, dtype, attn="sdpa", shape="0.5b"):
+def make_model(device, dtype, attn="sdpa", shape="0.5b", vocab: int = 0):
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
-    config = qwen2_05b_config(**(TINY if shape == "tiny" else {}))
+    config = qwen2_05b_config(**{**(TINY if shape == "tiny" else {}), **({"vocab_size": vocab} if vocab else {})})
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn)
     return model, sum(p.numel() for p in model.parameters())
@@ -158,7 +158,7 @@ def streamrl(args):
         logprobs.TRITON_HEAD = False
     device = parallel.init_distributed()
     world, rank = dist.get_world_size(), dist.get_rank()
-    model, params = make_model(device, torch.float32, shape=args.shape)
+    model, params = make_model(device, torch.float32, shape=args.shape, vocab=args.vocab)
     cfg = LearnerConfig(
         lr=1e-6,
         micro_batch_tokens=args.budget,
@@ -172,7 +172,8 @@ def streamrl(args):
         policy.lm.model.compile()
     trainer = Trainer(policy, LossConfig(), cfg, device, gather_ahead=not args.no_gather_ahead)
     units = sum(isinstance(m, FSDPModule) for m in policy.modules())
-    trajs = trajectories(args.samples, seed=rank, vocab=model.config.vocab_size, longest=min(2048, args.budget))
+    longest = min(args.longest or 2048, args.budget)
+    trajs = trajectories(args.samples, seed=rank, vocab=model.config.vocab_size, longest=longest)
     mbs = pack(trajs, [1.0 if t.reward else -1.0 for t in trajs], args.budget, pad_to_budget=args.pad)[
         : args.micro_batches
     ]
@@ -193,6 +194,8 @@ def streamrl(args):
         + ("_model" if args.compile_model else "")
         + (f"_{units}units" if units > 1 else "")
         + (f"_{args.shape}" if args.shape != "0.5b" else "")
+        + (f"_vocab{args.vocab}" if args.vocab else "")
+        + (f"_len{longest}" if args.longest else "")
         + ("_nogatherahead" if args.no_gather_ahead else "")
         + ("_compiledhead" if args.compiled_head else "")
     )
@@ -371,6 +374,8 @@ def main():
     ap.add_argument("--unit-params", type=int, default=10**9, help="learner.fsdp_unit_params (1: a unit per layer)")
     ap.add_argument("--compile-model", action="store_true", help="compile the whole decoder, not layer by layer")
     ap.add_argument("--shape", choices=["0.5b", "tiny"], default="0.5b", help="tiny: a CPU smoke run")
+    ap.add_argument("--vocab", type=int, default=0, help="vocabulary size (0: the shape's own)")
+    ap.add_argument("--longest", type=int, default=0, help="longest sample in tokens (0: min(2048, budget))")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--baseline-tps", type=float, default=0.0)

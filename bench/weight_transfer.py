@@ -34,6 +34,8 @@ from streamrl.engine.weights import WeightSender, broadcast_async, new_group, pl
 SHAPES = {
     "tiny": dict(hidden=64, inter=128, layers=2, heads=2, kv_heads=1, head_dim=32, vocab=512, tied=True),
     "qwen2-0.5b": dict(hidden=896, inter=4864, layers=24, heads=14, kv_heads=2, head_dim=64, vocab=151936, tied=True),
+    # the body of examples/gpu.toml's model (`streamrl make-tiny-model --shape 0.5b`): the tiny vocabulary
+    "qwen2-0.5b-v512": dict(hidden=896, inter=4864, layers=24, heads=14, kv_heads=2, head_dim=64, vocab=512, tied=True),
     "qwen2-7b": dict(hidden=3584, inter=18944, layers=28, heads=28, kv_heads=4, head_dim=128, vocab=152064, tied=False),
 }
 

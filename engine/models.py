@@ -214,6 +214,20 @@ def tiny_config(vocab_size: int, **overrides):
     return Qwen2Config(**fields)
 
 
+# Bodies for `make_tiny_model(..., **SHAPES[name])`: the tiny default, or Qwen2-0.5B's (with the tiny vocabulary).
+SHAPES: dict[str, dict] = {
+    "tiny": {},
+    "0.5b": dict(
+        hidden_size=896,
+        intermediate_size=4864,
+        num_hidden_layers=24,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        head_dim=64,
+    ),
+}
+
+
 def make_tiny_model(path: str | os.PathLike, seed: int = 0, vocab_size: int = 512, **config_overrides) -> pathlib.Path:
     """Write a random-init Qwen2 + BPE tokenizer to `path`; the same seed gives byte-identical files.
 

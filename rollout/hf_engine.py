@@ -48,7 +48,9 @@ class HFEngine:
         seed: int = 0,
         device: str = "cpu",
         max_batch: int = 256,
+        static: bool | None = None,
     ):
+        """static: bucketed shapes and a static (compiled) cache; default on CUDA."""
         import torch
 
         from streamrl.engine.models import load_model, load_tokenizer
@@ -57,7 +59,7 @@ class HFEngine:
         torch.manual_seed(seed)
         self.rollout, self.device, self.max_batch = rollout, device, max_batch
         self.max_model_len = model.max_model_len
-        self.static = device.startswith("cuda")  # bucketed shapes and a compiled decode step
+        self.static = device.startswith("cuda") if static is None else static
         self.tokenizer = load_tokenizer(model_path, model.trust_remote_code)
         self.model = load_model(model_path, model.dtype, device, model.trust_remote_code)
         self.policy_version = 0
@@ -191,7 +193,9 @@ class HFEngine:
         if not self.static:
             return 0.0
         start, prompt = time.perf_counter(), [self.tokenizer.eos_token_id]
-        shapes = [(MIN_ROWS, WIDTH_STEP), (self.max_batch, 2 * WIDTH_STEP), (self.max_batch // 2, WIDTH_STEP)]
+        # two shapes compile the decode step; after a recompile for a new shape torch makes the changed
+        # sizes dynamic, so the third (the largest batch) comes from the same graph
+        shapes = [(MIN_ROWS, WIDTH_STEP), (4 * MIN_ROWS, WIDTH_STEP), (self.max_batch, WIDTH_STEP)]
         for rows, width in shapes:
             batch = [_Request(prompt * width, 1, self.rollout.max_tokens) for _ in range(rows)]
             shape_start = time.perf_counter()
