@@ -22,4 +22,9 @@ RAW=$(python3 -c "import json;print([json.loads(l) for l in open('$F') if 'weigh
 python3 -m streamrl.bench.loop_figures "$RUNS/gpu" --skip 8 --standalone-mfu "$MFU" --raw-broadcast-ms "$RAW" >> "$F"
 cp "$RUNS/gpu/metrics.jsonl" "$OUT/metrics.jsonl" 2>/dev/null
 for f in "$RUNS"/gpu/logs/*.out; do echo "== $f"; tail -c 4000 "$f"; done > "$OUT/logs.txt" 2>/dev/null
+# the gpu-marked tests, when the call has time left (SECONDS counts from the script's start)
+if [ -n "${TESTS-}" ] && [ "$SECONDS" -lt 450 ]; then
+  timeout $((560 - SECONDS)) python3 -m pytest -q -p no:cacheprovider tests/gpu > "$OUT/gpu_tests.txt" 2>&1
+  tail -3 "$OUT/gpu_tests.txt"
+fi
 cat "$F"

@@ -221,14 +221,17 @@ def _drop_group(ready: WeightsReady, rank: int) -> None:
 
 
 def _post(ready: WeightsReady, device: torch.device, rank: int) -> tuple[list[torch.Tensor], list[dist.Work]]:
-    """Join the group, post a receive per bucket into the group's buffers, tell the learner."""
+    """Join the group, tell the learner the receives are coming, post one per bucket into the group's buffers."""
     if not 1 <= rank < ready.world_size:
         raise ValueError(f"receiver rank {rank} is outside 1..{ready.world_size - 1} (world_size {ready.world_size})")
     buffer_device = device if ready.backend == "nccl" else torch.device("cpu")
     group, pool, store = _receiver_group(ready, rank, buffer_device)
     flats = [pool.take(i, torch_dtype(b.dtype), b.numel, buffer_device) for i, b in enumerate(ready.buckets)]
-    works = [broadcast_async(group, flat, ready.timeout_s) for flat in flats]
+    # said before posting, not after: NCCL (2.22+) connects a new communicator at its first operation, on
+    # the host, so the first receive returns only once the learner's broadcast started (seen on H200s:
+    # a node that posted first and said so after waited for a learner that waited for it)
     store.set(_posted_key(ready.version), "1")
+    works = [broadcast_async(group, flat, ready.timeout_s) for flat in flats]
     return flats, works
 
 

@@ -65,11 +65,12 @@ def run_learner(cfg: Config, resume: str = "") -> int:
             metrics = trainer.step(batch.micro_batches, batch.loss_tokens)  # step
             clock.lap("train_s")
             skipped = bool(metrics["skipped"])
-            weights = parallel.weights_for_push(policy, compute) if not skipped else None  # on the device
             if rank0:
                 orchestrator.commit(step, skipped)  # commit
-                if weights is not None:
-                    orchestrator.publish(weights)  # push: nodes receive it in the background
+            clock.lap("commit_s")
+            weights = parallel.weights_for_push(policy, compute) if not skipped else None  # on the device
+            if rank0 and weights is not None:
+                orchestrator.publish(weights)  # push: nodes receive it in the background
             clock.lap("push_s")
             keeper.after_step(step, policy)  # checkpoint
             clock.lap("checkpoint_s")

@@ -190,7 +190,7 @@ def weights_for_push(model: nn.Module, dtype: torch.dtype) -> dict[str, Tensor]:
     for name, param in lm.named_parameters(remove_duplicate=False):
         if id(param) not in seen:
             full = param.full_tensor() if isinstance(param, DTensor) else param
-            seen[id(param)] = full.detach().to(dtype)  # no copy when it is in `dtype` already
+            seen[id(param)] = full if full.dtype == dtype else full.to(dtype)  # read under no_grad by the packer
         if is_rank0():
             out[hf_name(name)] = seen[id(param)]
     return out

@@ -96,6 +96,7 @@ class Publisher:
         self.links: dict[str, _Link] = {}
         self._sets: list[_Set] = []
         self._latest: _Set | None = None
+        self._plans: dict[tuple, list] = {}
         self._cond = threading.Condition()
         self.evicted = 0  # nodes evicted so far
 
@@ -113,13 +114,14 @@ class Publisher:
         """Pack `weights` as `version` for every node (they get it in the background); the seconds
         the caller was held: the packing alone."""
         start = time.perf_counter()
-        specs = plan_buckets(weights, int(self.cfg.weights.bucket_mb * 2**20))
+        specs = self._plan(weights)
         with self._cond:
             free = next((s for s in self._sets if s.readers == 0 and s is not self._latest), None)
         pool = free.pool if free is not None else BufferPool()
         packed = PackedBuckets(specs, weights, self._buffer_device, pool)
-        for i in range(len(packed)):
-            packed.get(i)  # pack now: the caller may change `weights` as soon as this returns
+        with torch.no_grad():
+            for i in range(len(packed)):
+                packed.get(i)  # pack now: the caller may change `weights` as soon as this returns
         event = None
         if self._buffer_device.type == "cuda":
             event = torch.cuda.Event()
@@ -132,6 +134,15 @@ class Publisher:
             self._latest = fresh
             self._cond.notify_all()
         return time.perf_counter() - start
+
+    def _plan(self, weights: Mapping[str, Tensor]) -> list:
+        """The bucket layout, planned once per layout (names, shapes, dtypes, which tensors share storage)."""
+        first: dict[int, int] = {}
+        ties = tuple(first.setdefault(t.untyped_storage().data_ptr(), i) for i, t in enumerate(weights.values()))
+        key = (tuple((n, tuple(t.shape), t.dtype) for n, t in weights.items()), ties)
+        if key not in self._plans:
+            self._plans[key] = plan_buckets(weights, int(self.cfg.weights.bucket_mb * 2**20))
+        return self._plans[key]
 
     @property
     def _buffer_device(self) -> torch.device:
