@@ -1,95 +1,207 @@
-"""End-to-end pipeline throughput: trained completion tokens/s with 1 rollout node vs N, same run.
+"""Async, measured: the same workload in sync mode and in async mode at several max_staleness, one call.
 
-    python -m streamrl.bench.pipeline [--steps 12] [--nodes 1 2] [--device cpu] [--set section.field=value ...]
+    python -m streamrl.bench.pipeline [--staleness 0 1 2 4] [--steps 12] [--nodes 1] [--device cpu]
+        [--simulate gen=1.0±0.05,train=1.0±0.05] [--out DIR] [--set section.field=value ...]
 
 Each configuration is a full `streamrl run` (embedded Redis, learner and rollout processes) on the
-built-in demo; the first 2 steps (engine start-up, first weights) are left out of the rate. Prints
-one JSON line per configuration, then each one's ratio against the first (the baseline).
+built-in demo (or the config the `--set`s make). Per configuration, one JSON line: trained tokens/s,
+seconds per step, the learner's and the nodes' idle fractions, the staleness histogram at training,
+the share of generated samples dropped stale or preempted, and the speed-up over sync measured in the
+same call. `--simulate` replaces generation and/or training with timed sleeps of that distribution
+(seconds per step), so the scheduler's own overhead shows: `overhead_s` is the step time beyond the
+ideal (gen + train for sync, max(gen, train) for async). A markdown table (`pipeline.md`) and PNG
+plots (`pipeline_speed.png`, `pipeline_staleness.png`) are written to `--out`.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import pathlib
+import re
+import statistics
 import tempfile
 import time
 
 from streamrl.engine.config import build
+from streamrl.engine.ledger import Ledger
+from streamrl.engine.redis_server import connect
 from streamrl.engine.telemetry import read_metrics
 from streamrl.ops.launcher import Launcher
 from streamrl.ops.run import DEMO
 
-WARMUP_STEPS = 2
+WARMUP_STEPS = 2  # engine start-up and the first weights are left out of the rates
 
 
-def measure(nodes: int, steps: int, device: str, sets: list[str], folder: str) -> dict:
-    cfg = build(
-        {},
-        [
-            *DEMO,
-            f"run.dir='{folder}'",
-            f"run.name='bench-{nodes}'",
-            f"run.steps={steps}",
-            f"run.device='{device}'",
-            "telemetry.tensorboard=false",
-            *sets,
-        ],
-    )
-    launcher = Launcher(cfg)
-    started = time.monotonic()
+def parse_simulate(text: str) -> dict[str, float]:
+    """`gen=1.0±0.05,train=2` -> {"gen_s": 1.0, "gen_sd": 0.05, "train_s": 2.0}; `+-` works for `±`."""
+    out: dict[str, float] = {}
+    for part in filter(None, text.replace("+-", "±").split(",")):
+        match = re.fullmatch(r"\s*(gen|train)\s*=\s*([0-9.]+)\s*(?:±\s*([0-9.]+))?\s*", part)
+        if not match:
+            raise SystemExit(f"--simulate {text!r}: expected gen=MEAN[±SD],train=MEAN[±SD] (seconds per step)")
+        out[f"{match[1]}_s"] = float(match[2])
+        if match[3]:
+            out[f"{match[1]}_sd"] = float(match[3])
+    return out
+
+
+def measure(mode: str, staleness: int, args, folder: str) -> dict:
+    name = f"{mode}-s{staleness}" if mode == "async" else "sync"
+    sets = [*DEMO, f"run.dir='{folder}'", f"run.name='{name}'", f"run.steps={args.steps}", f"run.mode='{mode}'"]
+    sets += [f"run.device='{args.device}'", f"ledger.max_staleness={staleness}", "telemetry.tensorboard=false"]
+    sets += [f"simulate.{k}={v}" for k, v in args.simulate.items()] + args.sets
+    launcher = Launcher(build({}, sets))
     try:
-        launcher.start(nodes)
+        launcher.start(args.nodes)
         launcher.learner.process.wait(timeout=3600)
+        counts, histogram = _books(launcher)
     finally:
         launcher.stop_all()
     records = read_metrics(launcher.run_dir / "metrics.jsonl")
+    if len(records) <= WARMUP_STEPS + 1:
+        raise RuntimeError(f"{name}: only {len(records)} steps finished; see {launcher.run_dir / 'logs'}")
+    return _figures(name, mode, staleness, records, counts, histogram, args.simulate)
+
+
+def _books(launcher: Launcher) -> tuple:
+    ledger = Ledger(connect(launcher.ledger_url), launcher.cfg.run.name)
+    return ledger.counts(), ledger.staleness_histogram()
+
+
+def _figures(name, mode, staleness, records, counts, histogram, simulate) -> dict:
     timed = records[WARMUP_STEPS:]
-    if len(timed) < 2:
-        raise RuntimeError(f"only {len(records)} steps finished; see {launcher.run_dir / 'logs'}")
     seconds = timed[-1]["time"] - records[WARMUP_STEPS - 1]["time"]
-    tokens = sum(r["completion_tokens"] for r in timed)
-    return {
-        "figure": "pipeline_tokens_per_s",
-        "nodes": nodes,
-        "device": device,
+    per_step = seconds / len(timed)
+    generated = max(1, counts.total)
+    nodes = _node_idle(records[-1])
+    out = {
+        "figure": "pipeline",
+        "config": name,
+        "mode": mode,
+        "max_staleness": staleness if mode == "async" else 0,
         "steps": len(timed),
-        "tokens_per_s": tokens / seconds,
-        "seconds_per_step": seconds / len(timed),
-        "stale_share": _stale_share(records),
-        "wall_s": time.monotonic() - started,
+        "tokens_per_s": sum(r["completion_tokens"] for r in timed) / seconds,
+        "seconds_per_step": per_step,
+        "learner_idle_fraction": statistics.mean(r.get("time/idle_fraction", 0.0) for r in timed),
+        "rollout_idle_fraction": nodes,
+        "staleness_histogram": {str(k): v for k, v in histogram.items()},
+        "stale_share": counts.dropped_by_reason.get("stale", 0) / generated,
+        "preempted_share": counts.dropped_by_reason.get("preempted", 0) / generated,
+        "generated": counts.total,
+        "trained": counts.trained,
         "final_reward": records[-1]["reward/mean"],
     }
+    gen, train = simulate.get("gen_s", 0.0), simulate.get("train_s", 0.0)
+    if gen and train:
+        ideal = gen + train if mode == "sync" else max(gen, train)
+        out.update(ideal_seconds_per_step=ideal, overhead_s=per_step - ideal)
+    return out
 
 
-def _stale_share(records: list[dict]) -> float:
-    """Samples dropped as stale over all samples that reached the learner (its counters are cumulative)."""
-    stale = records[-1].get("samples_stale", 0)
-    return stale / max(1, stale + sum(r["samples"] for r in records))
+def _node_idle(last: dict) -> float | None:
+    """The nodes' idle share of their own time (generate / idle / swap seconds they report)."""
+    nodes = {k.split("/")[1] for k in last if k.startswith("node/") and k.endswith("/idle_s")}
+    if not nodes:
+        return None
+    idle = sum(last[f"node/{n}/idle_s"] for n in nodes)
+    busy = sum(last.get(f"node/{n}/generate_s", 0.0) + last.get(f"node/{n}/swap_s", 0.0) for n in nodes)
+    return idle / max(idle + busy, 1e-9)
+
+
+def speedups(results: list[dict], simulate: dict) -> list[dict]:
+    """Each async configuration against sync, measured in the same call (and against the ideal)."""
+    sync = next((r for r in results if r["mode"] == "sync"), None)
+    out = []
+    for r in results:
+        if sync is None or r is sync:
+            continue
+        ratio = r["tokens_per_s"] / sync["tokens_per_s"]
+        row = {"figure": "pipeline_speedup", "config": r["config"], "vs": "sync", "ratio": ratio}
+        gen, train = simulate.get("gen_s", 0.0), simulate.get("train_s", 0.0)
+        if gen and train:
+            ideal = (gen + train) / max(gen, train)
+            row.update(ideal_ratio=ideal, fraction_of_ideal=ratio / ideal)
+        out.append(row)
+    return out
+
+
+def write_table(results: list[dict], gains: list[dict], out: pathlib.Path) -> pathlib.Path:
+    ratio = {g["config"]: g["ratio"] for g in gains}
+    lines = [
+        "| config | tokens/s | s/step | vs sync | learner idle | rollout idle | stale | preempted | staleness |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in results:
+        idle = r["rollout_idle_fraction"]
+        lines.append(
+            f"| {r['config']} | {r['tokens_per_s']:.0f} | {r['seconds_per_step']:.3f} | "
+            f"{ratio.get(r['config'], 1.0):.2f}× | {r['learner_idle_fraction']:.0%} | "
+            f"{'-' if idle is None else format(idle, '.0%')} | {r['stale_share']:.1%} | {r['preempted_share']:.1%} | "
+            f"{' '.join(f'{k}:{v}' for k, v in r['staleness_histogram'].items())} |"
+        )
+    path = out / "pipeline.md"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def plot(results: list[dict], out: pathlib.Path) -> list[pathlib.Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [r["config"] for r in results]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.5))
+    left.bar(names, [r["tokens_per_s"] for r in results], color="tab:blue")
+    left.set_title("trained tokens/s")
+    xs = range(len(names))
+    right.bar([x - 0.2 for x in xs], [r["learner_idle_fraction"] for r in results], width=0.4, label="learner")
+    right.bar([x + 0.2 for x in xs], [r["rollout_idle_fraction"] or 0.0 for r in results], width=0.4, label="rollout")
+    right.set_xticks(list(xs), names)
+    right.set_title("idle fraction")
+    right.legend()
+    fig.tight_layout()
+    speed = out / "pipeline_speed.png"
+    fig.savefig(speed, dpi=110)
+    fig, ax = plt.subplots(figsize=(5, 3.5))
+    for r in results:
+        hist = {int(k): v for k, v in r["staleness_histogram"].items()}
+        total = max(1, sum(hist.values()))
+        ax.plot(sorted(hist), [hist[k] / total for k in sorted(hist)], marker="o", label=r["config"])
+    ax.set_xlabel("staleness at training (versions)")
+    ax.set_ylabel("share of trained samples")
+    ax.legend()
+    fig.tight_layout()
+    stale = out / "pipeline_staleness.png"
+    fig.savefig(stale, dpi=110)
+    plt.close("all")
+    return [speed, stale]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--staleness", type=int, nargs="+", default=[0, 1, 2, 4], help="async max_staleness values")
+    parser.add_argument("--no-sync", action="store_true", help="leave out the sync baseline")
     parser.add_argument("--steps", type=int, default=12)
-    parser.add_argument("--nodes", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--nodes", type=int, default=1)
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--simulate", type=parse_simulate, default={}, help="gen=MEAN[±SD],train=MEAN[±SD] (s/step)")
+    parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("."), help="folder for the table and plots")
     parser.add_argument("--set", action="append", default=[], dest="sets")
     args = parser.parse_args()
+    configs = ([] if args.no_sync else [("sync", 0)]) + [("async", s) for s in args.staleness]
+    started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="srl-bench-") as folder:
-        results = [measure(n, args.steps, args.device, args.sets, folder) for n in args.nodes]
-    for result in results:
-        print(json.dumps(result))
-    base = results[0]["tokens_per_s"]
-    for result in results[1:]:
-        print(
-            json.dumps(
-                {
-                    "figure": "pipeline_speedup",
-                    "nodes": result["nodes"],
-                    "baseline_nodes": results[0]["nodes"],
-                    "ratio": result["tokens_per_s"] / base,
-                }
-            )
-        )
+        results = [measure(mode, staleness, args, folder) for mode, staleness in configs]
+    gains = speedups(results, args.simulate)
+    for line in [*results, *gains]:
+        print(json.dumps(line), flush=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    files = [write_table(results, gains, args.out), *plot(results, args.out)]
+    print(
+        json.dumps({"figure": "pipeline_files", "files": [str(f) for f in files], "wall_s": time.monotonic() - started})
+    )
 
 
 if __name__ == "__main__":

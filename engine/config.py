@@ -45,6 +45,11 @@ class RunConfig(_Section):
         _doc("Where the learner and the rollout engines run; auto picks cuda when present."),
     ] = "auto"
     steps: Annotated[int, _doc("Optimizer steps to run before stopping.", ge=1)] = 20
+    mode: Annotated[
+        Literal["async", "sync"],
+        _doc("async: nodes generate ahead, within ledger.max_staleness versions; sync: the classic loop, one "
+             "step's groups generated with the newest weights, then trained, then pushed (the baseline)."),
+    ] = "async"  # fmt: skip
 
     @property
     def path(self) -> pathlib.Path:
@@ -422,6 +427,16 @@ class CheckpointConfig(_Section):
     export_every: Annotated[int, _doc("Write an HF safetensors export every N steps; 0 disables.", ge=0)] = 0
 
 
+class SimulateConfig(_Section):
+    """Timed sleeps in place of generation and/or training, to measure the scheduler itself (`streamrl
+    bench pipeline --simulate`). Seconds per step; each group of a step takes its share, one at a time."""
+
+    gen_s: Annotated[float, _doc("Generation seconds per step (0: real generation).", ge=0.0)] = 0.0
+    gen_sd: Annotated[float, _doc("Standard deviation of gen_s (normal, clipped at 0).", ge=0.0)] = 0.0
+    train_s: Annotated[float, _doc("Training seconds per step (0: real training).", ge=0.0)] = 0.0
+    train_sd: Annotated[float, _doc("Standard deviation of train_s (normal, clipped at 0).", ge=0.0)] = 0.0
+
+
 class TelemetryConfig(_Section):
     log_level: Annotated[Literal["DEBUG", "INFO", "WARNING", "ERROR"], _doc("Log level of rank 0.")] = "INFO"
     tensorboard: Annotated[bool, _doc("Also write TensorBoard events when tensorboard is installed.")] = True
@@ -451,6 +466,7 @@ class Config(_Section):
     weights: WeightsConfig = msgspec.field(default_factory=WeightsConfig)
     checkpoint: CheckpointConfig = msgspec.field(default_factory=CheckpointConfig)
     telemetry: TelemetryConfig = msgspec.field(default_factory=TelemetryConfig)
+    simulate: SimulateConfig = msgspec.field(default_factory=SimulateConfig)
 
 
 def _parse_value(text: str) -> Any:

@@ -73,17 +73,24 @@ class Ledger(LedgerBooks):
     # ---- run and versions ------------------------------------------------------------------------
 
     @retried
-    def init_run(self, groups_per_step: int) -> int:
-        """Record the credit capacity `(max_staleness + 1) * groups_per_step`; the learner calls it at start."""
+    def init_run(self, groups_per_step: int, mode: str = "async", steps_left: int = -1) -> int:
+        """Record the admission rules (the learner calls it at start): at most `(max_staleness + 1) *
+        groups_per_step` groups in flight; a group only when it can be trained within max_staleness of
+        the weights that generate it (mode "async") or, in mode "sync", one step's groups at a time with
+        the learner's newest weights; never more groups than `steps_left` steps train (-1: no end)."""
         if groups_per_step < 1:
             raise ValueError(f"groups_per_step = {groups_per_step}: must be >= 1")
-        capacity = (self.config.max_staleness + 1) * groups_per_step
+        if mode not in ("async", "sync"):
+            raise ValueError(f"mode = {mode!r}: 'async' or 'sync'")
+        capacity = (self.config.max_staleness + 1) * groups_per_step if mode == "async" else groups_per_step
         self.client.hset(
             self.prefix + "meta",
             mapping={
                 "capacity": capacity,
-                "max_staleness": self.config.max_staleness,
+                "max_staleness": self.config.max_staleness if mode == "async" else 0,
                 "groups_per_step": groups_per_step,
+                "mode": mode,
+                "steps_left": steps_left,
             },
         )
         if self.client.get(self.prefix + "version") is None:
@@ -149,9 +156,13 @@ class Ledger(LedgerBooks):
 
     # ---- credits ---------------------------------------------------------------------------------
 
-    def take_credit(self, node_id: str, group_id: str, group_size: int, prompt: str = "") -> list[str] | None:
+    def take_credit(
+        self, node_id: str, group_id: str, group_size: int, prompt: str = "", node_version: int = -1
+    ) -> list[str] | None:
         """Take a credit for a group and admit its samples; their ids, or None when no credit is free.
 
+        `node_version`: the policy version the node would generate the group with; the admission rules
+        of `init_run` weigh it (-1: not known, only the capacity and the end of the run apply).
         `prompt` is an opaque reference (e.g. a data row) handed to whoever re-generates the group
         if this node is lost and `on_node_lost = "readmit"`.
         """
@@ -159,7 +170,7 @@ class Ledger(LedgerBooks):
             raise ValueError(f"group_size = {group_size}: must be >= 1")
         if ":" in group_id or not group_id:
             raise ValueError(f"group_id = {group_id!r}: must be non-empty and without ':' (sample ids add ':i')")
-        taken = self._call("TAKE_CREDIT", node_id, group_id, group_size, prompt, time.time())
+        taken = self._call("TAKE_CREDIT", node_id, group_id, group_size, prompt, time.time(), node_version)
         return sample_ids(group_id, group_size) if taken == 1 else None
 
     def claim_orphan(self, node_id: str) -> Orphan | None:
@@ -204,9 +215,12 @@ class Ledger(LedgerBooks):
         gone = set(stale)
         return [s for s in samples if s.sample_id not in gone]
 
-    def commit_step(self, trained_ids: Sequence[str], version: int, step: int) -> list[bool]:
+    def commit_step(
+        self, trained_ids: Sequence[str], version: int, step: int, steps_left: int | None = None
+    ) -> list[bool]:
         """Learner side, one round trip after an optimizer step: mark the batch trained (staleness
-        measured against the version that trained it), then publish the new `version`."""
+        measured against the version that trained it), then publish the new `version` (and how many
+        steps are left, for admission)."""
         record, now, keys = json.dumps({"step": step, "time": time.time()}), time.time(), self._call_id()
 
         def attempt():
@@ -215,6 +229,8 @@ class Ledger(LedgerBooks):
                 args = [self.prefix, "trained", now, 1, *trained_ids]
                 self._scripts["TRANSITION"](keys=[keys + ":t"], args=args, client=pipe)
             self._scripts["PUBLISH_VERSION"](keys=[keys + ":v"], args=[self.prefix, version, record], client=pipe)
+            if steps_left is not None:
+                pipe.hset(self.prefix + "meta", "steps_left", steps_left)
             return _execute(pipe, self.run)
 
         results = self._retry(attempt, "commit_step")

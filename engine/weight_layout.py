@@ -69,21 +69,32 @@ def plan_buckets(
 
 
 def pack_bucket(
-    spec: BucketSpec, tensors: Mapping[str, torch.Tensor], device: torch.device | str, out: torch.Tensor | None = None
+    spec: BucketSpec,
+    tensors: Mapping[str, torch.Tensor],
+    device: torch.device | str,
+    out: torch.Tensor | None = None,
+    check: bool = True,
 ) -> torch.Tensor:
-    """One flat tensor (`out` when given) holding the bucket's tensors at their offsets."""
+    """One flat tensor (`out` when given) holding the bucket's tensors at their offsets.
+
+    check=False skips the per-tensor shape and dtype checks: for a layout planned from these very
+    tensors and checked once already (the learner packs the same ~300 tensors every step, and the
+    checks cost more host time than the copy they guard)."""
     flat = torch.empty(spec.numel, dtype=torch_dtype(spec.dtype), device=device) if out is None else out
-    primaries, end = [], 0
-    for ts in spec.tensors:
-        t = tensors.get(ts.name)
-        if t is None or list(t.shape) != ts.shape or t.dtype != flat.dtype:
-            got = "missing" if t is None else f"{dtype_name(t.dtype)}{list(t.shape)}"
-            raise ValueError(f"tensor {ts.name!r} is {got}; the layout says {spec.dtype}{ts.shape}")
-        if ts.offset == end:  # a tied alias points back at an earlier offset: its bytes are already in
-            primaries.append(t.detach().reshape(-1))
-            end += ts.numel
-    if end != spec.numel:
-        raise ValueError(f"bucket layout is not contiguous: tensors cover {end} of {spec.numel} elements")
+    if check:
+        primaries, end = [], 0
+        for ts in spec.tensors:
+            t = tensors.get(ts.name)
+            if t is None or list(t.shape) != ts.shape or t.dtype != flat.dtype:
+                got = "missing" if t is None else f"{dtype_name(t.dtype)}{list(t.shape)}"
+                raise ValueError(f"tensor {ts.name!r} is {got}; the layout says {spec.dtype}{ts.shape}")
+            if ts.offset == end:  # a tied alias points back at an earlier offset: its bytes are already in
+                primaries.append(t.detach().reshape(-1))
+                end += ts.numel
+        if end != spec.numel:
+            raise ValueError(f"bucket layout is not contiguous: tensors cover {end} of {spec.numel} elements")
+    else:
+        primaries = [tensors[name].view(-1) for name in _primary_names(spec)]
     if all(t.device == flat.device for t in primaries):
         torch.cat(primaries, out=flat)  # one batched kernel instead of a copy per tensor (~290 in a 0.5B)
     else:
@@ -92,6 +103,16 @@ def pack_bucket(
             flat[offset : offset + t.numel()].copy_(t, non_blocking=True)
             offset += t.numel()
     return flat
+
+
+def _primary_names(spec: BucketSpec) -> list[str]:
+    """The bucket's tensors that own their bytes, in order (a tied alias points back at an earlier offset)."""
+    names, end = [], 0
+    for ts in spec.tensors:
+        if ts.offset == end:
+            names.append(ts.name)
+            end += ts.numel
+    return names
 
 
 def unpack_bucket(spec: BucketSpec, flat: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
@@ -132,9 +153,10 @@ class PackedBuckets:
         tensors: Mapping[str, torch.Tensor],
         device: torch.device | str,
         pool: BufferPool | None = None,
+        check: bool = True,
     ):
         self.specs, self._tensors, self.device = specs, tensors, torch.device(device)
-        self._pool = pool
+        self._pool, self._check = pool, check
         self._flat: dict[int, torch.Tensor] = {}
         self._lock = threading.Lock()
 
@@ -150,5 +172,5 @@ class PackedBuckets:
                     if self._pool is None
                     else self._pool.take(index, torch_dtype(spec.dtype), spec.numel, self.device)
                 )
-                self._flat[index] = pack_bucket(spec, self._tensors, self.device, out)
+                self._flat[index] = pack_bucket(spec, self._tensors, self.device, out, self._check)
             return self._flat[index]

@@ -50,11 +50,10 @@ def run_learner(cfg: Config, resume: str = "") -> int:
     compute = getattr(torch, cfg.model.dtype)  # the learner's compute dtype = what the engines serve
     model = load_model(model_path, "float32", "cpu", cfg.model.trust_remote_code)  # fp32 master weights
     policy = parallel.wrap_model(model, cfg.learner, device, temperature=cfg.rollout.temperature, compute_dtype=compute)
-    # gather ahead: each step ends with the next forward's weights gathered, which the push reads too
-    trainer = Trainer(policy, cfg.loss, cfg.learner, device, gather_ahead=True)
+    trainer = _trainer(cfg, policy, device)
     keeper = checkpoint.Keeper(cfg.checkpoint, cfg.run.path, policy.lm, trainer, model_path, cfg.run.steps)
     first = keeper.resume(resume, cfg.run.path).step + 1 if resume else 1
-    orchestrator = _start_orchestrator(cfg, device, trainer, policy, resumed=bool(resume))
+    orchestrator = _start_orchestrator(cfg, device, trainer, policy, resumed=bool(resume), first_step=first)
     try:
         _continue_versions(trainer, orchestrator, policy, compute)
         for step in range(first, cfg.run.steps + 1):
@@ -83,6 +82,16 @@ def run_learner(cfg: Config, resume: str = "") -> int:
     return 0
 
 
+def _trainer(cfg: Config, policy, device: torch.device) -> Trainer:
+    """The trainer; with `simulate.train_s` one that sleeps instead (benchmarks of the scheduler)."""
+    # gather ahead: each step ends with the next forward's weights gathered, which the push reads too
+    if cfg.simulate.train_s > 0:
+        from streamrl.learner.simulate import SimulatedTrainer
+
+        return SimulatedTrainer(policy, cfg.loss, cfg.learner, device, simulate=cfg.simulate, seed=cfg.run.seed)
+    return Trainer(policy, cfg.loss, cfg.learner, device, gather_ahead=True)
+
+
 class _Laps:
     """Seconds between named points of one step (time.monotonic)."""
 
@@ -96,7 +105,7 @@ class _Laps:
         self._last = now
 
 
-def _start_orchestrator(cfg: Config, device: torch.device, trainer: Trainer, policy, resumed: bool):
+def _start_orchestrator(cfg: Config, device: torch.device, trainer: Trainer, policy, resumed: bool, first_step: int):
     """Rank 0's orchestrator; a refusal (a run trained already, ...) stops every rank, not rank 0 alone."""
     orchestrator, error = None, None
     if parallel.is_rank0():
@@ -104,7 +113,7 @@ def _start_orchestrator(cfg: Config, device: torch.device, trainer: Trainer, pol
         params = sum(p.numel() for p in policy.lm.parameters())
         try:
             orchestrator = Orchestrator(
-                cfg, device, lambda: trainer.version, resumed=resumed, compiled=compiled, params=params
+                cfg, device, lambda: trainer.version, resumed, compiled, params, first_step=first_step
             )
         except ConfigError as e:
             error = str(e)

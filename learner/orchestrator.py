@@ -55,8 +55,10 @@ class Orchestrator:
         resumed: bool = False,
         compiled: bool = False,
         params: int = 0,
+        first_step: int = 1,
     ):
         self.cfg, self.version_of, self.compiled, self.params = cfg, version_of, compiled, params
+        self._first_step = first_step
         self.peak_flops = peak_flops(device)
         self.ledger, self.redis = open_ledger(cfg.ledger, cfg.run.name, cfg.run.path)
         try:
@@ -85,6 +87,10 @@ class Orchestrator:
             self.redis_url.split("@")[-1],
         )
 
+    def steps_left(self, next_step: int) -> int:
+        """Steps still to train from `next_step` on: the ledger admits no group beyond what they train."""
+        return max(0, self.cfg.run.steps - next_step + 1)
+
     @property
     def ledger_version(self) -> int:
         return self.ledger.current_version()
@@ -97,7 +103,7 @@ class Orchestrator:
                 f"run {self.cfg.run.name!r} already trained to version {self.ledger.current_version()} (its "
                 "ledger says so): pass --resume latest to continue it, or set run.name to start a new run"
             )
-        self.ledger.init_run(self.cfg.learner.groups_per_step)
+        self.ledger.init_run(self.cfg.learner.groups_per_step, self.cfg.run.mode, self.steps_left(self._first_step))
         if resumed:
             dropped = self.ledger.drop_received("preempted")
             log.info("resuming: %d samples received but not trained before are dropped as preempted", dropped)
@@ -179,7 +185,7 @@ class Orchestrator:
         if skipped:
             self.ledger.drop(ids, "nonfinite_step")
         else:
-            self.ledger.commit_step(ids, self.version_of(), step)
+            self.ledger.commit_step(ids, self.version_of(), step, steps_left=self.steps_left(step + 1))
 
     def publish(self, weights: Mapping[str, Tensor]) -> float:
         """Hand the new version to the publisher (nodes get it in the background); the seconds it held us."""

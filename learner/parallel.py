@@ -192,8 +192,11 @@ def weights_for_push(model: nn.Module, dtype: torch.dtype) -> dict[str, Tensor]:
             full = param.full_tensor() if isinstance(param, DTensor) else param
             seen[id(param)] = full if full.dtype == dtype else full.to(dtype)  # read under no_grad by the packer
         if is_rank0():
-            out[hf_name(name)] = seen[id(param)]
+            out[_hf_names.get(name) or _hf_names.setdefault(name, hf_name(name))] = seen[id(param)]
     return out
+
+
+_hf_names: dict[str, str] = {}  # module name -> HF name, computed once per name
 
 
 def full_state_dict(model: nn.Module) -> dict[str, Tensor]:

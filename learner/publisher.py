@@ -114,11 +114,11 @@ class Publisher:
         """Pack `weights` as `version` for every node (they get it in the background); the seconds
         the caller was held: the packing alone."""
         start = time.perf_counter()
-        specs = self._plan(weights)
+        specs, fresh = self._plan(weights)
         with self._cond:
             free = next((s for s in self._sets if s.readers == 0 and s is not self._latest), None)
         pool = free.pool if free is not None else BufferPool()
-        packed = PackedBuckets(specs, weights, self._buffer_device, pool)
+        packed = PackedBuckets(specs, weights, self._buffer_device, pool, check=fresh)
         with torch.no_grad():
             for i in range(len(packed)):
                 packed.get(i)  # pack now: the caller may change `weights` as soon as this returns
@@ -135,14 +135,15 @@ class Publisher:
             self._cond.notify_all()
         return time.perf_counter() - start
 
-    def _plan(self, weights: Mapping[str, Tensor]) -> list:
-        """The bucket layout, planned once per layout (names, shapes, dtypes, which tensors share storage)."""
-        first: dict[int, int] = {}
-        ties = tuple(first.setdefault(t.untyped_storage().data_ptr(), i) for i, t in enumerate(weights.values()))
-        key = (tuple((n, tuple(t.shape), t.dtype) for n, t in weights.items()), ties)
-        if key not in self._plans:
-            self._plans[key] = plan_buckets(weights, int(self.cfg.weights.bucket_mb * 2**20))
-        return self._plans[key]
+    def _plan(self, weights: Mapping[str, Tensor]) -> tuple[list, bool]:
+        """The bucket layout and whether it is new. Planned once for the tensors the learner hands over
+        every step (the same objects: FSDP keeps its gathered parameters), so a step pays no per-tensor
+        host work but the copy; other tensors get a plan, checked when packed."""
+        key = (tuple(weights), tuple(map(id, weights.values())), tuple(t.shape for t in weights.values()))
+        if key in self._plans:
+            return self._plans[key], False
+        self._plans = {key: plan_buckets(weights, int(self.cfg.weights.bucket_mb * 2**20))}
+        return self._plans[key], True
 
     @property
     def _buffer_device(self) -> torch.device:

@@ -21,6 +21,10 @@ def build_engine(cfg: Config, device: str = "cpu") -> GenerationEngine:
 
     model_path = cfg.model.path or str(default_tiny_model())
     check_sampling(cfg.rollout)
+    if cfg.simulate.gen_s > 0:
+        from streamrl.rollout.sim_engine import SimEngine
+
+        return SimEngine(cfg, device)
     if cfg.rollout.backend == "vllm":
         from streamrl.rollout.vllm_engine import VLLMEngine
 

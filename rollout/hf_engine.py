@@ -3,11 +3,15 @@
 Requests that wait while a batch runs are batched together (left-padded) into the next
 `generate` call, so several groups in flight share one forward pass per step, as vLLM's
 continuous batching would (but only at batch boundaries). On CUDA the cache is static
-(FINDINGS: 6x the dynamic cache at batch 256), and transformers compiles the decode step for the
-shapes it sees: batches are padded to a few bucketed shapes (rows to a power of two, prompts to a
-multiple of `WIDTH_STEP`, new tokens always `rollout.max_tokens`) and `warm_up` compiles them before
-the node registers, so nothing compiles mid-run. Behavior logprobs are log_softmax(raw logits / T)
-at the sampled token — the same definition as the vLLM backend (rollout/engine.py).
+(FINDINGS: 6x the dynamic cache at batch 256), and transformers compiles the decode step and records
+CUDA graphs for the shape it sees, reusing its cache (and so the graphs) only while the shape stays
+the same: every batch is padded to `max_batch` rows, prompts to a multiple of `WIDTH_STEP`, new tokens
+always `rollout.max_tokens` (a decode step at this size is latency-bound: 16 rows cost about what 256
+do), a batch waits up to `FILL_S` for requests to fill it, and `warm_up` compiles that shape before the
+node registers, so nothing compiles mid-run. (Seen on H200s with rows bucketed to powers of two: each
+change of batch size cost a new cache and graphs, and generation ran at 2.2k instead of ~30k tok/s.)
+Behavior logprobs are log_softmax(raw logits / T) at the sampled token — the same definition as the
+vLLM backend (rollout/engine.py).
 
 Weights: a new version is received into staging buffers while a batch runs (`weights.Stager`, in a
 thread of its own) and swapped into the model between batches, on the generation thread itself.
@@ -28,7 +32,7 @@ from streamrl.rollout.engine import Completion, EngineClock, check_sampling
 log = logging.getLogger("streamrl.rollout")
 
 WIDTH_STEP = 64  # prompt widths are padded to a multiple of this on CUDA
-MIN_ROWS = 16  # the smallest batch bucket on CUDA
+FILL_S = 0.25  # on CUDA a batch waits this long at most for requests to fill it
 
 
 class _Request:
@@ -94,10 +98,17 @@ class HFEngine:
         self._queue.append(request)
         await asyncio.sleep(0)  # let requests submitted in the same tick join this batch
         async with self._lock:
+            if self.static:  # a batch costs about the same at any size: fill it first
+                deadline = time.monotonic() + FILL_S
+                while self._queued_rows() < self.max_batch and time.monotonic() < deadline and self._queue:
+                    await asyncio.sleep(0.01)
             batch = self._take_batch()
             if batch:
                 await self._run(batch)
         return await request.future
+
+    def _queued_rows(self) -> int:
+        return sum(r.n for r in self._queue)
 
     def _take_batch(self) -> list[_Request]:
         batch, rows = [], 0
@@ -163,13 +174,10 @@ class HFEngine:
         return version, results
 
     def _bucket_rows(self, rows: list[list[int]]) -> list[list[int]]:
-        """On CUDA, rows padded (with copies of the first, dropped afterwards) to a power of two."""
+        """On CUDA, rows padded (with copies of the first, dropped afterwards) to `max_batch`: one shape."""
         if not self.static:
             return rows
-        size = MIN_ROWS
-        while size < len(rows):
-            size *= 2
-        return rows + [rows[0]] * (min(size, max(self.max_batch, len(rows))) - len(rows))
+        return rows + [rows[0]] * (max(self.max_batch, len(rows)) - len(rows))
 
     def _left_pad(self, rows: list[list[int]]):
         import torch
@@ -193,9 +201,8 @@ class HFEngine:
         if not self.static:
             return 0.0
         start, prompt = time.perf_counter(), [self.tokenizer.eos_token_id]
-        # two shapes compile the decode step; after a recompile for a new shape torch makes the changed
-        # sizes dynamic, so the third (the largest batch) comes from the same graph
-        shapes = [(MIN_ROWS, WIDTH_STEP), (4 * MIN_ROWS, WIDTH_STEP), (self.max_batch, WIDTH_STEP)]
+        # the serving shape (every batch is padded to it), twice: compile, then record and replay the graphs
+        shapes = [(self.max_batch, WIDTH_STEP), (self.max_batch, WIDTH_STEP)]
         for rows, width in shapes:
             batch = [_Request(prompt * width, 1, self.rollout.max_tokens) for _ in range(rows)]
             shape_start = time.perf_counter()

@@ -36,7 +36,7 @@ from streamrl.rollout.sources import Prompt, prompt_text
 
 log = logging.getLogger(__name__)
 
-CREDIT_RETRY_S = 0.05
+CREDIT_RETRY_S = 0.01  # a refused credit is asked again this soon (sync mode: right after new weights)
 MAX_FAILURES_IN_A_ROW = 5
 
 

@@ -45,11 +45,14 @@ HEARTBEAT_S = 1.0
 class LedgerCredits:
     """Admission through the ledger: one credit per group, returned when the group is resolved."""
 
-    def __init__(self, ledger: Ledger, node_id: str):
-        self.ledger, self.node_id = ledger, node_id
+    def __init__(self, ledger: Ledger, node_id: str, version_of=lambda: -1):
+        """version_of: the policy version the node would generate with now (the ledger's admission
+        weighs it against max_staleness, or, in sync mode, against the learner's newest)."""
+        self.ledger, self.node_id, self.version_of = ledger, node_id, version_of
 
     async def acquire(self, group_id: str, sample_ids: list[str]) -> bool:
-        taken = await asyncio.to_thread(self.ledger.take_credit, self.node_id, group_id, len(sample_ids))
+        n, version = len(sample_ids), self.version_of()
+        taken = await asyncio.to_thread(self.ledger.take_credit, self.node_id, group_id, n, node_version=version)
         return taken is not None
 
     async def release(self, group_id: str, sample_ids: list[str], reason: str) -> None:
@@ -260,7 +263,8 @@ async def serve(cfg: Config, learner_addr: str, node_id: str, max_groups: int | 
             with TrajectorySender(
                 welcome.trajectory_addr, node_id, t.hwm, t.send_timeout_s, max_frame_mb=t.max_frame_mb
             ) as tx:
-                sink, credits = LedgerSink(ledger, tx), LedgerCredits(ledger, node_id)
+                sink = LedgerSink(ledger, tx)
+                credits = LedgerCredits(ledger, node_id, version_of=lambda: engine.policy_version)
                 node = RolloutNode(
                     cfg, node_id, engine, inputs.source, inputs.scorer, sink, inputs.tokenizer, credits=credits
                 )
