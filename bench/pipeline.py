@@ -1,7 +1,7 @@
 """Async, measured: the same workload in sync mode and in async mode at several max_staleness, one call.
 
     python -m streamrl.bench.pipeline [--staleness 0 1 2 4] [--steps 12] [--nodes 1] [--device cpu]
-        [--simulate gen=1.0±0.05,train=1.0±0.05] [--out DIR] [--set section.field=value ...]
+        [--simulate gen=1.0±0.05,train=1.0±0.05] [--config FILE] [--out DIR] [--set section.field=value ...]
 
 Each configuration is a full `streamrl run` (embedded Redis, learner and rollout processes) on the
 built-in demo (or the config the `--set`s make). Per configuration, one JSON line: trained tokens/s,
@@ -23,7 +23,7 @@ import statistics
 import tempfile
 import time
 
-from streamrl.engine.config import build
+from streamrl.engine.config import build, load
 from streamrl.engine.ledger import Ledger
 from streamrl.engine.redis_server import connect
 from streamrl.engine.telemetry import read_metrics
@@ -48,10 +48,11 @@ def parse_simulate(text: str) -> dict[str, float]:
 
 def measure(mode: str, staleness: int, args, folder: str) -> dict:
     name = f"{mode}-s{staleness}" if mode == "async" else "sync"
-    sets = [*DEMO, f"run.dir='{folder}'", f"run.name='{name}'", f"run.steps={args.steps}", f"run.mode='{mode}'"]
+    base = [] if args.config else DEMO
+    sets = [*base, f"run.dir='{folder}'", f"run.name='{name}'", f"run.steps={args.steps}", f"run.mode='{mode}'"]
     sets += [f"run.device='{args.device}'", f"ledger.max_staleness={staleness}", "telemetry.tensorboard=false"]
     sets += [f"simulate.{k}={v}" for k, v in args.simulate.items()] + args.sets
-    launcher = Launcher(build({}, sets))
+    launcher = Launcher(load(args.config, sets) if args.config else build({}, sets))
     try:
         launcher.start(args.nodes)
         launcher.learner.process.wait(timeout=3600)
@@ -186,16 +187,20 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--nodes", type=int, default=1)
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--config", default="", help="a run config (TOML) instead of the built-in demo")
     parser.add_argument("--simulate", type=parse_simulate, default={}, help="gen=MEAN[±SD],train=MEAN[±SD] (s/step)")
     parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("."), help="folder for the table and plots")
     parser.add_argument("--set", action="append", default=[], dest="sets")
     args = parser.parse_args()
     configs = ([] if args.no_sync else [("sync", 0)]) + [("async", s) for s in args.staleness]
     started = time.monotonic()
+    results = []
     with tempfile.TemporaryDirectory(prefix="srl-bench-") as folder:
-        results = [measure(mode, staleness, args, folder) for mode, staleness in configs]
+        for mode, staleness in configs:  # each line as soon as it is measured
+            results.append(measure(mode, staleness, args, folder))
+            print(json.dumps(results[-1]), flush=True)
     gains = speedups(results, args.simulate)
-    for line in [*results, *gains]:
+    for line in gains:
         print(json.dumps(line), flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     files = [write_table(results, gains, args.out), *plot(results, args.out)]
