@@ -112,6 +112,9 @@ class Intake:
                 del self.groups[group_id]
         if len(usable) < n_groups:
             return None
+        # oldest weights first: a group that waits while newer ones are trained may go stale; a newer
+        # one can wait a step (admission kept it within max_staleness of the next)
+        usable.sort(key=lambda g: (min(t.min_version for t in self.groups[g].fresh), self.groups[g].first_seen))
         return [self.groups.pop(g).fresh for g in usable[:n_groups]]
 
     def _fresh_members(self, group: _Group, version: int) -> list[Trajectory]:
