@@ -44,7 +44,7 @@ class RunConfig(_Section):
         Literal["auto", "cpu", "cuda"],
         _doc("Where the learner and the rollout engines run; auto picks cuda when present."),
     ] = "auto"
-    steps: Annotated[int, _doc("Optimizer steps to run before stopping.", ge=1)] = 20
+    steps: Annotated[int, _doc("Learner steps (batches, one policy version each) to run before stopping.", ge=1)] = 20
     mode: Annotated[
         Literal["async", "sync"],
         _doc("async: nodes generate ahead, within ledger.max_staleness versions; sync: the classic loop, one "
@@ -281,7 +281,21 @@ class LossConfig(_Section):
             le=80.0,
         ),
     ] = 20.0
-    kl_coef: Annotated[float, _doc("KL penalty to a reference policy; 0 disables.", ge=0.0)] = 0.0
+    kl_coef: Annotated[
+        float,
+        _doc(
+            "KL penalty to a frozen reference policy (built at start, sharded like the policy); 0 disables "
+            "and builds no reference.",
+            ge=0.0,
+        ),
+    ] = 0.0
+    reference_path: Annotated[
+        str,
+        _doc(
+            "The reference policy for kl_coef > 0: a local HF model folder (or hub id); empty: model.path "
+            "(the weights the run starts from)."
+        ),
+    ] = ""
     kl_estimator: Annotated[
         Literal["k1", "k2", "k3"],
         _doc(
@@ -310,9 +324,18 @@ class LearnerConfig(_Section):
     lr: Annotated[float, _doc("AdamW learning rate.", gt=0.0, le=1.0)] = 1e-5
     weight_decay: Annotated[float, _doc("AdamW weight decay.", ge=0.0)] = 0.0
     betas: Annotated[tuple[float, float], _doc("AdamW betas.")] = (0.9, 0.999)
-    warmup_steps: Annotated[int, _doc("Linear LR warm-up steps.", ge=0)] = 0
+    warmup_steps: Annotated[int, _doc("Linear LR warm-up, in learner steps (batches, not updates).", ge=0)] = 0
     max_grad_norm: Annotated[float, _doc("Gradient clipping norm (on by default; inf disables).", gt=0.0)] = 1.0
-    groups_per_step: Annotated[int, _doc("Prompt groups consumed per optimizer step.", ge=1)] = 4
+    groups_per_step: Annotated[int, _doc("Prompt groups consumed per learner step (one batch).", ge=1)] = 4
+    updates_per_batch: Annotated[
+        int,
+        _doc(
+            "Optimizer updates per batch (mini-batch PPO): the batch is split into this many mini-batches of "
+            "whole samples, balanced by tokens; the clip acts against the weights the batch started from. "
+            "The policy version moves once per batch.",
+            ge=1,
+        ),
+    ] = 1
     micro_batch_tokens: Annotated[int, _doc("Token budget of one packed micro-batch.", ge=16)] = 8192
     ranks: Annotated[int, _doc("Learner processes (FSDP2 ranks); >1 runs under torchrun.", ge=1)] = 1
     gpus: Annotated[

@@ -97,7 +97,6 @@ class Register(_Wire, tag="register"):
 
     node_id: str
     host: str  # where the node runs (for logs and eviction messages)
-    weight_ranks: int = 1  # receivers the node puts in its weight group (vLLM workers)
     device: str = "cpu"
     backend: str = "vllm"
 

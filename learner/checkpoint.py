@@ -28,6 +28,7 @@ import msgspec
 import torch
 from torch import nn
 
+from streamrl.engine.config import CheckpointConfig
 from streamrl.learner import parallel
 from streamrl.learner.export import export_state
 
@@ -315,7 +316,15 @@ class Keeper:
     first save an hour in. `trainer` needs `.optimizer`, `.scheduler`, `.version`, `.skipped_steps`.
     """
 
-    def __init__(self, cfg, run_dir: str | os.PathLike, lm: nn.Module, trainer, model_source: str, last_step: int):
+    def __init__(
+        self,
+        cfg: CheckpointConfig,
+        run_dir: str | os.PathLike,
+        lm: nn.Module,
+        trainer,
+        model_source: str,
+        last_step: int,
+    ):
         self.cfg, self.lm, self.trainer, self.model_source = cfg, lm, trainer, model_source
         self.root, self.exports = checkpoints_dir(run_dir), pathlib.Path(run_dir) / "exports"
         self.last_step = last_step

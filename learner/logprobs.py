@@ -4,8 +4,10 @@
 the logits: the log-sum-exp is taken in fp32 inside one kernel on CUDA (head_kernels.py). Backward
 needs the logits again; it keeps them from forward in the model's dtype (T x vocab values, bf16 on
 GPU) when they fit `keep_logits_bytes`, which saves one head matmul per position (about a tenth of a
-0.5B model's FLOPs); past that it recomputes each chunk, so memory stays chunk x vocab. Only the
-logprob is differentiated; the entropy is a metric.
+0.5B model's FLOPs); past that it recomputes each chunk, so memory stays chunk x vocab. Both outputs
+are differentiable: the entropy's gradient (the entropy bonus, `loss.entropy_coef`) is added in the
+same backward pass over the logits when the loss uses it, by the torch row math (compiled on CUDA:
+the Triton backward has no entropy term); a loss that uses only the logprob never pays for it.
 
 `PolicyModel` wraps a HF causal LM so that the module FSDP2 shards at the root is the one whose
 forward runs the head: its hooks gather the embedding/head parameters around the whole pass.
@@ -46,6 +48,22 @@ def _head_backward(logits: Tensor, targets: Tensor, lse: Tensor, grad: Tensor, i
     return ((onehot - torch.exp(z - lse[:, None])) * (grad * inv_temp)[:, None]).to(logits.dtype)
 
 
+def _head_backward_entropy(
+    logits: Tensor, targets: Tensor, lse: Tensor, entropy: Tensor, grad: Tensor, grad_entropy: Tensor, inv_temp: float
+) -> Tensor:
+    """d loss / d logits with the entropy's term: g * (onehot - p) / T + g_H * dH/dz / T.
+
+    H = lse - E_p[z] with z = logits / T, so dH/dz_j = -p_j (z_j - E_p[z]) = -p_j (z_j - (lse - H)):
+    from the saved [c] lse and entropy, no [c, V] tensor beyond the logits themselves.
+    """
+    z = logits.float() * inv_temp
+    p = torch.exp(z - lse[:, None])
+    onehot = (torch.arange(z.shape[1], device=z.device)[None, :] == targets[:, None]).to(z.dtype)
+    mean_z = (lse - entropy)[:, None]
+    d = (onehot - p) * grad[:, None] - p * (z - mean_z) * grad_entropy[:, None]
+    return (d * inv_temp).to(logits.dtype)
+
+
 _COMPILED: dict = {}
 TRITON_HEAD = True  # False: the torch.compile'd row math on CUDA (the bench's before)
 
@@ -69,6 +87,15 @@ def _kernels(device: torch.device):
     return _COMPILED["fwd"], _COMPILED["bwd"]
 
 
+def _entropy_kernel(device: torch.device):
+    """The backward row math with the entropy term: compiled on CUDA, eager elsewhere."""
+    if device.type != "cuda":
+        return _head_backward_entropy
+    if "bwd_entropy" not in _COMPILED:
+        _COMPILED["bwd_entropy"] = torch.compile(_head_backward_entropy)
+    return _COMPILED["bwd_entropy"]
+
+
 class _ChunkedLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden: Tensor, weight: Tensor, targets: Tensor, chunk: int, inv_temp: float, keep: bool):
@@ -83,27 +110,40 @@ class _ChunkedLogprobs(torch.autograd.Function):
             )
             if keep:
                 kept.append(logits)
-        ctx.save_for_backward(hidden, weight, targets, lse, *kept)
+        ctx.save_for_backward(hidden, weight, targets, lse, entropy, *kept)
         ctx.chunk, ctx.inv_temp = chunk, inv_temp
-        ctx.mark_non_differentiable(entropy)
+        ctx.set_materialize_grads(False)  # an output the loss does not use gets None: no entropy term then
         return logprobs, entropy
 
     @staticmethod
-    def backward(ctx, grad_logprobs: Tensor, _grad_entropy: Tensor):
-        hidden, weight, targets, lse, *kept = ctx.saved_tensors
+    def backward(ctx, grad_logprobs: Tensor | None, grad_entropy: Tensor | None):
+        hidden, weight, targets, lse, entropy, *kept = ctx.saved_tensors
         chunk = ctx.chunk
-        _, backward = _kernels(hidden.device)
+        if grad_logprobs is None:
+            grad_logprobs = torch.zeros_like(lse)
+        rows = _backward_rows(hidden.device, targets, lse, entropy, grad_logprobs, grad_entropy, ctx.inv_temp)
         grad_hidden = torch.empty_like(hidden)
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
         for i, s in enumerate(range(0, hidden.shape[0], chunk)):
             h = hidden[s : s + chunk]
             logits = kept[i] if kept else h @ weight.t()
-            d_logits = backward(
-                logits, targets[s : s + chunk], lse[s : s + chunk], grad_logprobs[s : s + chunk].float(), ctx.inv_temp
-            )
+            d_logits = rows(logits, slice(s, s + chunk))
             torch.mm(d_logits, weight, out=grad_hidden[s : s + chunk])  # rows of grad_hidden: no copy
             grad_weight = _accumulate(grad_weight, d_logits.t(), h)
         return grad_hidden, grad_weight.to(weight.dtype), None, None, None, None
+
+
+def _backward_rows(device, targets, lse, entropy, grad, grad_entropy, inv_temp: float):
+    """A function (logits of one chunk, its row slice) -> d loss / d logits: the fast kernel for the
+    logprob alone, the entropy-aware row math when the entropy has a gradient too."""
+    grad = grad.float()
+    if grad_entropy is None:
+        _, backward = _kernels(device)
+        return lambda logits, rows: backward(logits, targets[rows], lse[rows], grad[rows], inv_temp)
+    backward, grad_entropy = _entropy_kernel(device), grad_entropy.float()
+    return lambda logits, rows: backward(
+        logits, targets[rows], lse[rows], entropy[rows], grad[rows], grad_entropy[rows], inv_temp
+    )
 
 
 def _accumulate(total: Tensor, a: Tensor, b: Tensor) -> Tensor:

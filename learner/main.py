@@ -16,29 +16,22 @@ import time
 
 import torch
 
+from streamrl.engine import config_rules
 from streamrl.engine.config import Config, ConfigError
 from streamrl.engine.models import default_tiny_model, load_model
 from streamrl.engine.telemetry import setup_logging
 from streamrl.learner import checkpoint, parallel
 from streamrl.learner.orchestrator import Orchestrator
+from streamrl.learner.reference import build_reference
 from streamrl.learner.train_step import Trainer
 
 log = logging.getLogger("streamrl.learner")
 
 
 def check_config(cfg: Config) -> None:
-    """Refuse combinations the learner cannot run, naming the fields."""
-    if cfg.ledger.on_node_lost == "readmit":
-        raise ConfigError(
-            "ledger.on_node_lost = 'readmit': rollout nodes do not yet re-generate a lost node's "
-            "groups, so their credits would never return; use 'drop'"
-        )
-    samples = cfg.learner.groups_per_step * cfg.rollout.group_size
-    if cfg.learner.ranks > samples:
-        raise ConfigError(
-            f"learner.ranks = {cfg.learner.ranks} exceeds the samples of a step "
-            f"(learner.groups_per_step × rollout.group_size = {samples}): some ranks would idle"
-        )
+    """Refuse combinations the learner cannot run, naming the fields (engine/config_rules.py, as preflight)."""
+    for finding in config_rules.require(cfg, roles=("learner",)):
+        log.warning("%s", finding.message)
 
 
 def run_learner(cfg: Config, resume: str = "") -> int:
@@ -50,7 +43,8 @@ def run_learner(cfg: Config, resume: str = "") -> int:
     compute = getattr(torch, cfg.model.dtype)  # the learner's compute dtype = what the engines serve
     model = load_model(model_path, "float32", "cpu", cfg.model.trust_remote_code)  # fp32 master weights
     policy = parallel.wrap_model(model, cfg.learner, device, temperature=cfg.rollout.temperature, compute_dtype=compute)
-    trainer = _trainer(cfg, policy, device)
+    reference = build_reference(cfg, device, compute, policy)  # None unless loss.kl_coef > 0
+    trainer = _trainer(cfg, policy, device, reference)
     keeper = checkpoint.Keeper(cfg.checkpoint, cfg.run.path, policy.lm, trainer, model_path, cfg.run.steps)
     first = keeper.resume(resume, cfg.run.path).step + 1 if resume else 1
     orchestrator = _start_orchestrator(cfg, device, trainer, policy, resumed=bool(resume), first_step=first)
@@ -82,14 +76,14 @@ def run_learner(cfg: Config, resume: str = "") -> int:
     return 0
 
 
-def _trainer(cfg: Config, policy, device: torch.device) -> Trainer:
+def _trainer(cfg: Config, policy, device: torch.device, reference) -> Trainer:
     """The trainer; with `simulate.train_s` one that sleeps instead (benchmarks of the scheduler)."""
     # gather ahead: each step ends with the next forward's weights gathered, which the push reads too
     if cfg.simulate.train_s > 0:
         from streamrl.learner.simulate import SimulatedTrainer
 
         return SimulatedTrainer(policy, cfg.loss, cfg.learner, device, simulate=cfg.simulate, seed=cfg.run.seed)
-    return Trainer(policy, cfg.loss, cfg.learner, device, gather_ahead=True)
+    return Trainer(policy, cfg.loss, cfg.learner, device, ref_model=reference, gather_ahead=True)
 
 
 class _Laps:

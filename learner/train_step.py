@@ -1,20 +1,27 @@
-"""One safe optimizer step over packed micro-batches.
+"""One learner step over packed micro-batches: `learner.updates_per_batch` safe optimizer updates.
 
-micro-batches -> forward (logprobs + entropy, chunked over the vocabulary) -> loss (divided by the
-global normaliser) -> backward -> clip -> optimizer step. A non-finite gradient norm skips the
-step: gradients are zeroed, the skip is counted and logged with the offending parameter names,
-and neither the weights nor the optimizer state move.
+micro-batches -> mini-batches (whole sequences, balanced by positions; minibatch.py) -> [no-grad pass:
+proximal logprobs (more than one update) and the reference's (kl_coef > 0)] -> per update: forward
+(logprobs + entropy, chunked over the vocabulary) -> loss (divided by the update's global normaliser)
+-> backward -> clip -> optimizer update.
 
-The skip is decided on the device: the fused AdamW kernel reads a `found_inf` flag and leaves
-parameters, moments and step counts alone when it is set. So the host never waits for backward
-to end before it queues the optimizer, and the step's one host sync comes after the update, when
-the metrics are read.
+Mini-batch PPO as decoupled PPO (Hilton et al. 2022): pi_prox is the weights the step starts from,
+computed once, so the clip acts on updates 2..N (on the first, pi_theta = pi_prox); with one update it
+is pi_theta detached, exactly, and the extra forward is saved. The policy version moves once per step,
+not per update: one version per pushed set of weights, which is what a sample's staleness counts.
+
+A non-finite gradient norm skips that update: gradients are zeroed, the skip is counted and logged
+with the offending parameter names, and neither the weights nor the optimizer state move. The skip
+is decided on the device: the fused AdamW kernel reads a `found_inf` flag and leaves parameters,
+moments and step counts alone when it is set. So the host never waits for backward to end before it
+queues the optimizer, and each update's one host sync comes after it, when its metrics are read.
 """
 
 from __future__ import annotations
 
 import math
 import time
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
@@ -23,6 +30,8 @@ from streamrl.engine.config import LearnerConfig, LossConfig
 from streamrl.learner import parallel
 from streamrl.learner.batching import MicroBatch
 from streamrl.learner.losses import local_normalizer, policy_loss, summarize
+from streamrl.learner.minibatch import split_updates
+from streamrl.learner.reference import release
 
 log = parallel.rank0_logger("streamrl.learner")
 
@@ -95,14 +104,21 @@ class Trainer:
             return float(counted)
         return float(local_normalizer(mb.loss_mask, mb.seq_ids, self.loss_cfg))
 
-    def _forward_backward(self, mb: MicroBatch, normalizer: float) -> dict[str, Tensor]:
+    def _plan(self, minis: list[list[MicroBatch]], global_token_count: float | None) -> tuple[list[float], int]:
+        """Each update's global normaliser (its mini-batch's loss tokens or sequences over all ranks) and the
+        micro-batch rounds every rank runs per update (the most any rank has): one reduction for all."""
+        if len(minis) == 1:
+            normalizer = self.global_normalizer(minis[0], global_token_count)
+            return [normalizer], parallel.max_over_ranks(len(minis[0]), self.device)
+        local = {f"normalizer/{u}": sum(self._local_normalizer(mb) for mb in mini) for u, mini in enumerate(minis)}
+        local["rounds_max"] = max(len(mini) for mini in minis)
+        reduced = parallel.reduce_metrics(local, self.device)
+        return [reduced[f"normalizer/{u}"] for u in range(len(minis))], int(reduced["rounds_max"])
+
+    def _forward_backward(
+        self, mb: MicroBatch, normalizer: float, proximal: Tensor | None, ref: Tensor | None
+    ) -> dict[str, Tensor]:
         logprobs, entropy = compute_logprobs(self.model, mb)
-        ref = None
-        if self.loss_cfg.kl_coef > 0:
-            if self.ref_model is None:
-                raise ValueError("loss.kl_coef > 0 needs a reference model: pass ref_model to Trainer")
-            with torch.no_grad():
-                ref, _ = compute_logprobs(self.ref_model, mb)
         loss, stats = policy_loss(
             logprobs,
             mb.behavior_logprobs,
@@ -110,6 +126,7 @@ class Trainer:
             mb.loss_mask,
             self.loss_cfg,
             seq_ids=mb.seq_ids,
+            proximal_logprobs=proximal,
             ref_logprobs=ref,
             entropy=entropy,
             normalizer=normalizer,
@@ -118,17 +135,74 @@ class Trainer:
         loss.backward()
         return stats
 
+    def _before_updates(self, minis: list[list[MicroBatch]]) -> list[list[tuple[Tensor | None, Tensor | None]]]:
+        """(proximal, reference) logprobs of every micro-batch, from no-grad forwards before the first update.
+
+        pi_prox is the weights the step starts from, needed only when there is more than one update (with
+        one, pi_theta detached is pi_prox exactly, and the forward is saved). Fillers run too: every rank
+        must take part in the same number of forwards (each all-gathers its sharded units)."""
+        proximal, kl = len(minis) > 1, self.loss_cfg.kl_coef > 0
+        if not (proximal or kl):
+            return [[(None, None)] * len(mini) for mini in minis]
+        if kl and self.ref_model is None:
+            raise ValueError("loss.kl_coef > 0 needs a reference model: pass ref_model to Trainer")
+        with torch.no_grad():
+            out = [
+                [
+                    (
+                        compute_logprobs(self.model, mb)[0] if proximal else None,
+                        compute_logprobs(self.ref_model, mb)[0] if kl else None,
+                    )
+                    for mb in mini
+                ]
+                for mini in minis
+            ]
+        if kl:
+            release(self.ref_model)
+        return out
+
     def step(self, micro_batches: list[MicroBatch], global_token_count: float | None = None) -> dict[str, float]:
-        """Train on this rank's micro-batches; metrics are reduced over ranks (same dict on every rank)."""
+        """Train on this rank's micro-batches: `updates_per_batch` optimizer updates, one per mini-batch.
+
+        Metrics are reduced over ranks (the same dict on every rank): the step's, and with more than one
+        update each update's under `update/<k>/`. The policy version moves once, when any update was taken.
+        """
         start = time.perf_counter()
-        normalizer = self.global_normalizer(micro_batches, global_token_count)
-        rounds = parallel.max_over_ranks(len(micro_batches), self.device)
         micro_batches = [mb.to(self.device) for mb in micro_batches]
-        micro_batches += [_filler(self.device) for _ in range(rounds - len(micro_batches))]
+        minis = split_updates(micro_batches, self.cfg.updates_per_batch)
+        normalizers, rounds = self._plan(minis, global_token_count)
+        if len(minis) > 1:  # an update with no loss token on any rank would move the weights by momentum alone
+            kept = [u for u, n in enumerate(normalizers) if n > 0] or [0]
+            minis, normalizers = [minis[u] for u in kept], [normalizers[u] for u in kept]
+        minis = [mini + [_filler(self.device) for _ in range(rounds - len(mini))] for mini in minis]
+        before = self._before_updates(minis)
+        results = [self._update(mini, n, extra) for mini, n, extra in zip(minis, normalizers, before)]
+        applied = sum(1 for r in results if r.applied)
+        if applied:
+            self.scheduler.step()
+            self.version += 1
+        local = {f"{u}/{k}": v for u, r in enumerate(results) for k, v in r.sums.items()}
+        local["positions"] = float(sum(mb.num_tokens for mb in micro_batches))
+        reduced = parallel.reduce_metrics(local, self.device)
+        metrics = _update_metrics(reduced, results)
+        metrics.update(
+            positions=reduced["positions"],
+            skipped=float(not applied),
+            skipped_steps=float(self.skipped_steps),
+            version=float(self.version),
+            lr=self.scheduler.get_last_lr()[0],
+            step_seconds=time.perf_counter() - start,
+        )
+        return metrics
+
+    def _update(
+        self, micro_batches: list[MicroBatch], normalizer: float, extra: list[tuple[Tensor | None, Tensor | None]]
+    ) -> _Update:
+        """One optimizer update over one mini-batch's micro-batches; its one host sync reads its statistics."""
         sums: dict[str, Tensor] = {}
-        for i, mb in enumerate(micro_batches):
+        for i, (mb, (proximal, ref)) in enumerate(zip(micro_batches, extra)):
             parallel.set_grad_sync(self.model, i == len(micro_batches) - 1)
-            for key, value in self._forward_backward(mb, normalizer).items():
+            for key, value in self._forward_backward(mb, normalizer, proximal, ref).items():
                 sums[key] = _combine(key, sums.get(key), value.detach())
         grad_norm = self._clip()
         self.optimizer.found_inf = (~torch.isfinite(grad_norm)).float()  # the fused kernel skips on it
@@ -136,30 +210,13 @@ class Trainer:
         if self.gather_ahead:
             parallel.gather_for_next_forward(self.model)
         sums["grad_norm"] = grad_norm
-        values = _to_host(sums)  # the step's host sync: everything above is queued by now
+        values = _to_host(sums)  # the update's host sync: everything above is queued by now
         norm = values.pop("grad_norm")
         bad = [] if math.isfinite(norm) else self._nonfinite_names()
         if bad:
             self._skip(bad, norm)
-        else:
-            self.scheduler.step()
-            self.version += 1
         self.optimizer.zero_grad(set_to_none=True)
-        values["positions"] = float(sum(mb.num_tokens for mb in micro_batches))
-        reduced = parallel.reduce_metrics(values, self.device)
-        metrics = summarize(reduced)
-        metrics.update(
-            loss=reduced["loss_sum"] / max(normalizer, 1.0),
-            positions=reduced["positions"],
-            grad_norm=norm,
-            skipped=float(bool(bad)),
-            skipped_steps=float(self.skipped_steps),
-            version=float(self.version),
-            normalizer=normalizer,
-            lr=self.scheduler.get_last_lr()[0],
-            step_seconds=time.perf_counter() - start,
-        )
-        return metrics
+        return _Update(sums=values, grad_norm=norm, normalizer=normalizer, applied=not bad)
 
     def _clip(self) -> Tensor:
         """The global gradient norm (a device tensor); gradients clipped to max_grad_norm when it is finite.
@@ -190,12 +247,53 @@ class Trainer:
         self.last_nonfinite = names
         shown = ", ".join(names[:8]) + (f" (+{len(names) - 8} more)" if len(names) > 8 else "")
         log.warning(
-            "step skipped at version %d: gradient norm %s; non-finite gradients in %s (%d skipped so far)",
+            "update skipped at version %d: gradient norm %s; non-finite gradients in %s (%d skipped so far)",
             self.version,
             grad_norm,
             shown,
             self.skipped_steps,
         )
+
+
+@dataclass
+class _Update:
+    sums: dict[str, float]  # this rank's statistics as sums (losses.policy_loss), not yet reduced
+    grad_norm: float  # global
+    normalizer: float  # global
+    applied: bool  # False: non-finite gradient, the optimizer left everything as it was
+
+
+def _update_metrics(reduced: dict[str, float], results: list[_Update]) -> dict[str, float]:
+    """The step's metrics from every update's reduced sums; each update's too, under update/<k>/, when more
+    than one was taken. The step's loss is over all its loss tokens (or sequences); its grad_norm is the
+    largest update's (a non-finite one if any)."""
+    per_update = [
+        {k.partition("/")[2]: v for k, v in reduced.items() if k.startswith(f"{u}/")} for u in range(len(results))
+    ]
+    total: dict[str, float] = {}
+    for sums in per_update:
+        for key, value in sums.items():
+            total[key] = _merge(key, total.get(key), value)
+    norms = [r.grad_norm for r in results]
+    normalizers = [r.normalizer for r in results]
+    metrics = summarize(total)
+    metrics.update(
+        loss=total.get("loss_sum", 0.0) / max(sum(normalizers), 1.0),
+        grad_norm=next((n for n in norms if not math.isfinite(n)), max(norms)),
+        normalizer=sum(normalizers),
+        updates=float(sum(r.applied for r in results)),
+    )
+    if len(results) > 1:
+        for u, (sums, result) in enumerate(zip(per_update, results), start=1):
+            one = summarize(sums)
+            one.update(
+                loss=sums.get("loss_sum", 0.0) / max(result.normalizer, 1.0),
+                grad_norm=result.grad_norm,
+                skipped=float(not result.applied),
+                normalizer=result.normalizer,
+            )
+            metrics.update({f"update/{u}/{k}": v for k, v in one.items()})
+    return metrics
 
 
 def _to_host(values: dict[str, Tensor]) -> dict[str, float]:
@@ -207,6 +305,13 @@ def _to_host(values: dict[str, Tensor]) -> dict[str, float]:
 
 def _local(t: Tensor) -> Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _merge(key: str, old: float | None, new: float) -> float:
+    """_combine for host floats (the updates' reduced sums)."""
+    if old is None:
+        return new
+    return max(old, new) if key.endswith("_max") else min(old, new) if key.endswith("_min") else old + new
 
 
 def _combine(key: str, old: Tensor | None, new: Tensor) -> Tensor:

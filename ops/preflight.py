@@ -20,6 +20,7 @@ import traceback
 from collections.abc import Callable, Iterable
 from typing import Any, Literal
 
+from streamrl.engine import config_rules
 from streamrl.engine.config import Config
 
 ROLES = ("learner", "rollout")
@@ -68,28 +69,19 @@ def _problem(check: str, message: str, level: str = "error", detail: str = "") -
 
 
 def check_config(ctx: _Context) -> list[Problem]:
-    """Cross-field mistakes the typed config cannot see field by field."""
-    cfg, out = ctx.cfg, []
-    if cfg.data.max_prompt_tokens >= cfg.model.max_model_len:
-        out.append(
-            f"data.max_prompt_tokens = {cfg.data.max_prompt_tokens} leaves no room to generate under "
-            f"model.max_model_len = {cfg.model.max_model_len}; lower it or raise model.max_model_len"
-        )
-    longest = min(cfg.model.max_model_len, cfg.data.max_prompt_tokens + cfg.rollout.max_tokens) - 1
-    if "learner" in ctx.roles and cfg.learner.micro_batch_tokens < longest:
-        out.append(
-            f"learner.micro_batch_tokens = {cfg.learner.micro_batch_tokens} is below the longest sample "
-            f"({longest} positions: min(model.max_model_len, data.max_prompt_tokens + rollout.max_tokens) - 1); "
-            f"raise it to at least {longest}"
-        )
+    """Cross-section mistakes the typed config cannot see field by field: engine/config_rules.py, the rules
+    the learner itself refuses to start on; plus the rollout's sampling rules."""
+    cfg = ctx.cfg
+    found = config_rules.check(cfg, ctx.roles)
+    out = [_problem("config", f.message, level=f.level) for f in found]
     if "rollout" in ctx.roles:
         from streamrl.rollout.engine import check_sampling
 
         try:
             check_sampling(cfg.rollout)
         except ValueError as e:
-            out.append(str(e))
-    return [_problem("config", m) for m in out]
+            out.append(_problem("config", str(e)))
+    return out
 
 
 def check_model(ctx: _Context) -> list[Problem]:

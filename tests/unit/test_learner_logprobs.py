@@ -1,3 +1,5 @@
+import math
+
 import pytest
 import torch
 
@@ -33,6 +35,44 @@ def test_chunked_logprobs_match_log_softmax_and_its_gradient(keep_logits_bytes):
     assert torch.allclose(entropy.double(), ref_entropy, atol=1e-5)
     for got, want in zip(grads, ref_grads):
         assert torch.allclose(got, want, atol=1e-5)
+
+
+@pytest.mark.parametrize("keep_logits_bytes", [0, 2**20], ids=["recompute", "keep"])
+@pytest.mark.parametrize("use_logprobs", [True, False], ids=["both", "entropy-only"])
+def test_entropy_gradient_matches_torch_autograd(keep_logits_bytes, use_logprobs):
+    """The head's backward adds dH/dz = -p (z - (lse - H)) / T when the loss uses the entropy (the
+    entropy bonus): the same gradients as autograd through log_softmax, on a 50-token vocabulary."""
+    torch.manual_seed(1)
+    hidden = torch.randn(7, 8, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(50, 8, dtype=torch.float64, requires_grad=True)
+    targets = torch.randint(0, 50, (7,))
+    g, g_entropy = torch.randn(7, dtype=torch.float64), torch.randn(7, dtype=torch.float64)
+
+    log_p = torch.log_softmax((hidden @ weight.t()) / 0.7, -1)
+    ref_lp, ref_entropy = log_p.gather(1, targets[:, None]).squeeze(1), -(log_p.exp() * log_p).sum(-1)
+    ref_loss = (ref_entropy * g_entropy).sum() + ((ref_lp * g).sum() if use_logprobs else 0.0)
+    ref_grads = torch.autograd.grad(ref_loss, (hidden, weight))
+
+    lp, entropy = chunked_logprobs(
+        hidden, weight, targets, chunk=3, temperature=0.7, keep_logits_bytes=keep_logits_bytes
+    )
+    loss = (entropy * g_entropy).sum() + ((lp * g).sum() if use_logprobs else 0.0)
+    grads = torch.autograd.grad(loss, (hidden, weight), retain_graph=True)
+    for got, want in zip(grads, ref_grads):
+        assert torch.allclose(got, want, atol=1e-5), (got - want).abs().max()
+    assert (grads[0] - torch.autograd.grad((lp * g).sum(), hidden)[0]).abs().max() > 1e-3  # the term is there
+
+
+def test_entropy_gradient_of_one_row_by_hand():
+    """Two logits z = (0, ln 3), T = 1: p = (1/4, 3/4), H = -(1/4 ln 1/4 + 3/4 ln 3/4) = 0.5623,
+    E_p[z] = 3/4 ln 3 = 0.8240. dH/dz_0 = -p_0 (z_0 - E_p[z]) = -0.25 * (0 - 0.8240) = 0.2060,
+    dH/dz_1 = -0.75 * (1.0986 - 0.8240) = -0.2060 (they sum to 0: a softmax is shift-invariant)."""
+    hidden = torch.tensor([[1.0]], dtype=torch.float64, requires_grad=True)
+    weight = torch.tensor([[0.0], [math.log(3.0)]], dtype=torch.float64, requires_grad=True)
+    _, entropy = chunked_logprobs(hidden, weight, torch.tensor([0]), chunk=1)
+    assert entropy.item() == pytest.approx(0.5623, abs=1e-4)
+    (d_weight,) = torch.autograd.grad(entropy.sum(), weight)  # dH/dW_v = dH/dz_v * hidden = dH/dz_v
+    assert d_weight[:, 0].tolist() == pytest.approx([0.2060, -0.2060], abs=1e-4)
 
 
 def traj(sid, prompt, completion):

@@ -27,7 +27,7 @@ def _trajectory(**overrides) -> m.Trajectory:
 
 
 CONTROL = [
-    m.Register(node_id="n", host="h", weight_ranks=2, device="cuda", backend="hf"),
+    m.Register(node_id="n", host="h", device="cuda", backend="hf"),
     m.Welcome(
         node_id="n", trajectory_addr="tcp://127.0.0.1:5000", redis_url="redis://x", run_name="r", policy_version=2
     ),

@@ -1,0 +1,107 @@
+"""Rules across config sections, checked in one place before any process starts.
+
+Each field is validated alone when the config is built (engine/config.py); what no single field can
+know lives here: a sample the learner could not pack, ranks with nothing to train, a mini-batch with
+no sample, a reference model that would never be used. `ops/preflight.py` reports these findings and
+`learner/main.py` refuses to start on an error, so neither can disagree with the other, and nothing
+that can be known at start fails mid-run (after nodes generated a batch).
+
+    for finding in config_rules.check(cfg, roles=("learner",)): print(finding)  # "error: ..."
+    config_rules.require(cfg, roles=("learner",))  # raises ConfigError on the first error
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Literal, NamedTuple
+
+from streamrl.engine.config import Config, ConfigError
+
+ROLES = ("learner", "rollout")
+
+
+class Finding(NamedTuple):
+    level: Literal["error", "warning"]
+    message: str  # names the fields, their values and the fix
+
+    def __str__(self) -> str:
+        return f"{self.level}: {self.message}"
+
+
+def longest_sample(cfg: Config) -> tuple[int, str]:
+    """Positions (tokens - 1) of the longest sample the nodes can send, and how that was reckoned.
+
+    Generation stops at model.max_model_len (the engines cap max_tokens to the room left), so a sample
+    is at most that long; below it, a prompt (data.max_prompt_tokens) plus a completion
+    (rollout.max_tokens, or for a multi-turn episode env.max_total_tokens after the first prompt).
+    """
+    after_prompt, name = (
+        (cfg.env.max_total_tokens, "env.max_total_tokens")
+        if cfg.env.name
+        else (cfg.rollout.max_tokens, "rollout.max_tokens")
+    )
+    tokens = min(cfg.model.max_model_len, cfg.data.max_prompt_tokens + after_prompt)
+    return tokens - 1, f"min(model.max_model_len, data.max_prompt_tokens + {name}) - 1"
+
+
+def check(cfg: Config, roles: Iterable[str] = ROLES) -> list[Finding]:
+    """Every cross-section finding for a run of `roles` (the learner's rules only when it is among them)."""
+    roles = frozenset(roles)
+    out = _lengths(cfg, roles)
+    if "learner" in roles:
+        out += _learner(cfg)
+    return out
+
+
+def require(cfg: Config, roles: Iterable[str] = ROLES) -> list[Finding]:
+    """Raise ConfigError naming every error; return the warnings (for the caller to log)."""
+    findings = check(cfg, roles)
+    errors = [f.message for f in findings if f.level == "error"]
+    if errors:
+        raise ConfigError("; ".join(errors))
+    return findings
+
+
+def _lengths(cfg: Config, roles: frozenset[str]) -> list[Finding]:
+    out = []
+    if cfg.data.max_prompt_tokens >= cfg.model.max_model_len:
+        out.append(
+            f"data.max_prompt_tokens = {cfg.data.max_prompt_tokens} leaves no room to generate under "
+            f"model.max_model_len = {cfg.model.max_model_len}; lower it or raise model.max_model_len"
+        )
+    longest, how = longest_sample(cfg)
+    if "learner" in roles and cfg.learner.micro_batch_tokens < longest:
+        out.append(
+            f"learner.micro_batch_tokens = {cfg.learner.micro_batch_tokens} is below the longest sample "
+            f"({longest} positions: {how}), which the learner could not pack; raise it to at least {longest} "
+            "or lower the lengths"
+        )
+    return [Finding("error", m) for m in out]
+
+
+def _learner(cfg: Config) -> list[Finding]:
+    learner, loss = cfg.learner, cfg.loss
+    errors, warnings = [], []
+    if cfg.ledger.on_node_lost == "readmit":
+        errors.append(
+            "ledger.on_node_lost = 'readmit': rollout nodes do not yet re-generate a lost node's "
+            "groups, so their credits would never return; use 'drop'"
+        )
+    samples = learner.groups_per_step * cfg.rollout.group_size
+    if learner.ranks > samples:
+        errors.append(
+            f"learner.ranks = {learner.ranks} exceeds the samples of a step "
+            f"(learner.groups_per_step x rollout.group_size = {samples}): some ranks would idle"
+        )
+    if learner.updates_per_batch > samples:
+        errors.append(
+            f"learner.updates_per_batch = {learner.updates_per_batch} exceeds the samples of a step "
+            f"(learner.groups_per_step x rollout.group_size = {samples}): a mini-batch holds whole samples, "
+            f"so some updates would have none; lower it to at most {samples} or raise learner.groups_per_step"
+        )
+    if loss.reference_path and loss.kl_coef == 0:
+        warnings.append(
+            f"loss.reference_path = {loss.reference_path!r} but loss.kl_coef = 0: no reference model is built; "
+            "set loss.kl_coef > 0 to use it, or leave loss.reference_path empty"
+        )
+    return [Finding("error", m) for m in errors] + [Finding("warning", m) for m in warnings]

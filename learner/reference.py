@@ -1,0 +1,59 @@
+"""The frozen reference policy of the KL penalty (`loss.kl_coef > 0`), built once at start.
+
+Loaded from `loss.reference_path` (empty: `model.path`, the weights the run starts from; a resumed run
+still measures KL to those, not to its checkpoint), sharded over the ranks like the policy
+(`parallel.wrap_model`, the same units and compute dtype), in eval mode with no gradient and no
+optimizer. Its logprobs are taken at the rollout temperature, as the policy's, in the no-grad pass
+before a step's first update (train_step.py). Anything that would stop it from being built (a path
+that does not load, another vocabulary) is refused here, at start, naming the fields: never mid-run.
+"""
+
+from __future__ import annotations
+
+import msgspec
+import torch
+from torch import nn
+
+from streamrl.engine.config import Config, ConfigError
+from streamrl.engine.models import ModelLoadError, default_tiny_model, load_model
+from streamrl.learner import parallel
+from streamrl.learner.logprobs import PolicyModel
+
+
+def reference_source(cfg: Config) -> tuple[str, str]:
+    """(the folder or hub id the reference loads from, the config field that named it)."""
+    if cfg.loss.reference_path:
+        return cfg.loss.reference_path, "loss.reference_path"
+    return cfg.model.path or str(default_tiny_model()), "model.path"
+
+
+def build_reference(
+    cfg: Config, device: torch.device, compute_dtype: torch.dtype, policy: PolicyModel
+) -> PolicyModel | None:
+    """The reference policy for `loss.kl_coef > 0` (None when it is 0); ConfigError when it cannot be built."""
+    if cfg.loss.kl_coef == 0:
+        return None
+    path, field = reference_source(cfg)
+    why = f"loss.kl_coef = {cfg.loss.kl_coef} needs a reference model, but {field} = {path!r}"
+    fix = "set loss.reference_path to a model folder with the policy's vocabulary, or loss.kl_coef = 0"
+    try:
+        lm = load_model(path, "float32", "cpu", cfg.model.trust_remote_code)
+    except (ModelLoadError, OSError, ValueError) as e:
+        raise ConfigError(f"{why} does not load ({e}); {fix}") from None
+    vocab, policy_vocab = lm.get_output_embeddings().weight.shape[0], policy.lm.get_output_embeddings().weight.shape[0]
+    if vocab != policy_vocab:
+        raise ConfigError(f"{why} has a vocabulary of {vocab} tokens, the policy {policy_vocab}; {fix}")
+    # activation checkpointing saves nothing without a backward
+    learner = msgspec.structs.replace(cfg.learner, activation_checkpointing=False)
+    ref = parallel.wrap_model(lm, learner, device, temperature=cfg.rollout.temperature, compute_dtype=compute_dtype)
+    ref.requires_grad_(False)
+    return ref.eval()
+
+
+def release(model: nn.Module) -> None:
+    """Free a no-grad model's gathered parameters after its pass (its root unit keeps them otherwise:
+    wrap_model does not reshard the root after forward, which backward would need at once)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if isinstance(model, FSDPModule):
+        model.reshard()
