@@ -37,13 +37,15 @@ ERROR_LINES = (
     re.compile(r"^((?:[A-Za-z_][\w]*\.)*[A-Za-z_]\w*(?:Error|Exception|Exit|Interrupt)(?:: .+)?)$"),
     re.compile(r"^error: (.+)"),
 )
+RANK_PREFIX = re.compile(r"^\[rank\d+\]:\s*")  # torch.distributed prefixes a rank's traceback lines
 MAX_DETAIL = 200
 
 
 def error_text(line: str) -> str | None:
     """The message of an error line, or None when the line is not one."""
+    line = RANK_PREFIX.sub("", line.strip())
     for pattern in ERROR_LINES:
-        found = pattern.search(line.strip())
+        found = pattern.search(line)
         if found:
             return found.group(1).strip()
     return None
