@@ -36,6 +36,7 @@ ERROR_LINES = (
     re.compile(r"\b(?:ERROR|CRITICAL) [\d-]+ [\d:]+ \[[^]]*\] (.+)"),
     re.compile(r"^((?:[A-Za-z_][\w]*\.)*[A-Za-z_]\w*(?:Error|Exception|Exit|Interrupt)(?:: .+)?)$"),
     re.compile(r"^error: (.+)"),
+    re.compile(r"^(terminate called .+)"),  # C++ std::terminate, then SIGABRT
 )
 RANK_PREFIX = re.compile(r"^\[rank\d+\]:\s*")  # torch.distributed prefixes a rank's traceback lines
 MAX_DETAIL = 200

@@ -73,7 +73,7 @@ def run_local(
                 view.show()  # the last table: every role as it ended
         if failure:
             console.print(f"[red]error:[/] {failure}")
-        elif launcher.learner is not None and launcher.learner.process.returncode:
+        elif board.learner is not None and board.learner.state.state == "dead":
             log = launcher.learner.log_path
             console.print(f"[red]the learner exited[/] ({board.learner.state.detail}); its log {log}")
         console.print(summary(read_metrics(launcher.run_dir / "metrics.jsonl"), time.monotonic() - started))
@@ -105,13 +105,14 @@ class _View:
 
 def _watch(launcher: Launcher, view: _View, console: Console) -> int:
     """Start the run's processes one by one, each phase shown as it begins; follow them to the
-    learner's exit; the learner's exit code."""
+    learner's exit; the learner's exit status."""
     view.show()  # starting Redis
     launcher.start_redis()
     view.show()
     launcher.start_learner()
     _follow(launcher, view, console)
-    return launcher.learner.process.returncode
+    code = launcher.learner.process.returncode
+    return 128 - code if code < 0 else code  # killed by signal N: 128 + N, as a shell reports it
 
 
 def _follow(launcher: Launcher, view: _View, console: Console) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import resource
+import signal
 import subprocess
 import sys
 import time
@@ -200,3 +201,27 @@ def test_warnings_are_printed_and_the_command_goes_on(tmp_path, tiny_model):
     # past the preflight: the node itself found no learner there (exit 1, a transport error)
     assert proc.returncode == 1, proc.stderr
     assert "no learner at tcp://127.0.0.1:1" in proc.stderr
+
+
+def test_a_learner_writes_the_config_its_nodes_join_with(tmp_path, tiny_model):
+    """The learner's waiting hint says `streamrl rollout --config RUN/config.toml --learner RUN`: a learner
+    started by hand writes that file (its config with every --set applied) before it loads the model."""
+    from streamrl.engine.config import dump, load
+
+    args = ["--set", f"model.path='{tiny_model}'", "--set", f"run.dir='{tmp_path}'", "--set", "run.name='solo'"]
+    args += ["--set", "learner.lr=0.003"]
+    learner = subprocess.Popen(
+        [sys.executable, "-m", "streamrl", "learner", *args], cwd=tmp_path, stderr=subprocess.PIPE, text=True
+    )
+    path = tmp_path / "solo" / "config.toml"
+    try:
+        deadline = time.monotonic() + 120
+        while not path.exists():
+            assert learner.poll() is None and time.monotonic() < deadline, learner.stderr.read()
+            time.sleep(0.05)
+    finally:
+        learner.send_signal(signal.SIGTERM)  # while it still imports torch: nothing else was started yet
+        learner.wait(timeout=60)
+    written = load(path)
+    assert (written.learner.lr, written.model.path, written.run.name) == (0.003, tiny_model, "solo")
+    assert dump(written) == path.read_text()

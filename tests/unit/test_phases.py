@@ -56,6 +56,7 @@ def test_error_lines_in_each_format_a_role_prints():
     assert error_text("[rank0]: streamrl.engine.models.ModelLoadError: model folder m does not exist.") == (
         "streamrl.engine.models.ModelLoadError: model folder m does not exist."
     )
+    assert error_text("terminate called without an active exception") == "terminate called without an active exception"
     assert error_text("vllm.v1.engine.exceptions.EngineDeadError") == "vllm.v1.engine.exceptions.EngineDeadError"
     assert error_text("error: ledger.on_node_lost = 'readmit': ...; use 'drop'") == (
         "ledger.on_node_lost = 'readmit': ...; use 'drop'"
