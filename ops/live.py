@@ -7,6 +7,7 @@ from typing import Any
 from streamrl.ops.phases import RoleState, Snapshot
 
 MIN_WIDTH = 72  # wide enough for a node's state, so the table does not jump as phases change
+LABEL_WIDTH = len("mismatch_kl / behavior_kl")
 STATE_STYLE = {"dead": "red", "generating": "green", "training": "green", "up": "green", "registered": "cyan"}
 
 
@@ -18,7 +19,7 @@ def live_table(snapshot: Snapshot, records: list[dict[str, Any]], steps: int, el
     last = records[-1] if records else {}
     title = f"streamrl — step {last.get('step', 0)}/{steps} — {elapsed_s:.0f} s"
     table = Table(title=title, show_header=False, min_width=MIN_WIDTH)
-    table.add_column("what", style="bold")
+    table.add_column("what", style="bold", min_width=LABEL_WIDTH)
     table.add_column("value", overflow="fold")
     table.add_row("phase", snapshot.phase)
     for row in _figures(records) if records else []:
