@@ -24,16 +24,49 @@ ResumeOpt = Annotated[
     ),
 ]
 SetOpt = Annotated[list[str] | None, typer.Option("--set", "-s", help="Override: section.field=value (repeatable).")]
+DebugOpt = Annotated[bool, typer.Option("--debug", help="Show the traceback behind a config or preflight error.")]
+PreflightOpt = Annotated[
+    bool,
+    typer.Option(
+        "--preflight/--no-preflight",
+        help="Check the config, model, engine, data and rewards before starting (seconds; exit 2 on an error).",
+    ),
+]
 
 
-def _load(config: pathlib.Path | None, overrides: list[str] | None):
+def _load(config: pathlib.Path | None, overrides: list[str] | None, debug: bool = False):
     from streamrl.engine.config import ConfigError, load
 
     try:
         return load(config, overrides or [])
     except ConfigError as e:
+        if debug:
+            raise
         typer.secho(f"error: {e}", fg="red", err=True)
         raise typer.Exit(2) from None
+
+
+def _preflight(cfg, roles: list[str], debug: bool) -> None:
+    """Stop with exit 2, one line per problem, when a role would fail on its inputs; before any
+    process starts or any model loads (ops/preflight.py)."""
+    from streamrl.ops.preflight import preflight, report
+
+    code = report(preflight(cfg, roles), debug)
+    if code:
+        raise typer.Exit(code)
+
+
+def _write_run_config(cfg, given: pathlib.Path | None) -> None:
+    """RUN/config.toml: the config this learner runs, which `streamrl rollout --config` takes to join it."""
+    from streamrl.engine.config import dump
+
+    path = cfg.run.path / "config.toml"
+    if given is not None and path.exists() and given.resolve() == path.resolve():
+        return  # `streamrl run` wrote it and started this learner from it
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(dump(cfg))
+    tmp.rename(path)
 
 
 @app.command()
@@ -51,6 +84,7 @@ def doctor(
         redis_url=redis_url or cfg.ledger.url,
         host=cfg.transport.host,
         ports=[cfg.transport.trajectory_port, cfg.transport.control_port],
+        tensorboard=cfg.telemetry.tensorboard,
     )
     raise typer.Exit(render(results))
 
@@ -89,26 +123,51 @@ def _use_gpus(gpus: str) -> None:
 
 
 @app.command()
-def learner(config: ConfigOpt = None, overrides: SetOpt = None, resume: ResumeOpt = "", gpus: GpusOpt = "") -> None:
+def learner(
+    config: ConfigOpt = None,
+    overrides: SetOpt = None,
+    resume: ResumeOpt = "",
+    gpus: GpusOpt = "",
+    preflight: PreflightOpt = True,
+    debug: DebugOpt = False,
+) -> None:
     """Run the learner (rank 0 binds the sockets); more ranks: learner.ranks, under torchrun."""
     import os
     import sys
 
-    cfg = _load(config, overrides)
+    cfg = _load(config, overrides, debug)
     if not gpus and cfg.learner.gpus and "CUDA_VISIBLE_DEVICES" not in os.environ:
         gpus = ",".join(map(str, cfg.learner.gpus))  # a launcher that placed us set the variable already
     _use_gpus(gpus)
+    if preflight and "RANK" not in os.environ:  # once, in the process the user started, not per rank
+        _preflight(cfg, ["learner"], debug)
+    if os.environ.get("RANK", "0") == "0":
+        _write_run_config(cfg, config)
     if cfg.learner.ranks > 1 and "RANK" not in os.environ:
         # become torchrun, which starts this same command once per rank; Ctrl-C and SIGTERM then
         # reach it (and so its workers) directly
         os.execv(
             sys.executable,
             [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={cfg.learner.ranks}",
-             "-m", "streamrl", "learner", *sys.argv[2:]],
+             "-m", "streamrl", "learner", *sys.argv[2:], "--no-preflight"],
         )  # fmt: skip
     from streamrl.learner.main import main as learner_main
 
-    raise typer.Exit(learner_main(cfg, resume))
+    _exit_now(learner_main(cfg, resume))
+
+
+def _exit_now(code: int) -> None:
+    """Exit with `code` once logs are flushed, without the interpreter's teardown: a weight-transfer
+    thread still inside gloo or NCCL then aborts the process ("terminate called without an active
+    exception", seen at the end of a run whose last push was still going to a slow node)."""
+    import logging
+    import os
+    import sys
+
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 @app.command()
@@ -119,12 +178,17 @@ def rollout(
     node_id: Annotated[str | None, typer.Option(help="Unique node name (default: host-pid).")] = None,
     max_groups: Annotated[int | None, typer.Option(min=1, help="Stop after starting this many groups.")] = None,
     gpus: GpusOpt = "",
+    preflight: PreflightOpt = True,
+    debug: DebugOpt = False,
 ) -> None:
     """Run one rollout node: register with the learner, take its weights, generate until stopped."""
+    cfg = _load(config, overrides, debug)
+    if preflight:
+        _preflight(cfg, ["rollout"], debug)
     from streamrl.rollout.service import main as rollout_main
 
     _use_gpus(gpus)
-    raise typer.Exit(rollout_main(_load(config, overrides), learner, node_id, max_groups))
+    raise typer.Exit(rollout_main(cfg, learner, node_id, max_groups))
 
 
 @app.command()
@@ -155,17 +219,31 @@ def status(
 def run(
     config: ConfigOpt = None,
     overrides: SetOpt = None,
-    rollout_nodes: Annotated[int, typer.Option(min=0, help="Rollout processes to start.")] = 2,
+    rollout_nodes: Annotated[
+        int,
+        typer.Option(
+            min=0,
+            help="Rollout processes to start; with 0 the learner waits for nodes you start (the command is printed).",
+        ),
+    ] = 2,
     model: Annotated[str, typer.Option(help="Local HF model folder (default: the built-in tiny model).")] = "",
     data: Annotated[
         str, typer.Option(help="Prompt file (.jsonl/.parquet) or dataset folder (default: demo task).")
     ] = "",
-    reward: Annotated[list[str] | None, typer.Option(help="Reward function(s) by name or module:function.")] = None,
+    reward: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="Reward function(s), repeatable: a built-in name, module:function or path.py:function "
+            "(TRL's reward signature works unchanged)."
+        ),
+    ] = None,
     steps: Annotated[int | None, typer.Option(min=1, help="Optimizer steps.")] = None,
     device: Annotated[str | None, typer.Option(help="auto, cpu or cuda.")] = None,
     resume: ResumeOpt = "",
+    debug: DebugOpt = False,
 ) -> None:
-    """Everything on this machine: embedded Redis, a learner and N rollout nodes, with a live view."""
+    """Everything on this machine: embedded Redis, a learner and N rollout nodes, with a live view.
+    The config, model, engine, data and rewards are checked first (exit 2, nothing started, on an error)."""
     from streamrl.engine.config import RunConfig
     from streamrl.ops.run import DEMO, run_local
 
@@ -176,7 +254,8 @@ def run(
     sets += [f"reward.functions={list(reward)!r}"] if reward else []
     sets += [f"run.steps={steps}"] if steps else []
     sets += [f"run.device={device!r}"] if device else []
-    cfg = _load(config, sets)
+    cfg = _load(config, sets, debug)
+    _preflight(cfg, ["learner", "rollout"], debug)
     # a run named by you keeps its folder; the default name gets a fresh one when taken
     raise typer.Exit(run_local(cfg, rollout_nodes, explicit_name=cfg.run.name != RunConfig().name, resume=resume))
 

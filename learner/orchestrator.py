@@ -145,7 +145,9 @@ class Orchestrator:
         nodes = len(self.publisher.nodes)
         if nodes:
             return f"{nodes} nodes registered"
-        return f"no rollout node registered; start one with `streamrl rollout --learner {self.cfg.run.path}`"
+        run = self.cfg.run.path  # `streamrl learner` and `streamrl run` write its config.toml
+        command = f"streamrl rollout --config {run / 'config.toml'} --learner {run}"
+        return f"no rollout node registered; start one with `{command}`"
 
     # ---- nodes ----------------------------------------------------------------------------------
 

@@ -237,8 +237,40 @@ def check_packages() -> Check:
     return Check("packages", "ok", ", ".join(f"{d} {_version(d)}" for d in ("pyzmq", "msgspec", "redis")))
 
 
+# (distribution, module, what needs it, the install command): a missing one is a warning, never a failure
+OPTIONAL = (
+    ("wandb", "wandb", "telemetry.wandb = true", "pip install 'streamrl[wandb]'"),
+    ("reasoning-gym", "reasoning_gym", "data.path = 'reasoning_gym:NAME'", "pip install 'streamrl[envs]'"),
+    ("skyrl-gym", "skyrl_gym", "env.name = 'skyrl_gym'", "pip install 'streamrl[envs]'"),
+)
+
+
+def check_tensorboard(enabled: bool = True) -> Check:
+    """telemetry.tensorboard is on by default: without the package no events are written (a warning)."""
+    from streamrl.ops.preflight import tensorboard_problem
+
+    problem = tensorboard_problem(enabled)
+    if problem:
+        fix = "pip install tensorboard (or set telemetry.tensorboard = false)"
+        return Check("tensorboard", "warn", problem.split(":", 1)[0], fix, required=False)
+    version = _version("tensorboard")
+    if version is None:
+        return Check("tensorboard", "skip", "not installed; telemetry.tensorboard = false", required=False)
+    return Check("tensorboard", "ok", f"tensorboard {version}" + ("" if enabled else "; telemetry.tensorboard = false"))
+
+
+def check_optional(dist: str, module: str, needed_for: str, fix: str) -> Check:
+    """An optional library: its version, or a warning naming what needs it and the install command."""
+    import importlib.util
+
+    version = _version(dist)
+    if version is None or importlib.util.find_spec(module) is None:
+        return Check(dist, "warn", f"not installed; needed for {needed_for}", fix, required=False)
+    return Check(dist, "ok", f"{dist} {version}")
+
+
 def run_checks(
-    model_path: str = "", redis_url: str = "", host: str = "127.0.0.1", ports: list[int] = ()
+    model_path: str = "", redis_url: str = "", host: str = "127.0.0.1", ports: list[int] = (), tensorboard: bool = True
 ) -> list[Check]:
     steps: list[Callable[[], Check]] = [
         check_python,
@@ -250,6 +282,8 @@ def run_checks(
         check_vllm,
         lambda: check_redis(redis_url),
         lambda: check_ports(host, [p for p in ports if p]),
+        lambda: check_tensorboard(tensorboard),
+        *(lambda row=row: check_optional(*row) for row in OPTIONAL),
     ]
     results = []
     for step in steps:

@@ -13,6 +13,7 @@ import dataclasses
 import json
 import os
 import pathlib
+import shlex
 import shutil
 import signal
 import subprocess
@@ -33,6 +34,7 @@ class Child:
     name: str
     process: subprocess.Popen
     log_path: pathlib.Path
+    log_offset: int = 0  # where this process's output starts in the log (a resumed run appends)
     started: float = dataclasses.field(default_factory=time.time)
 
     @property
@@ -84,21 +86,40 @@ class Launcher:
         return self.placement
 
     def start(self, nodes: int, timeout_s: float = 300.0) -> None:
+        """Redis, the learner, and once it is up `nodes` rollout nodes (blocking; `streamrl run` does
+        the same steps one by one to show each)."""
         if self.placement is _UNPLANNED:
             self.plan_gpus(nodes)
-        if not self.cfg.ledger.url:
-            self.redis = RedisServer(self.run_dir / "redis")
-            self.cfg = _with(self.cfg, "ledger", url=self.redis.start())
-        self.config_path.write_text(dump(self.cfg))
-        self.learner = self._spawn("learner", self._learner_command(), self._learner_gpus())
+        self.start_redis()
+        self.start_learner()
         self.wait_for_learner(timeout_s)
         for _ in range(nodes):
             self.add_node()
 
+    def start_redis(self) -> None:
+        """The embedded Redis unless ledger.url names one; then the run's config.toml, with its URL."""
+        if not self.cfg.ledger.url:
+            self.redis = RedisServer(self.run_dir / "redis")
+            self.cfg = _with(self.cfg, "ledger", url=self.redis.start())
+        self.config_path.write_text(dump(self.cfg))
+
+    def start_learner(self) -> None:
+        self.learner = self._spawn("learner", self._learner_command(), self._learner_gpus())
+
     def _learner_command(self) -> list[str]:
-        """`streamrl learner`, which becomes torchrun itself when learner.ranks > 1."""
+        """`streamrl learner`, which becomes torchrun itself when learner.ranks > 1; `streamrl run`
+        ran the preflight for every role already."""
         resume = ["--resume", self.resume] if self.resume else []
-        return [sys.executable, "-m", "streamrl", "learner", "--config", str(self.config_path), *resume]
+        command = ["learner", "--config", str(self.config_path), "--no-preflight", *resume]
+        return [sys.executable, "-m", "streamrl", *command]
+
+    def node_arguments(self) -> list[str]:
+        """`streamrl rollout ...` for a node of this run (the launcher's nodes add a name)."""
+        return ["rollout", "--config", str(self.config_path), "--learner", str(self.run_dir)]
+
+    def node_command(self) -> str:
+        """The command that starts one more node of this run by hand, as a user types it."""
+        return "streamrl " + shlex.join(self.node_arguments())
 
     def restart_learner(self, resume: str = "latest", timeout_s: float = 300.0) -> None:
         """A new learner for this run after the last one died, continuing from checkpoint `resume`."""
@@ -109,14 +130,17 @@ class Launcher:
         self.wait_for_learner(timeout_s)
 
     def _learner_gpus(self) -> list[int] | None:
+        if self.placement is _UNPLANNED:
+            self.plan_gpus(nodes=1)
         return self.placement.learner if self.placement is not None else None
 
     def _node_gpu(self, index: int) -> list[int] | None:
+        if self.placement is _UNPLANNED:
+            self.plan_gpus(nodes=1)
         return [self.placement.node_gpu(index)] if self.placement is not None else None
 
     def wait_for_learner(self, timeout_s: float) -> dict:
         """The learner's addresses, once it wrote them; a clear error if it died or took too long."""
-        path = self.run_dir / "learner.json"
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if not self.learner.alive:
@@ -124,19 +148,26 @@ class Launcher:
                     f"the learner exited with code {self.learner.process.returncode} before it "
                     f"was up; its log {self.learner.log_path}:\n{self.learner.log_tail()}"
                 )
-            if path.is_file() and path.stat().st_mtime >= self.learner.started - 1:
-                return json.loads(path.read_text())
+            address = self.learner_address()
+            if address is not None:
+                return address
             time.sleep(0.2)
         raise RuntimeError(
             f"the learner was not up after {timeout_s:.0f} s; its log {self.learner.log_path}:\n"
             f"{self.learner.log_tail()}"
         )
 
+    def learner_address(self) -> dict | None:
+        """The addresses this learner wrote to RUN/learner.json once its sockets were up; None before."""
+        path = self.run_dir / "learner.json"
+        if self.learner is None or not path.is_file() or path.stat().st_mtime < self.learner.started - 1:
+            return None
+        return json.loads(path.read_text())
+
     def add_node(self) -> str:
         name = f"node-{self._next_node}"
         self._next_node += 1
-        command = [sys.executable, "-m", "streamrl", "rollout", "--config", str(self.config_path)]
-        command += ["--learner", str(self.run_dir), "--node-id", name]
+        command = [sys.executable, "-m", "streamrl", *self.node_arguments(), "--node-id", name, "--no-preflight"]
         self.nodes[name] = self._spawn(f"rollout-{name}", command, self._node_gpu(self._next_node - 1))
         return name
 
@@ -150,11 +181,12 @@ class Launcher:
         if gpus is not None:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpus))
         with log_path.open("ab") as out:
+            offset = out.tell()
             # Own process group: a terminal's Ctrl-C reaches the launcher, which stops children in order.
             process = subprocess.Popen(
                 command, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, start_new_session=True
             )
-        return Child(name, process, log_path)
+        return Child(name, process, log_path, offset)
 
     @property
     def ledger_url(self) -> str | None:

@@ -1,19 +1,47 @@
-"""The `streamrl run` live view: the latest step's figures and the nodes' state, as a rich table."""
+"""The `streamrl run` live view: the run's phase and every role's state; once steps finish, their figures."""
 
 from __future__ import annotations
 
 from typing import Any
 
+from streamrl.ops.phases import RoleState, Snapshot
 
-def live_table(records: list[dict[str, Any]], steps: int, nodes: dict[str, bool], elapsed_s: float, note: str = ""):
-    """The `streamrl run` live view: the latest step's figures and the nodes' state."""
+MIN_WIDTH = 72  # wide enough for a node's state, so the table does not jump as phases change
+LABEL_WIDTH = len("mismatch_kl / behavior_kl")
+STATE_STYLE = {"dead": "red", "generating": "green", "training": "green", "up": "green", "registered": "cyan"}
+
+
+def live_table(snapshot: Snapshot, records: list[dict[str, Any]], steps: int, elapsed_s: float):
+    """The run's phase, the latest step's figures (once a step finished), then what each role is
+    doing: a start never looks dead, and a role that died says why."""
     from rich.table import Table
 
     last = records[-1] if records else {}
-    first_reward = records[0].get("reward/mean") if records else None
-    table = Table(title=f"streamrl — step {last.get('step', 0)}/{steps} — {elapsed_s:.0f} s", show_header=False)
-    table.add_column("what", style="bold")
-    table.add_column("value")
+    title = f"streamrl — step {last.get('step', 0)}/{steps} — {elapsed_s:.0f} s"
+    table = Table(title=title, show_header=False, min_width=MIN_WIDTH)
+    table.add_column("what", style="bold", min_width=LABEL_WIDTH)
+    table.add_column("value", overflow="fold")
+    table.add_row("phase", snapshot.phase)
+    for row in _figures(records) if records else []:
+        table.add_row(*row)
+    roles = ([snapshot.learner] if snapshot.learner is not None else []) + snapshot.nodes
+    for role in roles:
+        table.add_row(role.name, _styled(role))
+    if snapshot.note:
+        table.add_row("note", snapshot.note)
+    return table
+
+
+def _styled(role: RoleState) -> str:
+    from rich.markup import escape
+
+    style = STATE_STYLE.get(role.state)
+    text = escape(str(role))
+    return f"[{style}]{text}[/]" if style else text
+
+
+def _figures(records: list[dict[str, Any]]) -> list[tuple[str, str]]:
+    last, first_reward = records[-1], records[0].get("reward/mean")
 
     def fmt(key: str, spec: str = ".3f") -> str:
         value = last.get(key)
@@ -22,7 +50,7 @@ def live_table(records: list[dict[str, Any]], steps: int, nodes: dict[str, bool]
     reward = f"{fmt('reward/mean')} ± {fmt('reward/std')}"
     if first_reward is not None and len(records) > 1:
         reward += f"   (step 1: {first_reward:.3f})"
-    rows = [
+    return [
         ("reward", reward),
         ("loss", fmt("loss", ".4f")),
         ("policy version", fmt("version", ".0f")),
@@ -31,10 +59,4 @@ def live_table(records: list[dict[str, Any]], steps: int, nodes: dict[str, bool]
         ("mismatch_kl / behavior_kl", f"{fmt('mismatch_kl', '.2e')} / {fmt('behavior_kl', '.2e')}"),
         ("skipped steps", fmt("skipped_steps", ".0f")),
         ("weights push (s)", fmt("weights_s", ".2f")),
-        ("nodes", ", ".join(f"{n} {'up' if up else 'down'}" for n, up in nodes.items()) or "-"),
     ]
-    for row in rows:
-        table.add_row(*row)
-    if note:
-        table.add_row("note", note)
-    return table

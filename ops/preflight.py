@@ -233,3 +233,26 @@ def preflight(cfg: Config, roles: Iterable[str] = ROLES) -> Preflight:
             problems.append(_problem(name, f"{type(e).__name__}: {e}", detail=traceback.format_exc()))
         seconds[name] = time.perf_counter() - start
     return Preflight(problems=problems, seconds=seconds)
+
+
+def report(found: Preflight, debug: bool = False, err=None) -> int:
+    """Print what preflight found, one line per problem (and each one's traceback under `debug`);
+    the command's exit status: 2 when there was an error (nothing was started), else 0."""
+    import sys
+
+    from rich.console import Console
+    from rich.markup import escape
+
+    console = Console(file=err or sys.stderr, highlight=False, soft_wrap=True)
+    colours = {"error": "red", "warning": "yellow", "info": "dim"}
+    for problem in found.problems:
+        console.print(f"[{colours[problem.level]}]{problem.level}:[/] {problem.check}: {escape(problem.message)}")
+        if debug and problem.detail:
+            console.print(escape(problem.detail.rstrip()), style="dim")
+    if not found.errors:
+        return 0
+    seconds = sum(found.seconds.values())
+    more = "" if debug or not any(p.detail for p in found.errors) else "; --debug shows the tracebacks"
+    errors = f"{len(found.errors)} error" + ("s" if len(found.errors) > 1 else "")
+    console.print(f"preflight: {errors} in {seconds:.1f} s; nothing was started{more}")
+    return 2

@@ -13,11 +13,13 @@ from streamrl.engine.config import Config, ConfigError
 from streamrl.engine.telemetry import MetricsTail, read_metrics
 from streamrl.ops.launcher import Launcher
 from streamrl.ops.live import live_table
+from streamrl.ops.phases import Board
 
 # The built-in demo: the random-init tiny model learns to write the letter of the demo task's
 # `answer` column. Measured on 2 CPU cores with 2 nodes: mean reward 0.06 -> 1.0 in 30 steps.
 # A learning rate this high suits only a tiny random model; examples/demo.toml spells it out.
 DEMO = ["learner.lr=1e-2", "rollout.group_size=8", "rollout.max_tokens=24", "run.steps=30"]
+LEARNER_UP_S = 300.0  # from the learner's start to its sockets (RUN/learner.json)
 
 
 def fresh_name(cfg: Config, explicit: bool) -> Config:
@@ -54,31 +56,39 @@ def run_local(
     except ConfigError as e:
         console.print(f"[red]error:[/] {e}")
         return 2
+    board = Board(launcher, nodes)
     console.print(f"run [bold]{cfg.run.name}[/]: folder {launcher.run_dir}, logs in {launcher.run_dir / 'logs'}")
     if placement is not None:
         console.print(placement.describe(nodes))
-    started, code = time.monotonic(), 1
+    started, code, failure = time.monotonic(), 1, ""
     signal.signal(signal.SIGTERM, _interrupt)  # a SIGTERM stops the run as cleanly as Ctrl-C
+    previous: dict = {}
     try:
-        launcher.start(nodes)
-        code = _watch(launcher, cfg, console, started)
-    except KeyboardInterrupt:
-        console.print("[yellow]interrupted: stopping every process this run started[/]")
-        code = 130
-    except RuntimeError as e:
-        console.print(f"[red]error:[/] {e}")
+        with Live(console=console, refresh_per_second=2, transient=False) as live:
+            view = _View(live, board, cfg.run.steps, started)
+            try:
+                code = _watch(launcher, view, console)
+            except KeyboardInterrupt:
+                console.print("[yellow]interrupted: stopping every process this run started[/]")
+                code = 130
+            except RuntimeError as e:
+                failure = str(e)
+            finally:
+                # A second Ctrl-C or a SIGTERM must not cut the clean-up short and leave children running.
+                previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)}
+                launcher.stop_all(keep_redis=True)
+                view.show()  # the last table: every role as it ended
+        if failure:
+            console.print(f"[red]error:[/] {failure}")
+        elif board.learner is not None and board.learner.state.state == "dead":
+            log = launcher.learner.log_path
+            console.print(f"[red]the learner exited[/] ({board.learner.state.detail}); its log {log}")
+        console.print(summary(read_metrics(launcher.run_dir / "metrics.jsonl"), time.monotonic() - started))
+        code = _books(launcher, board, cfg, console) or code
     finally:
-        # A second Ctrl-C or a SIGTERM must not cut the clean-up short and leave children running.
-        previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)}
-        try:
-            launcher.stop_all(keep_redis=True)
-            records = read_metrics(launcher.run_dir / "metrics.jsonl")
-            console.print(summary(records, time.monotonic() - started))
-            code = _books(launcher, cfg, console) or code
-        finally:
-            launcher.stop_redis()
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
+        launcher.stop_redis()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     return code
 
 
@@ -86,45 +96,80 @@ def _interrupt(signum, frame):
     raise KeyboardInterrupt(f"signal {signum}")
 
 
-def _watch(launcher: Launcher, cfg: Config, console: Console, started: float) -> int:
-    tail = MetricsTail(launcher.run_dir / "metrics.jsonl")
-    records = tail.records
-    with Live(console=console, refresh_per_second=2, transient=False) as live:
-        while launcher.learner.alive:
-            nodes = {name: child.alive for name, child in launcher.nodes.items()}
-            tail.poll()
-            finishing = bool(records) and records[-1]["step"] >= cfg.run.steps  # nodes were told to stop
-            if nodes and not any(nodes.values()) and not finishing:
-                failed = launcher.failed_nodes()
-                if not failed:
-                    raise RuntimeError(
-                        "every rollout node finished (their prompt source ended: data.loop = "
-                        "false?) before the learner's last step"
-                    )
-                raise RuntimeError(
-                    f"every rollout node exited; {failed[-1].name} with code "
-                    f"{failed[-1].process.returncode}, its log {failed[-1].log_path}:\n"
-                    f"{failed[-1].log_tail()}"
-                )
-            note = "" if any(nodes.values()) or not nodes else "no rollout node is running: the learner waits"
-            live.update(live_table(records, cfg.run.steps, nodes, time.monotonic() - started, note))
-            time.sleep(0.5)
-        nodes = {name: child.alive for name, child in launcher.nodes.items()}
-        tail.poll()
-        live.update(live_table(records, cfg.run.steps, nodes, time.monotonic() - started))
-    console.print()
+class _View:
+    """The live view's state: the metrics read so far and every role's, rendered on each `show()`."""
+
+    def __init__(self, live: Live, board: Board, steps: int, started: float):
+        self.live, self.board, self.steps, self.started = live, board, steps, started
+        self.metrics = MetricsTail(board.launcher.run_dir / "metrics.jsonl")
+
+    def show(self) -> None:
+        self.metrics.poll()
+        snapshot = self.board.poll(len(self.metrics.records))
+        elapsed = time.monotonic() - self.started
+        self.live.update(live_table(snapshot, self.metrics.records, self.steps, elapsed), refresh=True)
+
+
+def _watch(launcher: Launcher, view: _View, console: Console) -> int:
+    """Start the run's processes one by one, each phase shown as it begins; follow them to the
+    learner's exit; the learner's exit status."""
+    view.show()  # starting Redis
+    launcher.start_redis()
+    view.show()
+    launcher.start_learner()
+    _follow(launcher, view, console)
     code = launcher.learner.process.returncode
-    if code != 0:
-        console.print(
-            f"[red]the learner exited with code {code}[/]; its log {launcher.learner.log_path}:\n"
-            f"{launcher.learner.log_tail()}"
-        )
-    return code
+    return 128 - code if code < 0 else code  # killed by signal N: 128 + N, as a shell reports it
 
 
-def _books(launcher: Launcher, cfg: Config, console: Console) -> int:
-    """The ledger's table; non-zero when the books do not balance."""
+def _follow(launcher: Launcher, view: _View, console: Console) -> None:
+    """Until the learner exits: start the nodes once it is up, refresh the view, and stop with an
+    error when it never comes up or when every node died before the last step."""
+    board = view.board
+    nodes, deadline = board.requested, time.monotonic() + LEARNER_UP_S
+    started_nodes = False
+    while launcher.learner.alive:
+        if not started_nodes and launcher.learner_address() is not None:
+            started_nodes = True
+            for _ in range(nodes):
+                launcher.add_node()
+            if nodes == 0:
+                command = launcher.node_command()
+                console.print(f"no rollout node started (--rollout-nodes 0); start each with: {command}")
+        if not started_nodes and time.monotonic() > deadline:
+            log = launcher.learner.log_path
+            raise RuntimeError(f"the learner was not up after {LEARNER_UP_S:.0f} s; its log {log}")
+        view.show()
+        records = view.metrics.records
+        finishing = bool(records) and records[-1]["step"] >= launcher.cfg.run.steps  # nodes were told to stop
+        if started_nodes and nodes and not finishing:
+            _check_nodes(board)
+        time.sleep(0.5)
+
+
+def _check_nodes(board: Board) -> None:
+    """Every node this run started exited before the last step: the run cannot go on."""
+    watches = list(board.nodes.values())
+    if not watches or any(w.child.alive for w in watches):
+        return
+    dead = [state for state in (w.poll() for w in watches) if state.state == "dead"]
+    if not dead:
+        why = "their prompt source ended: data.loop = false" if not board.launcher.cfg.data.loop else "exit 0"
+        logs = board.launcher.run_dir / "logs"
+        raise RuntimeError(f"every rollout node stopped ({why}) before the learner's last step; their logs: {logs}")
+    last = dead[-1]
+    raise RuntimeError(
+        f"every rollout node exited; {last.name} {last.detail}; its log {board.nodes[last.name].child.log_path}"
+    )
+
+
+def _books(launcher: Launcher, board: Board, cfg: Config, console: Console) -> int:
+    """The ledger's table; non-zero when the books do not balance. A learner that never came up
+    never opened the run's books, and that is what is said."""
     if launcher.ledger_url is None:
+        return 0
+    if not board.learner_up:
+        console.print("no books to show: the learner never came up, so the run never started in the ledger")
         return 0
     from streamrl.ops.status import status_command
 

@@ -243,6 +243,7 @@ async def serve(cfg: Config, learner_addr: str, node_id: str, max_groups: int | 
     try:
         check_reachable(learner_addr, cfg.transport.send_timeout_s)
         device = resolve_device(cfg.run.device)
+        log.info("phase: loading the %s engine on %s", cfg.rollout.backend, device)  # `phase:` lines: the live view
         engine = build_engine(cfg, device)  # before registering: weights can be taken at once
         warm_s = await engine.warm_up()  # compile before serving, so nothing compiles mid-run
         if warm_s:
@@ -254,7 +255,9 @@ async def serve(cfg: Config, learner_addr: str, node_id: str, max_groups: int | 
     client = ControlClient(learner_addr, node_id, t.recv_timeout_s, max_frame_mb=t.max_frame_mb,
                            fault_log_interval_s=t.fault_log_interval_s)  # fmt: skip
     try:
+        log.info("phase: registering with the learner at %s", learner_addr)
         welcome = register(client, node_id, cfg.rollout.backend, device, cfg.transport.recv_timeout_s)
+        log.info("phase: registered as %s at policy version %d", node_id, welcome.policy_version)
         ledger = Ledger(connect(welcome.redis_url, cfg.ledger.connect_retries), welcome.run_name, cfg.ledger)
         ledger.heartbeat(node_id)
         beat = LedgerHeartbeat(ledger, node_id)
@@ -305,6 +308,7 @@ async def _generate(
                 raise TransportError(
                     f"no weights (version {welcome.policy_version}) from the learner within {timeout_s:g} s of joining"
                 )
+        log.info("phase: generating")
         stats = node.stats if control.stop_reason or signalled else await node.run(max_groups)
     finally:
         control.stopping.set()

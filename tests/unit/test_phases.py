@@ -1,0 +1,230 @@
+"""The live view's phase reader (ops/phases.py) on log lines as the roles write them (copied from a real
+`streamrl run` of the tiny model), and the table it feeds (ops/live.py). The same reader runs on real
+roles' logs in tests/integration/test_first_hour_run.py."""
+
+from __future__ import annotations
+
+import pathlib
+from types import SimpleNamespace
+
+from rich.console import Console
+
+from streamrl.ops.live import live_table
+from streamrl.ops.phases import Board, LearnerWatch, LineTail, NodeWatch, error_text
+
+
+class FakeChild:
+    """What a watch reads of ops/launcher.py's `Child`: the log and whether the process exited."""
+
+    def __init__(self, log_path: pathlib.Path, name: str, offset: int = 0):
+        self.log_path, self.name, self.log_offset = log_path, name, offset
+        self.process = SimpleNamespace(returncode=None)
+
+    @property
+    def alive(self) -> bool:
+        return self.process.returncode is None
+
+    def write(self, *lines: str) -> None:
+        with self.log_path.open("a") as f:
+            f.write("".join(line + "\n" for line in lines))
+
+
+def test_line_tail_reads_only_new_complete_lines(tmp_path):
+    path = tmp_path / "x.out"
+    path.write_text("old run\n")
+    tail = LineTail(path, offset=len("old run\n"))  # a resumed run appends to the same log
+    assert tail.poll() == []
+    with path.open("a") as f:
+        f.write("Loading weights:   0%|\rLoading weights: 100%|\nhalf a li")
+    assert tail.poll() == ["Loading weights: 100%|"]  # a progress bar's last state; the half line waits
+    with path.open("a") as f:
+        f.write("ne\n")
+    assert tail.poll() == ["half a line"]
+    assert LineTail(tmp_path / "none.out").poll() == []
+
+
+def test_error_lines_in_each_format_a_role_prints():
+    assert error_text("16:36:30 ERROR: bad input: data.path = x.jsonl does not exist") == (
+        "bad input: data.path = x.jsonl does not exist"
+    )
+    assert error_text("(EngineCore pid=12545) ERROR 11-30 16:28:50 [core.py:1012] EngineCore failed to start.") == (
+        "EngineCore failed to start."
+    )
+    assert error_text("RuntimeError: Unsupported CPU attention configuration: head_dim=16") == (
+        "RuntimeError: Unsupported CPU attention configuration: head_dim=16"
+    )
+    assert error_text("[rank0]: streamrl.engine.models.ModelLoadError: model folder m does not exist.") == (
+        "streamrl.engine.models.ModelLoadError: model folder m does not exist."
+    )
+    assert error_text("terminate called without an active exception") == "terminate called without an active exception"
+    assert error_text("vllm.v1.engine.exceptions.EngineDeadError") == "vllm.v1.engine.exceptions.EngineDeadError"
+    assert error_text("error: ledger.on_node_lost = 'readmit': ...; use 'drop'") == (
+        "ledger.on_node_lost = 'readmit': ...; use 'drop'"
+    )
+    for line in (
+        "16:35:47 INFO: learner up: control tcp://127.0.0.1:35495",
+        "(MainProcess pid=12389) WARNING 11-30 16:28:24 [cpu.py:224] Triton is not installed.",
+        '  File "/x/rollout/service.py", line 12, in serve',
+        "16:36:17 WARNING: waited 30 s for trajectories: 0 groups partly here; no rollout node registered",
+    ):
+        assert error_text(line) is None, line
+
+
+def test_a_node_moves_through_its_phases_then_dies_with_its_last_error_line(tmp_path):
+    child = FakeChild(tmp_path / "rollout-node-0.out", "rollout-node-0")
+    watch = NodeWatch(child, "node-0")
+    seen = [str(watch.poll())]
+    for line in (
+        "16:35:55 INFO: phase: loading the vllm engine on cpu",
+        "(MainProcess pid=19774) INFO 11-30 16:35:58 [model.py:733] Resolved architecture: Qwen2ForCausalLM",
+        "16:36:30 INFO: phase: registering with the learner at tcp://127.0.0.1:35495",
+        "16:36:30 INFO: phase: registered as node-0 at policy version 0",
+        "16:36:30 INFO: phase: generating",
+        "16:36:37 INFO: policy version 1 live on node-0 in 0.18s",
+    ):
+        child.write(line)
+        seen.append(str(watch.poll()))
+    assert seen == [
+        "starting",
+        "loading the engine",
+        "loading the engine",
+        "registering",
+        "registered",
+        "generating",
+        "generating: policy v1",
+    ]
+    child.write(
+        "Traceback (most recent call last):",
+        "RuntimeError: Unsupported CPU attention configuration: head_dim=16",
+        "16:36:40 ERROR: 8 groups in a row failed; the last: EngineDeadError",
+    )
+    child.process.returncode = 2
+    state = watch.poll()
+    assert (state.name, state.state, state.alive) == ("node-0", "dead", False)
+    assert state.detail == "exit 2: 8 groups in a row failed; the last: EngineDeadError"
+
+
+def test_a_node_stopped_by_the_launcher_is_stopped_not_dead(tmp_path):
+    for code, state in ((0, "stopped"), (-15, "stopped"), (-9, "dead")):
+        child = FakeChild(tmp_path / f"node-{code}.out", "rollout-node-0")
+        child.write("16:37:17 INFO: node node-0 done: 28 groups sent, 8 samples resolved on leaving")
+        child.process.returncode = code
+        assert NodeWatch(child, "node-0").poll().state == state
+    assert str(NodeWatch(child, "node-0").poll()) == (
+        f"dead: killed by signal 9: no error line; see {tmp_path / 'node--9.out'}"
+    )
+
+
+def test_the_learner_loads_comes_up_waits_trains_and_finishes(tmp_path):
+    child = FakeChild(tmp_path / "learner.out", "learner")
+    watch = LearnerWatch(child)
+    assert (str(watch.poll()), watch.came_up) == ("loading the model", False)
+    child.write(
+        "Loading weights: 100%|██████████| 26/26 [00:00<00:00, 18362.00it/s]",
+        "16:35:47 INFO: learner up: control tcp://127.0.0.1:35495, trajectories tcp://127.0.0.1:36279, ledger x",
+        "16:36:17 WARNING: waited 30 s for trajectories: 0 groups partly here; no rollout node registered; start "
+        "one with `streamrl rollout --config runs/cap/config.toml --learner runs/cap`",
+    )
+    assert (str(watch.poll()), watch.came_up) == ("up", True)
+    assert watch.waiting.startswith("0 groups partly here; no rollout node registered; start one with `streamrl")
+    child.write("16:36:30 INFO: node node-0 joined (1 nodes)", "16:36:30 INFO: node hand-7 joined (2 nodes)")
+    watch.poll()
+    assert watch.registered == {"node-0", "hand-7"} and watch.waiting == ""
+    child.write(
+        "16:36:37 INFO: step 1 v1 reward 0.059±0.059 loss -0.0000 tokens/s 15 mismatch_kl 4.86e-14 staleness 0.00",
+        "16:37:16 INFO: node hand-7 left: run finished",
+    )
+    assert str(watch.poll()) == "training" and watch.registered == {"node-0"}
+    child.process.returncode = 0
+    assert str(watch.poll()) == "finished"
+
+
+def test_a_learner_that_died_before_it_came_up(tmp_path):
+    child = FakeChild(tmp_path / "learner.out", "learner")
+    watch = LearnerWatch(child)
+    child.write("error: ledger.on_node_lost = 'readmit': rollout nodes do not yet re-generate; use 'drop'")
+    child.process.returncode = 2
+    state = watch.poll()
+    assert (state.state, state.detail, watch.came_up) == (
+        "dead",
+        "exit 2: ledger.on_node_lost = 'readmit': rollout nodes do not yet re-generate; use 'drop'",
+        False,
+    )
+
+
+class FakeLauncher:
+    """What the board reads of ops/launcher.py's `Launcher`."""
+
+    def __init__(self):
+        self.ledger_url, self.learner, self.nodes = None, None, {}
+
+    def node_command(self) -> str:
+        return "streamrl rollout --config runs/r/config.toml --learner runs/r"
+
+
+def test_the_board_names_each_phase_of_a_start(tmp_path):
+    launcher = FakeLauncher()
+    board = Board(launcher, requested_nodes=1)
+    phases = [board.poll().phase]
+    launcher.ledger_url = "redis://127.0.0.1:6379/0"
+    phases.append(board.poll().phase)
+    launcher.learner = FakeChild(tmp_path / "learner.out", "learner")
+    phases.append(board.poll().phase)
+    launcher.learner.write("16:35:47 INFO: learner up: control tcp://127.0.0.1:1, trajectories tcp://127.0.0.1:2")
+    launcher.nodes["node-0"] = node = FakeChild(tmp_path / "rollout-node-0.out", "rollout-node-0")
+    phases.append(board.poll().phase)
+    node.write("16:36:30 INFO: phase: registered as node-0 at policy version 0")
+    phases.append(board.poll().phase)
+    phases.append(board.poll(steps_done=1).phase)
+    launcher.learner.process.returncode = 0
+    phases.append(board.poll(steps_done=3).phase)
+    assert phases == [
+        "starting Redis",
+        "starting the learner",
+        "loading the model (learner)",
+        "warming up the engines",
+        "waiting for the first batch",
+        "training",
+        "finished",
+    ]
+    assert board.learner_up
+
+
+def test_zero_nodes_the_board_shows_the_command_and_nodes_started_by_hand(tmp_path):
+    launcher = FakeLauncher()
+    launcher.ledger_url = "redis://127.0.0.1:6379/0"
+    launcher.learner = FakeChild(tmp_path / "learner.out", "learner")
+    launcher.learner.write("16:35:47 INFO: learner up: control tcp://127.0.0.1:1, trajectories tcp://127.0.0.1:2")
+    board = Board(launcher, requested_nodes=0)
+    snapshot = board.poll()
+    assert snapshot.phase == (
+        "waiting for a rollout node: start one with `streamrl rollout --config runs/r/config.toml --learner runs/r`"
+    )
+    launcher.learner.write("16:36:30 INFO: node box-4242 joined (1 nodes)")
+    snapshot = board.poll()
+    assert snapshot.phase == "waiting for the first batch"
+    assert [str(n) for n in snapshot.nodes] == ["registered: started by hand"]
+
+
+def render(table) -> str:
+    console = Console(record=True, width=140, force_terminal=False)
+    console.print(table)
+    return console.export_text()
+
+
+def test_the_table_shows_phases_before_the_first_step_and_figures_after(tmp_path):
+    launcher = FakeLauncher()
+    launcher.ledger_url = "redis://x"
+    launcher.learner = FakeChild(tmp_path / "learner.out", "learner")
+    launcher.nodes["node-0"] = node = FakeChild(tmp_path / "rollout-node-0.out", "rollout-node-0")
+    node.write("16:36:40 ERROR: bad input: data.path = x.jsonl does not exist")
+    node.process.returncode = 2
+    board = Board(launcher, requested_nodes=1)
+    text = render(live_table(board.poll(), [], steps=10, elapsed_s=5.2))
+    assert "streamrl — step 0/10 — 5 s" in text
+    assert "phase" in text and "loading the model (learner)" in text
+    assert "node-0" in text and "dead: exit 2: bad input: data.path = x.jsonl does not exist" in text
+    assert "reward" not in text  # no row of dashes before a step finished
+    records = [{"step": 1, "reward/mean": 0.25, "reward/std": 0.1, "loss": -0.5, "version": 1}]
+    text = render(live_table(board.poll(steps_done=1), records, steps=10, elapsed_s=60))
+    assert "streamrl — step 1/10 — 60 s" in text and "0.250 ± 0.100" in text and "-0.5000" in text
