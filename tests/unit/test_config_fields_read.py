@@ -28,7 +28,11 @@ from streamrl.engine.config import Config
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 CHECK_ONLY = {"engine/config_rules.py", "ops/preflight.py"}
-READ_ELSEWHERE: dict[str, str] = {}  # "section.field": where and how it is read, when no attribute read shows it
+READ_ELSEWHERE: dict[str, str] = {  # "section.field": where and how it is read, when no attribute read shows it
+    "ledger.heartbeat_ttl_s": "engine/ledger.py Ledger.heartbeat reads self.config.heartbeat_ttl_s; self.config is "
+    "the LedgerConfig that the base class LedgerBooks.__init__ (engine/ledger_books.py) keeps, which the walk "
+    "does not follow across classes"
+}
 
 
 def sections() -> dict[tuple[str, ...], type]:
