@@ -173,6 +173,10 @@ class Ledger(LedgerBooks):
         taken = self._call("TAKE_CREDIT", node_id, group_id, group_size, prompt, time.time(), node_version)
         return sample_ids(group_id, group_size) if taken == 1 else None
 
+    def oldest_open_groups(self, count: int) -> list[str]:
+        """The `count` groups admitted first that are not resolved yet (a batch trains in this order)."""
+        return self._retry(lambda: self.client.zrange(self.prefix + "adm", 0, count - 1), "oldest_open_groups")
+
     def claim_orphan(self, node_id: str) -> Orphan | None:
         """The oldest group a lost node left behind (readmit mode), now this node's; None if none."""
         out = self._call("CLAIM_ORPHAN", node_id)

@@ -19,6 +19,7 @@ Key layout under the prefix `streamrl:{run}:`:
   s:<sample_id>   hash   node, group, state, v_adm, v, vmin, v_trn, t_adm, t_gen, t_rcv, t_end
   g:<group_id>    hash   node, n, open (samples not yet resolved), prompt, t
   ng:<node_id>    set    groups of the node holding a credit
+  adm / admseq    zset   groups holding a credit, by admission order (the learner trains them in it)
   tv:<version>    set    samples trained by that policy version (what a roll-back undoes)
   nodes / lost    set    nodes seen alive / nodes reaped or gone
   alive:<node_id> string heartbeat, expires after the TTL
@@ -85,6 +86,7 @@ local function flush(b)
     if redis.call('HINCRBY', gk, 'open', -n) == 0 then
       redis.call('DECR', b.p .. 'inflight')
       redis.call('SREM', b.p .. 'ng:' .. redis.call('HGET', gk, 'node'), group)
+      redis.call('ZREM', b.p .. 'adm', group)
     end
   end
 end
@@ -130,6 +132,7 @@ if node_version >= 0 then
   end
 end
 redis.call('INCR', p .. 'inflight')
+redis.call('ZADD', p .. 'adm', redis.call('INCR', p .. 'admseq'), group)
 redis.call('HSET', gk, 'node', node, 'n', n, 'open', n, 'prompt', prompt, 't', now)
 redis.call('SADD', p .. 'ng:' .. node, group)
 local v = redis.call('GET', p .. 'version') or '0'

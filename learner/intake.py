@@ -44,6 +44,7 @@ class Intake:
         self.receiver, self.ledger, self.max_staleness = receiver, ledger, max_staleness
         self.groups: dict[str, _Group] = {}
         self.counters = collections.Counter()
+        self._order_wait_since: float | None = None
 
     @property
     def addr(self) -> str:
@@ -112,10 +113,29 @@ class Intake:
                 del self.groups[group_id]
         if len(usable) < n_groups:
             return None
-        # oldest weights first: a group that waits while newer ones are trained may go stale; a newer
-        # one can wait a step (admission kept it within max_staleness of the next)
+        chosen = self._in_admission_order(usable, n_groups, now)
+        return None if chosen is None else [self.groups.pop(g).fresh for g in chosen]
+
+    def _in_admission_order(self, usable: list[str], n_groups: int, now: float) -> list[str] | None:
+        """The step's groups: the `n_groups` admitted first, once all of them are here (None: wait).
+
+        Admission counted on that order (a group waits as many steps as there were groups before it), so a
+        newer group that finished sooner must not take an older one's place: the older one would miss its
+        step and go stale. A wait on the oldest is bounded by GROUP_PATIENCE_S (a lost node's groups are
+        resolved by then); past it, or for groups the ledger no longer lists, the oldest weights go first.
+        """
+        oldest = self.ledger.oldest_open_groups(n_groups)
+        ready = set(usable)
+        if len(oldest) == n_groups and all(g in ready for g in oldest):
+            self._order_wait_since = None
+            return oldest
+        if self._order_wait_since is None:
+            self._order_wait_since = now
+        if len(oldest) == n_groups and now - self._order_wait_since < GROUP_PATIENCE_S:
+            return None
+        self._order_wait_since = None
         usable.sort(key=lambda g: (min(t.min_version for t in self.groups[g].fresh), self.groups[g].first_seen))
-        return [self.groups.pop(g).fresh for g in usable[:n_groups]]
+        return usable[:n_groups]
 
     def _fresh_members(self, group: _Group, version: int) -> list[Trajectory]:
         """Drop members that went stale while they waited here (staleness is judged at consumption)."""
