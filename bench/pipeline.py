@@ -94,8 +94,8 @@ def _figures(name, mode, staleness, records, counts, histogram, simulate) -> dic
         "final_reward": records[-1]["reward/mean"],
     }
     gen, train = simulate.get("gen_s", 0.0), simulate.get("train_s", 0.0)
-    if gen and train:
-        ideal = gen + train if mode == "sync" else max(gen, train)
+    if gen and train:  # async at max_staleness 0 cannot overlap the stages either
+        ideal = gen + train if mode == "sync" or staleness == 0 else max(gen, train)
         out.update(ideal_seconds_per_step=ideal, overhead_s=per_step - ideal)
     return out
 
@@ -121,7 +121,7 @@ def speedups(results: list[dict], simulate: dict) -> list[dict]:
         row = {"figure": "pipeline_speedup", "config": r["config"], "vs": "sync", "ratio": ratio}
         gen, train = simulate.get("gen_s", 0.0), simulate.get("train_s", 0.0)
         if gen and train:
-            ideal = (gen + train) / max(gen, train)
+            ideal = (gen + train) / max(gen, train) if r["max_staleness"] > 0 else 1.0
             row.update(ideal_ratio=ideal, fraction_of_ideal=ratio / ideal)
         out.append(row)
     return out
