@@ -223,6 +223,26 @@ def bench(ctx: typer.Context, name: Annotated[str, typer.Argument(help=f"One of:
     runpy.run_module(f"streamrl.bench.{name}", run_name="__main__")
 
 
+@app.command()
+def keys(
+    folder: Annotated[pathlib.Path, typer.Argument(help="Folder for the keys (made 0700; kept keys are reused).")],
+    node: Annotated[
+        str, typer.Option(help="Also make a node's own folder FOLDER/NODE (its pair and the learner's public key).")
+    ] = "",
+) -> None:
+    """Make CURVE keys for runs across hosts: the learner's pair, a node pair, the node keys it lets in
+    (set transport.curve = true and transport.keys = the folder, or a copy of a node's half)."""
+    from streamrl.engine.auth import AuthError, make_keys
+
+    try:
+        where = make_keys(folder, node)
+    except (AuthError, OSError) as e:
+        typer.secho(f"error: {e}", fg="red", err=True)
+        raise typer.Exit(2) from None
+    typer.echo(f"learner: {folder}/server.key_secret and {folder}/authorized/ (the node keys it lets in)")
+    typer.echo(f"node{' ' + node if node else 's'}: {where}/server.key and {where}/node.key_secret")
+
+
 def main() -> None:
     app()
 

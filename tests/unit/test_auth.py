@@ -218,3 +218,24 @@ def test_what_loopback_and_curve_allow():
         ["ledger.url='redis://:pw@10.0.0.5:6379/0'", "ledger.allow_plaintext=true"],
     ):
         auth.check_listeners(build({}, overrides))
+
+
+def _listen_address(port: int) -> str:
+    """The local address of the socket listening on `port`, as /proc/net/tcp{,6} (`ss -ltn`) shows it."""
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in open(table).read().splitlines()[1:]:
+            local, state = line.split()[1], line.split()[3]
+            if state == "0A" and int(local.split(":")[1], 16) == port:
+                raw = bytes.fromhex(local.split(":")[0])
+                return ".".join(str(b) for b in raw[::-1]) if len(raw) == 4 else "[" + raw.hex() + "]"
+    raise AssertionError(f"nothing listens on port {port}")
+
+
+def test_the_weight_store_listens_only_where_config_says():
+    from streamrl.engine.weights import WeightSender
+
+    sender = WeightSender("n", host="127.0.0.1", timeout_s=5)
+    try:
+        assert _listen_address(sender.port) == "127.0.0.1"  # torch alone binds [::] whatever host it is given
+    finally:
+        sender.close()
