@@ -43,7 +43,9 @@ log = logging.getLogger("streamrl.engine.transport")
 
 ZAP_ENDPOINT = "inproc://zeromq.zap.01"  # fixed by the ZAP RFC: where libzmq asks its context's gate
 ZAP_DOMAIN = b"streamrl"
-_HANDSHAKE_EVENTS = zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+# a peer that spoke ZMTP without CURVE or with the wrong server key; not NO_DETAIL (a peer that hung up
+# before its greeting: a port check, a health probe)
+_HANDSHAKE_EVENTS = zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
 
 
 class AuthError(ConfigError):

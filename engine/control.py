@@ -31,6 +31,12 @@ from streamrl.engine.transport import (
     timeout_ms,
 )
 
+# a learner with CURVE on never completes a connection with a node whose keys do not match: sends then block
+_CHECK = (
+    "is the learner running and the address right? is transport.curve the same on both sides, and this "
+    "node's key among those the learner allows?"
+)
+
 
 class Incoming(NamedTuple):
     """A control message as the learner receives it: the peer's routing id, the message, and the
@@ -152,8 +158,7 @@ class ControlClient:
         except zmq.Again:
             raise TransportError(
                 f"node {self.node_id}: could not send {type(msg).__name__} to the learner at "
-                f"{self.addr} within {timeout_s:g}s (is the learner running and the "
-                f"address right?)"
+                f"{self.addr} within {timeout_s:g}s ({_CHECK})"
             ) from None
 
     def recv(self, timeout_s: float | None = None) -> Control | None:
@@ -183,8 +188,7 @@ class ControlClient:
             if reply is None:
                 raise TransportError(
                     f"node {self.node_id}: no reply to {type(msg).__name__} from the learner at "
-                    f"{self.addr} within {timeout_s:g}s (is the learner running and the "
-                    f"address right?)"
+                    f"{self.addr} within {timeout_s:g}s ({_CHECK})"
                 )
             if expect is None or isinstance(reply, expect):
                 return reply

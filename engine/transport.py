@@ -36,7 +36,8 @@ log = logging.getLogger(__name__)
 
 LOOPBACK_ANY_PORT = "tcp://127.0.0.1:*"
 MAX_FRAME_MB = 16.0  # default cap: a trajectory of 500k tokens is ~12 MiB
-REFUSALS = ("unregistered", "wrong_key", "bad_signature", "spoofed")  # frames that could not prove their node
+# what could not prove who sent it: frames and control messages (counted per sender), connections (the gate)
+REFUSALS = ("unregistered", "wrong_key", "bad_signature", "spoofed", "denied", "handshake_failed")
 
 
 class TransportError(RuntimeError):
@@ -139,8 +140,8 @@ class TrajectorySender:
         if self._monitor is not None:
             raise TransportError(
                 f"node {self.node_id}: no connection to the learner's trajectory socket at "
-                f"{self.addr} within {timeout_s:g}s (is the learner running and the address right? with "
-                "transport.curve: are the learner's server.key and this node's key allowed?)"
+                f"{self.addr} within {timeout_s:g}s (is the learner running and the address right? is "
+                "transport.curve the same on both sides, and this node's key among those the learner allows?)"
             )
 
     def _close_monitor(self) -> None:

@@ -25,7 +25,7 @@ from streamrl.engine.ledger import open_ledger
 from streamrl.engine.messages import Stop, Trajectory, Welcome
 from streamrl.engine.redis_server import redact
 from streamrl.engine.telemetry import MetricsSink
-from streamrl.engine.transport import TrajectoryReceiver, bind_address
+from streamrl.engine.transport import REFUSALS, TrajectoryReceiver, bind_address
 from streamrl.learner.advantages import group_advantages
 from streamrl.learner.batching import StepBatch, pack_for_ranks, sequence_cost
 from streamrl.learner.intake import Intake
@@ -213,7 +213,7 @@ class Orchestrator:
             "gaps": self.intake.receiver.gaps,
             "duplicates": self.intake.receiver.duplicates,
             "decode_errors": self.intake.receiver.decode_errors + self.registry.server.decode_errors,
-            "refused": self._refused(),
+            **self._refusals(),
         }
         self.sink.log(step, record)
         log.info(
@@ -230,10 +230,19 @@ class Orchestrator:
             100 * record["time/idle_fraction"],
         )
 
-    def _refused(self) -> int:
-        """Frames and connections refused for not proving who they came from (counted per sender)."""
-        gate = self.gate.refused() if self.gate is not None else 0
-        return self.intake.receiver.refused + self.registry.refused() + gate
+    def _refusals(self) -> dict[str, int]:
+        """Connections and frames refused for not proving who they came from, by where and why (the
+        per-sender counts are in the log), and their total as `refused`."""
+        tallies = {"trajectory": self.intake.receiver.faults, "control": self.registry.server.faults}
+        if self.gate is not None:
+            tallies["gate"] = self.gate.faults
+        out = {
+            f"refused/{where}/{kind}": tally.count(kind)
+            for where, tally in tallies.items()
+            for kind in REFUSALS
+            if tally.count(kind)
+        }
+        return {"refused": sum(out.values()), **out}
 
     def _time_figures(self, flat: list[Trajectory], timings: dict[str, float]) -> dict[str, float]:
         """Where the learner's step went: waiting for data (idle), training, the push's hold; the MFU
