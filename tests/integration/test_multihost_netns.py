@@ -179,7 +179,7 @@ from streamrl.engine.redis_server import connect
 ledger = Ledger(connect(sys.argv[1]), sys.argv[2])
 c = ledger.counts()
 print(json.dumps({"errors": ledger.check(deep=True), "total": c.total, "trained": c.trained, "dropped": c.dropped,
-                  "in_flight": c.in_flight, "version": ledger.current_version()}))
+                  "in_flight": c.in_flight, "version": ledger.current_version(), "why": c.dropped_by_reason}))
 """
 
 
@@ -229,7 +229,8 @@ def test_learner_nodes_and_redis_on_separate_hosts_with_curve(hosts, tmp_path, t
     ledger = json.loads(books.stdout.strip().splitlines()[-1])
     print(
         f"\nnetns run: {len(records)} steps, version {ledger['version']}, {ledger['trained']} samples trained, "
-        f"{ledger['dropped']} dropped, {ledger['total']} in all, books {'balanced' if not ledger['errors'] else 'NOT'}"
+        f"{ledger['dropped']} dropped {ledger['why']}, {ledger['total']} in all, "
+        f"books {'balanced' if not ledger['errors'] else 'NOT'}"
         f"\nprobe: {seen}\nrefused: { {k: v for k, v in last.items() if k.startswith('refused')} }"
         f"\nkeyless streamrl rollout: exit {intruder.returncode}; step seconds "
         f"{[round(r.get('time/wait_s', 0) + r.get('time/train_s', 0), 1) for r in records]}"
