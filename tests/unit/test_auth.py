@@ -175,6 +175,12 @@ def test_the_registry_binds_an_id_to_its_key_and_ignores_messages_for_others(key
             }
             a.send(Goodbye(node_id="a", reason="done"))  # its own goodbye is taken
             _wait_for(lambda: registry.take_events() == [("left", "a")])
+            registry.forget("a")
+            a.send(Heartbeat(node_id="a", policy_version=1))  # late, from the node that left: not an attack
+            b.send(Heartbeat(node_id="a", policy_version=1))  # from anyone else: still refused
+            _wait_for(lambda: registry.refused() == 5)
+            time.sleep(0.2)
+            assert registry.server.faults.by_sender()["node 'a' (claimed)"] == {"spoofed": 3, "unregistered": 1}
     finally:
         registry.close()
 
