@@ -13,6 +13,7 @@ Prints one JSON line: what each case got back.
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import sys
 import time
@@ -30,7 +31,7 @@ def _traj(sample_id: str) -> Trajectory:
                       completion_ids=[3], behavior_logprobs=[-0.5], reward=1.0, policy_version=0)  # fmt: skip
 
 
-def _register(addr: str, node_id: str, keys, timeout_s: float = 3) -> str:
+def _register(addr: str, node_id: str, keys, timeout_s: float) -> str:
     with ControlClient(addr, f"probe-{node_id}-{time.monotonic_ns()}", timeout_s=timeout_s, keys=keys) as client:
         try:
             reply = client.request(Register(node_id=node_id, host="probe"), expect=(Welcome, Stop))
@@ -39,8 +40,8 @@ def _register(addr: str, node_id: str, keys, timeout_s: float = 3) -> str:
     return f"Stop: {reply.reason}" if isinstance(reply, Stop) else "Welcome"
 
 
-def _push(addr: str, node_id: str, keys, seq: int = 0, secret: bytes = b"", timeout_s: float = 3) -> str:
-    sender = TrajectorySender(addr, node_id, send_timeout_s=timeout_s, keys=keys, secret=secret, flush_timeout_s=5)
+def _push(addr: str, node_id: str, keys, seq: int, timeout_s: float, secret: bytes = b"") -> str:
+    sender = TrajectorySender(addr, node_id, send_timeout_s=timeout_s, keys=keys, secret=secret, flush_timeout_s=1)
     with sender:
         sender.seq = seq
         try:
@@ -54,21 +55,23 @@ def main(control: str, trajectories: str, other_keys_dir: str, victim: str) -> d
     other = auth.node_keys(other_keys_dir)
     own_public, own_secret = zmq.curve_keypair()
     stranger = auth.NodeKeys(other.server_public, own_public, own_secret)
-    out = {
-        "stranger_plain_register": _register(control, "intruder", None),
-        "stranger_key_register": _register(control, "intruder", stranger),
-        "stranger_plain_push": _push(trajectories, victim, None, seq=10**9),
-        "stranger_key_push": _push(trajectories, victim, stranger, seq=10**9),
-        # an allowed key gets through the gate: these wait long enough for a loaded machine's handshake
-        "spoof_register_as_victim": _register(control, victim, other, timeout_s=30),
-        "forge_push_as_victim": _push(trajectories, victim, other, seq=10**9, secret=b"guess" * 7, timeout_s=30),
-    }
     with ControlClient(control, "probe-spoofer", timeout_s=30, keys=other) as client:
         client.send(Goodbye(node_id=victim, reason="spoofed"))  # cut the victim off from weights (probe of main)
         client.send(Heartbeat(node_id=victim, policy_version=10**6))
-        time.sleep(1.0)  # let them leave before the socket closes
-    out["spoof_goodbye_and_heartbeat"] = "sent"
-    return out
+        time.sleep(0.5)  # let them leave before the socket closes
+    cases = {
+        # an allowed key gets through the gate: these wait long enough for a loaded machine's handshake
+        "spoof_register_as_victim": lambda: _register(control, victim, other, timeout_s=30),
+        "forge_push_as_victim": lambda: _push(trajectories, victim, other, 10**9, timeout_s=30, secret=b"guess" * 7),
+        # strangers never connect: each waits out a short timeout (all at once: the run goes on meanwhile)
+        "stranger_plain_register": lambda: _register(control, "intruder", None, timeout_s=2),
+        "stranger_key_register": lambda: _register(control, "intruder", stranger, timeout_s=2),
+        "stranger_plain_push": lambda: _push(trajectories, victim, None, 10**9, timeout_s=2),
+        "stranger_key_push": lambda: _push(trajectories, victim, stranger, 10**9, timeout_s=2),
+    }
+    with concurrent.futures.ThreadPoolExecutor(len(cases)) as pool:
+        running = {name: pool.submit(case) for name, case in cases.items()}
+        return {"spoof_goodbye_and_heartbeat": "sent", **{name: f.result() for name, f in running.items()}}
 
 
 if __name__ == "__main__":

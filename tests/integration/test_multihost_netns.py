@@ -28,7 +28,7 @@ pytestmark = [pytest.mark.slow]
 
 SUBNET = "10.213.0"
 HOSTS = {"redis": 1, "learner": 2, "node-0": 3, "node-1": 4, "probe": 5}
-STEPS = 5
+STEPS = 10  # long enough that the probe, made when node-0 joins, is over well before the run is
 PROBE = pathlib.Path(__file__).with_name("netns_probe.py")
 
 
@@ -157,15 +157,11 @@ def _metrics(run_dir: pathlib.Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
 
 
-def _wait_for_step(run_dir: pathlib.Path, step: int, learner: subprocess.Popen, timeout_s: float) -> dict:
+def _wait_for_log(path: pathlib.Path, text: str, learner: subprocess.Popen, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        records = _metrics(run_dir)
-        if records and records[-1]["step"] >= step:
-            return records[-1]
-        assert learner.poll() is None, _tail(run_dir / "learner.out")
-        time.sleep(0.5)
-    raise AssertionError(f"step {step} not reached in {timeout_s} s:\n{_tail(run_dir / 'learner.out')}")
+    while text not in path.read_text(errors="replace"):
+        assert learner.poll() is None and time.monotonic() < deadline, _tail(path)
+        time.sleep(0.2)
 
 
 def _tail(path: pathlib.Path, lines: int = 40) -> str:
@@ -213,10 +209,12 @@ def test_learner_nodes_and_redis_on_separate_hosts_with_curve(hosts, tmp_path, t
         command = [*py, "rollout", "--config", str(cfg), "--learner", control, "--node-id", node]
         nodes.append(hosts.start(node, command, run_dir / f"{node}.out"))
 
-    before = _wait_for_step(run_dir, 1, learner, timeout_s=300)
+    _wait_for_log(run_dir / "learner.out", "node node-0 joined", learner, timeout_s=300)
+    before = _metrics(run_dir)[-1] if _metrics(run_dir) else {}
     probe = hosts.run("probe", [sys.executable, str(PROBE), control, trajectories, str(node_keys["node-1"]), "node-0"])
     assert probe.returncode == 0, probe.stderr[-3000:]
     seen = json.loads(probe.stdout.strip().splitlines()[-1])
+    assert learner.poll() is None, f"the run ended before the probe did: raise STEPS ({STEPS})"
     intruder.wait(timeout=180)
 
     assert learner.wait(timeout=600) == 0, _tail(run_dir / "learner.out")
