@@ -37,7 +37,6 @@ from zmq.utils import z85 as zmq_z85
 
 from streamrl.engine.config import Config, ConfigError
 from streamrl.engine.faults import FAULT_LOG_INTERVAL_S, FaultTally
-from streamrl.engine.redis_server import redact
 
 log = logging.getLogger("streamrl.engine.transport")
 
@@ -270,6 +269,8 @@ class CurveGate:
 
 def check_listeners(cfg: Config) -> None:
     """Refuse, naming the fields, a listener or a ledger connection that would be open beyond loopback."""
+    from streamrl.engine.redis_server import redact  # here: the sockets need no Redis client
+
     if not cfg.transport.curve:
         for field, host in (("transport.host", cfg.transport.host), ("weights.store_host", cfg.weights.store_host)):
             if not is_loopback(host):
