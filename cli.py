@@ -59,14 +59,13 @@ def _preflight(cfg, roles: list[str], debug: bool) -> None:
 def _write_run_config(cfg, given: pathlib.Path | None) -> None:
     """RUN/config.toml: the config this learner runs, which `streamrl rollout --config` takes to join it."""
     from streamrl.engine.config import dump
+    from streamrl.engine.redis_server import write_private
 
     path = cfg.run.path / "config.toml"
     if given is not None and path.exists() and given.resolve() == path.resolve():
         return  # `streamrl run` wrote it and started this learner from it
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(dump(cfg))
-    tmp.rename(path)
+    write_private(path, dump(cfg))  # 0600: ledger.url may hold a Redis password
 
 
 @app.command()
@@ -307,6 +306,26 @@ def bench(ctx: typer.Context, name: Annotated[str, typer.Argument(help=f"One of:
         raise typer.Exit(2)
     sys.argv = [f"streamrl bench {name}", *ctx.args]
     runpy.run_module(f"streamrl.bench.{name}", run_name="__main__")
+
+
+@app.command()
+def keys(
+    folder: Annotated[pathlib.Path, typer.Argument(help="Folder for the keys (made 0700; kept keys are reused).")],
+    node: Annotated[
+        str, typer.Option(help="Also make a node's own folder FOLDER/NODE (its pair and the learner's public key).")
+    ] = "",
+) -> None:
+    """Make CURVE keys for runs across hosts: the learner's pair, a node pair, the node keys it lets in
+    (set transport.curve = true and transport.keys = the folder, or a copy of a node's half)."""
+    from streamrl.engine.auth import AuthError, make_keys
+
+    try:
+        where = make_keys(folder, node)
+    except (AuthError, OSError) as e:
+        typer.secho(f"error: {e}", fg="red", err=True)
+        raise typer.Exit(2) from None
+    typer.echo(f"learner: {folder}/server.key_secret and {folder}/authorized/ (the node keys it lets in)")
+    typer.echo(f"node{' ' + node if node else 's'}: {where}/server.key and {where}/node.key_secret")
 
 
 def main() -> None:

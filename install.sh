@@ -40,4 +40,10 @@ fi
 if [ "$kind" = cpu ]; then
   "$uv" pip uninstall --python "$venv/bin/python" --quiet torchvision torchaudio torchcodec triton 2>/dev/null || true
 fi
+# The Slurm test (tests/integration/test_slurm.py) starts a one-node cluster of Debian's slurm-wlm:
+# installed here when this user can (root and apt-get; about 30 s), otherwise that test names the install.
+if ! command -v slurmctld >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+  apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q slurm-wlm >/dev/null \
+    || echo "note: slurm-wlm did not install; tests/integration/test_slurm.py will say so" >&2
+fi
 echo "streamrl installed in $venv ($kind). Check it: $venv/bin/streamrl doctor"

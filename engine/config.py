@@ -395,10 +395,35 @@ class LedgerConfig(_Section):
             le=300.0,
         ),
     ] = 30.0
+    allow_plaintext: Annotated[
+        bool,
+        _doc(
+            "Allow a redis:// (no TLS) url beyond loopback: its password and every record then cross the "
+            "network in clear. Leave false and use rediss:// unless the network is the run's alone."
+        ),
+    ] = False
 
 
 class TransportConfig(_Section):
-    host: Annotated[str, _doc("Address the learner binds; loopback unless given.")] = "127.0.0.1"
+    host: Annotated[
+        str, _doc("Address the learner's control and trajectory sockets bind; beyond loopback needs curve.")
+    ] = "127.0.0.1"
+    curve: Annotated[
+        bool,
+        _doc(
+            "Encrypt and authenticate the control and trajectory sockets with ZMQ CURVE: only nodes whose "
+            "key the learner allows can connect. Required when transport.host or weights.store_host is "
+            "beyond loopback."
+        ),
+    ] = False
+    keys: Annotated[
+        str,
+        _doc(
+            "Folder of CURVE keys made by `streamrl keys DIR`: the learner reads server.key_secret and "
+            "authorized/*.key, a node server.key and node.key_secret. Empty with curve on: RUN/keys, made "
+            "by the learner (every role on one host)."
+        ),
+    ] = ""
     trajectory_port: Annotated[int, _doc("Trajectory PULL port; 0 picks a free one.", ge=0, le=65535)] = 0
     control_port: Annotated[
         int, _doc("Control (register, weights-ready, stop) port; 0 picks a free one.", ge=0, le=65535)
@@ -436,8 +461,8 @@ class WeightsConfig(_Section):
     store_host: Annotated[
         str,
         _doc(
-            "Address of learner rank 0 that nodes reach its weight rendezvous "
-            "(TCPStore) at; loopback unless nodes run on other hosts.",
+            "Address learner rank 0's weight rendezvous (TCPStore) binds and nodes reach it at; loopback "
+            "unless nodes run on other hosts (then transport.curve must be on).",
             min_length=1,
         ),
     ] = "127.0.0.1"

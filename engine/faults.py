@@ -42,7 +42,8 @@ class FaultTally:
             self._log(sender)
 
     def count(self, kind: str) -> int:
-        return sum(counts[kind] for counts in self.totals.values())
+        # list(): another thread (the gate's, the control thread) may add a sender meanwhile
+        return sum(counts[kind] for counts in list(self.totals.values()))
 
     def by_sender(self) -> dict[str, dict[str, int]]:
         return {sender: dict(counts) for sender, counts in self.totals.items()}

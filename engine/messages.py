@@ -1,7 +1,8 @@
 """Every wire message of streamrl, and their typed msgpack codecs.
 
 Two streams cross the network:
-- the trajectory stream (rollout PUSH -> learner PULL): `Trajectory`, one per completion;
+- the trajectory stream (rollout PUSH -> learner PULL): `Trajectory`, one per completion, followed by a
+  second ZMQ frame, its signature under the node's secret (`engine/auth.py`);
 - the control channel (rollout DEALER <-> learner ROUTER): the `Control` union below.
 
 Structs are `array_like` (compact: field order is the schema) and `gc=False` (they hold no
@@ -102,13 +103,16 @@ class Register(_Wire, tag="register"):
 
 
 class Welcome(_Wire, tag="welcome"):
-    """Learner -> node: accepted; where the trajectory stream and the ledger are."""
+    """Learner -> node: accepted; where the trajectory stream and the ledger are. It carries credentials
+    (the ledger's password in `redis_url`, the node's `secret`), so it is only ever sent over CURVE or
+    loopback."""
 
     node_id: str
     trajectory_addr: str
     redis_url: str
     run_name: str
     policy_version: int
+    secret: bytes = b""  # this node's alone: it signs every trajectory frame the node sends (engine/auth.py)
 
 
 class Heartbeat(_Wire, tag="heartbeat"):

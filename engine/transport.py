@@ -1,4 +1,4 @@
-"""ZMQ sockets of streamrl: the trajectory stream (PUSH -> PULL) and the control channel (DEALER <-> ROUTER).
+"""ZMQ sockets of streamrl: the trajectory stream (PUSH -> PULL); the control channel is in `control.py`.
 
 Trajectory stream: each rollout node numbers its messages (`Trajectory.seq`, contiguous from 0 per
 `node_id`); the receiver counts gaps (messages that never came) and duplicates (a seq seen again),
@@ -22,25 +22,29 @@ from __future__ import annotations
 import collections
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 import zmq
 
 from streamrl.engine import messages
+from streamrl.engine.auth import CurveGate, Identity, NodeKeys, frame_mac, mac_ok, secure_client
 from streamrl.engine.faults import FAULT_LOG_INTERVAL_S, FaultTally
-from streamrl.engine.messages import Control, DecodeError, Trajectory
+from streamrl.engine.messages import DecodeError, Trajectory
 
 log = logging.getLogger(__name__)
 
 LOOPBACK_ANY_PORT = "tcp://127.0.0.1:*"
 MAX_FRAME_MB = 16.0  # default cap: a trajectory of 500k tokens is ~12 MiB
+# what could not prove who sent it: frames and control messages (counted per sender), connections (the gate)
+REFUSALS = ("unregistered", "wrong_key", "bad_signature", "spoofed", "denied", "handshake_failed")
 
 
 class TransportError(RuntimeError):
     """A socket wait that ran out of time or a peer that cannot be reached; the message names the address."""
 
 
-def _ms(seconds: float) -> int:
+def timeout_ms(seconds: float) -> int:
     return max(0, int(seconds * 1000))
 
 
@@ -48,7 +52,7 @@ def _endpoint(sock: zmq.Socket) -> str:
     return sock.getsockopt(zmq.LAST_ENDPOINT).decode()
 
 
-def _bind(sock: zmq.Socket, addr: str) -> str:
+def bind_socket(sock: zmq.Socket, addr: str) -> str:
     try:
         sock.bind(addr)
     except zmq.ZMQError as e:
@@ -59,7 +63,7 @@ def _bind(sock: zmq.Socket, addr: str) -> str:
     return _endpoint(sock)
 
 
-def _connect(sock: zmq.Socket, addr: str) -> None:
+def connect_socket(sock: zmq.Socket, addr: str) -> None:
     try:
         sock.connect(addr)
     except zmq.ZMQError as e:
@@ -72,7 +76,15 @@ def bind_address(host: str = "127.0.0.1", port: int = 0) -> str:
     return f"tcp://{host}:{port if port else '*'}"
 
 
-def _cap_frames(sock: zmq.Socket, max_frame_mb: float) -> int:
+def sender_key(frame: zmq.Frame) -> str:
+    """The sender's CURVE public key (z85) that the gate tagged the frame with; '' without CURVE."""
+    try:
+        return frame.get("User-Id") or ""
+    except zmq.ZMQError:  # no metadata on a frame of a socket without a ZAP handler
+        return ""
+
+
+def cap_frames(sock: zmq.Socket, max_frame_mb: float) -> int:
     if max_frame_mb <= 0:
         raise ValueError(f"transport.max_frame_mb = {max_frame_mb}: must be > 0")
     cap = int(max_frame_mb * (1 << 20))
@@ -95,17 +107,21 @@ class TrajectorySender:
         flush_timeout_s: float = 5.0,
         context: zmq.Context | None = None,
         max_frame_mb: float = MAX_FRAME_MB,
+        keys: NodeKeys | None = None,
+        secret: bytes = b"",
     ):
         if hwm < 1 or send_timeout_s <= 0:
             raise ValueError(f"hwm={hwm} must be >= 1 and send_timeout_s={send_timeout_s} > 0")
         self.addr, self.node_id, self.max_frame_mb = addr, node_id, max_frame_mb
         self.send_timeout_s, self.flush_timeout_s = send_timeout_s, flush_timeout_s
         self.seq = 0  # the number the next message gets
+        self.secret = secret  # from this node's Welcome: signs every frame (a new Welcome brings a new one)
         self._sock = (context or zmq.Context.instance()).socket(zmq.PUSH)
+        secure_client(self._sock, keys)
         self._sock.setsockopt(zmq.SNDHWM, hwm)
         self._sock.setsockopt(zmq.IMMEDIATE, 1)
-        self._sock.setsockopt(zmq.SNDTIMEO, _ms(send_timeout_s))
-        self._monitor: zmq.Socket | None = self._sock.get_monitor_socket(zmq.EVENT_CONNECTED)
+        self._sock.setsockopt(zmq.SNDTIMEO, timeout_ms(send_timeout_s))
+        self._monitor: zmq.Socket | None = self._sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
         try:
             self._sock.connect(addr)
         except zmq.ZMQError as e:
@@ -113,17 +129,19 @@ class TrajectorySender:
             raise TransportError(f"cannot connect to {addr}: {e} (expected tcp://HOST:PORT)") from None
 
     def wait_connected(self, timeout_s: float) -> None:
-        """Return once the TCP connection to the receiver is up; TransportError naming it after `timeout_s`."""
+        """Return once the connection to the receiver is up (handshake done: keys accepted under CURVE);
+        TransportError naming it after `timeout_s`."""
         from zmq.utils.monitor import recv_monitor_message
 
         deadline = time.monotonic() + timeout_s
-        while self._monitor is not None and self._monitor.poll(_ms(deadline - time.monotonic())):
-            if recv_monitor_message(self._monitor)["event"] == zmq.EVENT_CONNECTED:
+        while self._monitor is not None and self._monitor.poll(timeout_ms(deadline - time.monotonic())):
+            if recv_monitor_message(self._monitor)["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 self._close_monitor()
         if self._monitor is not None:
             raise TransportError(
                 f"node {self.node_id}: no connection to the learner's trajectory socket at "
-                f"{self.addr} within {timeout_s:g}s (is the learner running and the address right?)"
+                f"{self.addr} within {timeout_s:g}s (is the learner running and the address right? is "
+                "transport.curve the same on both sides, and this node's key among those the learner allows?)"
             )
 
     def _close_monitor(self) -> None:
@@ -144,7 +162,10 @@ class TrajectorySender:
                 f"or lower model.max_model_len"
             )
         try:
-            self._sock.send(frame, copy=False)
+            if self.secret:
+                self._sock.send_multipart([frame, frame_mac(self.secret, frame)], copy=False)
+            else:
+                self._sock.send(frame, copy=False)
         except zmq.Again:
             raise TransportError(
                 f"node {self.node_id}: trajectory {traj.sample_id} (seq {self.seq}) not accepted by {self.addr} "
@@ -157,7 +178,7 @@ class TrajectorySender:
 
     def close(self) -> None:
         self._close_monitor()
-        self._sock.close(linger=_ms(self.flush_timeout_s))
+        self._sock.close(linger=timeout_ms(self.flush_timeout_s))
 
     def __enter__(self) -> TrajectorySender:
         return self
@@ -172,6 +193,12 @@ class TrajectoryReceiver:
     A duplicate (a seq at or below one already received from that node) is counted, its sample id
     kept in `duplicate_ids` (the newest 1000), and it is not returned. A gap (seq beyond the next
     expected one) counts the missing messages in `gaps`, and the trajectory itself is returned.
+
+    With `identities` (the learner's registry: node id -> `Identity`, None when not registered),
+    a frame is admitted only from its node: registered, sent under the node's CURVE key (when the
+    `gate` is on) and signed with the node's secret. Anything else is counted per claimed node
+    (`unregistered`, `wrong_key`, `bad_signature`) and dropped before it touches any node's
+    sequence numbers. Without `identities` every decodable frame is taken at its word (tests, tools).
     """
 
     def __init__(
@@ -181,14 +208,19 @@ class TrajectoryReceiver:
         context: zmq.Context | None = None,
         max_frame_mb: float = MAX_FRAME_MB,
         fault_log_interval_s: float = FAULT_LOG_INTERVAL_S,
+        gate: CurveGate | None = None,
+        identities: Callable[[str], Identity | None] | None = None,
     ):
         if isinstance(bind_addr, int):
             bind_addr = bind_address(port=bind_addr)
-        self._sock = (context or zmq.Context.instance()).socket(zmq.PULL)
+        self._sock = (gate.context if gate else context or zmq.Context.instance()).socket(zmq.PULL)
+        if gate is not None:
+            gate.secure(self._sock)
         self._sock.setsockopt(zmq.RCVHWM, hwm)
-        self.max_frame_bytes = _cap_frames(self._sock, max_frame_mb)
-        self.addr = _bind(self._sock, bind_addr)
+        self.max_frame_bytes = cap_frames(self._sock, max_frame_mb)
+        self.addr = bind_socket(self._sock, bind_addr)
         self.faults = FaultTally(f"trajectory socket {self.addr}", fault_log_interval_s)
+        self.identities = identities
         self.received = 0
         self.duplicate_ids: collections.deque[str] = collections.deque(maxlen=1000)
         self.next_seq: dict[str, int] = {}
@@ -205,13 +237,19 @@ class TrajectoryReceiver:
     def gaps(self) -> int:
         return self.faults.count("gaps")
 
+    @property
+    def refused(self) -> int:
+        """Frames dropped because they could not prove they came from their node."""
+        return sum(self.faults.count(kind) for kind in REFUSALS)
+
     def recv(self, timeout_s: float) -> Trajectory | None:
         """The next new trajectory, or None when none came within `timeout_s`."""
         deadline = time.monotonic() + timeout_s
         try:
-            while self._sock.poll(_ms(deadline - time.monotonic())):
-                traj = self._decode(self._sock.recv(copy=False))
-                if traj is not None and self._admit(traj):
+            while self._sock.poll(timeout_ms(deadline - time.monotonic())):
+                frames = self._sock.recv_multipart(copy=False)
+                traj = self._decode(frames[0])
+                if traj is not None and self._authentic(traj, frames) and self._admit(traj):
                     self.received += 1
                     return traj
             return None
@@ -226,6 +264,23 @@ class TrajectoryReceiver:
             sender = f"peer {frame.get('Peer-Address') or '?'}"
             self.faults.add(sender, "decode_errors", detail=f"{len(frame.buffer)} bytes: {e}")
             return None
+
+    def _authentic(self, traj: Trajectory, frames: list[zmq.Frame]) -> bool:
+        """The frame came from the node it names (always true without `identities`)."""
+        if self.identities is None:
+            return True
+        who, body = self.identities(traj.node_id), frames[0]
+        kind = ""
+        if who is None:
+            kind = "unregistered"
+        elif who.key and sender_key(body) != who.key:
+            kind = "wrong_key"
+        elif len(frames) != 2 or not mac_ok(who.secret, body.buffer, frames[1].buffer):
+            kind = "bad_signature"
+        if kind:
+            detail = f"sample {traj.sample_id} seq {traj.seq} from peer {body.get('Peer-Address') or '?'}"
+            self.faults.add(f"node {traj.node_id!r} (claimed)", kind, detail=detail)
+        return not kind
 
     def _admit(self, traj: Trajectory) -> bool:
         expected = self.next_seq.get(traj.node_id, 0)
@@ -245,162 +300,6 @@ class TrajectoryReceiver:
         self._sock.close(linger=0)
 
     def __enter__(self) -> TrajectoryReceiver:
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
-
-
-# ---- control channel -----------------------------------------------------------------------------
-
-
-class ControlServer:
-    """ROUTER side of the control channel (the learner): one socket, every node a peer identity."""
-
-    def __init__(
-        self,
-        bind: str | int = LOOPBACK_ANY_PORT,
-        send_timeout_s: float = 30.0,
-        context: zmq.Context | None = None,
-        max_frame_mb: float = MAX_FRAME_MB,
-        fault_log_interval_s: float = FAULT_LOG_INTERVAL_S,
-    ):
-        if isinstance(bind, int):
-            bind = bind_address(port=bind)
-        self._sock = (context or zmq.Context.instance()).socket(zmq.ROUTER)
-        self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        self._sock.setsockopt(zmq.SNDTIMEO, _ms(send_timeout_s))
-        _cap_frames(self._sock, max_frame_mb)
-        self.send_timeout_s = send_timeout_s
-        self.addr = _bind(self._sock, bind)
-        self.faults = FaultTally(f"control socket {self.addr}", fault_log_interval_s)
-
-    @property
-    def decode_errors(self) -> int:
-        return self.faults.count("decode_errors")
-
-    def recv(self, timeout_s: float, required: bool = False) -> tuple[bytes, Control] | None:
-        """(peer identity, message), or None after `timeout_s` (TransportError instead when `required`)."""
-        deadline = time.monotonic() + timeout_s
-        while self._sock.poll(_ms(deadline - time.monotonic())):
-            frames = self._sock.recv_multipart()
-            try:
-                if len(frames) != 2:
-                    raise DecodeError(f"{len(frames) - 1} frames, expected 1")
-                return frames[0], messages.decode_control(frames[1])
-            except DecodeError as e:
-                self.faults.add(f"node {frames[0]!r}", "decode_errors", detail=str(e))
-        self.faults.flush_due()
-        if required:
-            raise TransportError(f"no control message on {self.addr} within {timeout_s:g}s")
-        return None
-
-    def send(self, peer: bytes, msg: Control) -> None:
-        """Send to one peer; TransportError when the peer is unknown/gone or the send is blocked past the timeout."""
-        try:
-            self._sock.send_multipart([peer, messages.encode(msg)])
-        except zmq.Again:
-            raise TransportError(
-                f"control send of {type(msg).__name__} to node {peer!r} on {self.addr} "
-                f"blocked for {self.send_timeout_s:g}s"
-            ) from None
-        except zmq.ZMQError as e:
-            if e.errno != zmq.EHOSTUNREACH:
-                raise
-            raise TransportError(
-                f"control send of {type(msg).__name__} on {self.addr}: node {peer!r} "
-                f"is not connected (it left or never registered)"
-            ) from None
-
-    def close(self) -> None:
-        self.faults.flush()
-        self._sock.close(linger=0)
-
-    def __enter__(self) -> ControlServer:
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
-
-
-class ControlClient:
-    """DEALER side (a rollout node). Messages that arrive while `request` waits for its reply are kept
-    for `recv`, so a `Stop` or `WeightsReady` pushed by the learner is never lost."""
-
-    def __init__(
-        self,
-        addr: str,
-        node_id: str,
-        timeout_s: float = 30.0,
-        context: zmq.Context | None = None,
-        max_frame_mb: float = MAX_FRAME_MB,
-        fault_log_interval_s: float = FAULT_LOG_INTERVAL_S,
-    ):
-        self.addr, self.node_id, self.timeout_s = addr, node_id, timeout_s
-        self._sock = (context or zmq.Context.instance()).socket(zmq.DEALER)
-        self._sock.setsockopt(zmq.IDENTITY, node_id.encode())
-        self._sock.setsockopt(zmq.IMMEDIATE, 1)
-        self._sock.setsockopt(zmq.SNDTIMEO, _ms(timeout_s))
-        _cap_frames(self._sock, max_frame_mb)
-        _connect(self._sock, addr)
-        self._pending: collections.deque[Control] = collections.deque()
-        self.faults = FaultTally(f"node {node_id}'s control socket", fault_log_interval_s)
-
-    @property
-    def decode_errors(self) -> int:
-        return self.faults.count("decode_errors")
-
-    def send(self, msg: Control, timeout_s: float | None = None) -> None:
-        timeout_s = self.timeout_s if timeout_s is None else timeout_s
-        self._sock.setsockopt(zmq.SNDTIMEO, _ms(timeout_s))
-        try:
-            self._sock.send(messages.encode(msg))
-        except zmq.Again:
-            raise TransportError(
-                f"node {self.node_id}: could not send {type(msg).__name__} to the learner at "
-                f"{self.addr} within {timeout_s:g}s (is the learner running and the "
-                f"address right?)"
-            ) from None
-
-    def recv(self, timeout_s: float | None = None) -> Control | None:
-        """The next control message (kept ones first), or None after `timeout_s`."""
-        if self._pending:
-            return self._pending.popleft()
-        return self._recv_one(time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s))
-
-    def _recv_one(self, deadline: float) -> Control | None:
-        while self._sock.poll(_ms(deadline - time.monotonic())):
-            try:
-                return messages.decode_control(self._sock.recv())
-            except DecodeError as e:
-                self.faults.add(f"the learner at {self.addr}", "decode_errors", detail=str(e))
-        self.faults.flush_due()
-        return None
-
-    def request(
-        self, msg: Control, timeout_s: float | None = None, expect: type | tuple[type, ...] | None = None
-    ) -> Control:
-        """Send `msg` and wait for the reply (the first message of type `expect`, when given)."""
-        timeout_s = self.timeout_s if timeout_s is None else timeout_s
-        deadline = time.monotonic() + timeout_s
-        self.send(msg, timeout_s)
-        while True:
-            reply = self._recv_one(deadline)
-            if reply is None:
-                raise TransportError(
-                    f"node {self.node_id}: no reply to {type(msg).__name__} from the learner at "
-                    f"{self.addr} within {timeout_s:g}s (is the learner running and the "
-                    f"address right?)"
-                )
-            if expect is None or isinstance(reply, expect):
-                return reply
-            self._pending.append(reply)
-
-    def close(self) -> None:
-        self.faults.flush()
-        self._sock.close(linger=0)
-
-    def __enter__(self) -> ControlClient:
         return self
 
     def __exit__(self, *exc: Any) -> None:

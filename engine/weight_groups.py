@@ -48,17 +48,30 @@ def _nccl_errors_raise():
 
 
 def new_group(
-    store: dist.Store, prefix: str, rank: int, world_size: int, backend: str, timeout_s: float, device
+    store: dist.Store,
+    prefix: str,
+    rank: int,
+    world_size: int,
+    backend: str,
+    timeout_s: float,
+    device,
+    bind_host: str = "",
 ) -> dist.ProcessGroup:
     """A standalone process group on `PrefixStore(prefix, store)`; blocks until every rank joined
-    (gloo) or the communicator is up (NCCL), at most `timeout_s`."""
+    (gloo) or the communicator is up (NCCL), at most `timeout_s`. `bind_host`: the address gloo
+    listens on and gives its peers (else the one this host's name resolves to); NCCL picks its own
+    interface (NCCL_SOCKET_IFNAME)."""
     timeout = datetime.timedelta(seconds=timeout_s)
     prefixed = dist.PrefixStore(prefix, store)
     # explicit barrier on the store: NCCL's own bootstrap would wait for a missing peer without a deadline
     prefixed.set(f"joined/{rank}", "1")
     prefixed.wait([f"joined/{r}" for r in range(world_size)], timeout)
     if backend == "gloo":
-        return dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
+        if not bind_host:
+            return dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
+        options = dist.ProcessGroupGloo._Options()
+        options._timeout, options._devices = timeout, [dist.ProcessGroupGloo.create_device(hostname=bind_host)]
+        return dist.ProcessGroupGloo(prefixed, rank, world_size, options)
     options = dist.ProcessGroupNCCL.Options()
     options._timeout = timeout
     with _nccl_errors_raise():

@@ -18,6 +18,8 @@ at the engine's next safe point, then the staging buffers are released for the n
 from __future__ import annotations
 
 import dataclasses
+import secrets
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -103,7 +105,10 @@ class WeightSender:
         self.backend = resolve_backend(backend, self.device)
         self.timeout_s = timeout_s
         try:
-            self.store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=_td(timeout_s))
+            self.store = dist.TCPStore(
+                host, port, is_master=True, wait_for_workers=False, timeout=_td(timeout_s),
+                master_listen_fd=_listen(host, port),
+            )  # fmt: skip
         except Exception as e:
             raise WeightTransferError(node_id, "rendezvous", f"cannot open a TCPStore on {host}:{port}: {e}") from e
         self._group: dist.ProcessGroup | None = None
@@ -123,7 +128,9 @@ class WeightSender:
     def prepare(self, version: int, buckets: list[BucketSpec]) -> WeightsReady:
         """The `WeightsReady` for this node: same group prefix while the group works, a new one after a failure."""
         if self._group is None:
-            self._prefix = f"weights/{self.node_id}/{self._groups_built}/"
+            # unguessable: the prefix travels only over the control channel (CURVE beyond loopback), so a
+            # stranger who reaches the store cannot join or disturb the group
+            self._prefix = f"weights/{self.node_id}/{self._groups_built}-{secrets.token_hex(16)}/"
             self._groups_built += 1
         return WeightsReady(
             version=version,
@@ -159,8 +166,9 @@ class WeightSender:
         try:
             if self._group is None:
                 self._group = new_group(
-                    self.store, ready.group_prefix, ROOT, ready.world_size, self.backend, self.timeout_s, self.device
-                )
+                    self.store, ready.group_prefix, ROOT, ready.world_size, self.backend, self.timeout_s, self.device,
+                    bind_host=self.host,
+                )  # fmt: skip
                 self._prefixed = dist.PrefixStore(ready.group_prefix, self.store)
             phase = "receive posted"
             wait_key(self._prefixed, _posted_key(ready.version), deadline)
@@ -208,7 +216,10 @@ def _receiver_group(ready: WeightsReady, rank: int, device: torch.device):
         for old in [k for k in _receiver_groups if k[:2] == key[:2]]:
             del _receiver_groups[old]
     store = dist.TCPStore(ready.store_host, ready.store_port, is_master=False, timeout=_td(ready.timeout_s))
-    group = new_group(store, ready.group_prefix, rank, ready.world_size, ready.backend, ready.timeout_s, device)
+    here = _address_towards(ready.store_host, ready.store_port)  # gloo listens where the learner can reach it
+    group = new_group(
+        store, ready.group_prefix, rank, ready.world_size, ready.backend, ready.timeout_s, device, bind_host=here
+    )
     with _receiver_lock:
         _receiver_groups[key] = (group, BufferPool(), dist.PrefixStore(ready.group_prefix, store))
     return _receiver_groups[key]
@@ -306,6 +317,28 @@ class Stager:
     def release(self) -> None:
         """The staged version is live (or given up): the buffers take the next one."""
         self._free.set()
+
+
+def _listen(host: str, port: int) -> int:
+    """A socket listening on `host` only, for the TCPStore to adopt: left to itself, the store binds every
+    interface whatever host it is given."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(128)
+    except OSError:
+        sock.close()
+        raise
+    return sock.detach()  # the store owns the descriptor from here
+
+
+def _address_towards(host: str, port: int) -> str:
+    """This machine's address on the route to `host` (what a peer there can reach; loopback for loopback)."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.connect((host, port))  # UDP: picks the route, sends nothing
+        return probe.getsockname()[0]
 
 
 def _td(seconds: float):

@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import os
 import pathlib
+import pickle
 import random
 import re
 import shutil
@@ -282,7 +283,7 @@ def load(path: str | os.PathLike, lm: nn.Module, optimizer, scheduler) -> Learne
     model_sd, optim_sd = get_state_dict(lm, optimizer)
     dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(path))
     set_state_dict(lm, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
-    extra = torch.load(path / "extra.pt", weights_only=False)
+    extra = _load_extra(path / "extra.pt")
     scheduler.load_state_dict(extra["scheduler"])
     rngs = extra["rng"]
     # Same world size: each rank its own stream. Resharded: every rank takes rank 0's, as at a fresh start.
@@ -401,7 +402,9 @@ def _rng_state() -> dict:
     try:
         import numpy as np
 
-        state["numpy"] = np.random.get_state()
+        kind, keys, pos, has_gauss, gauss = np.random.get_state()
+        # the key array as a tensor: `torch.load(weights_only=True)` refuses numpy objects
+        state["numpy"] = (kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, gauss)
     except ImportError:
         pass
     return state
@@ -415,7 +418,25 @@ def _set_rng_state(state: dict) -> None:
     if "numpy" in state:
         import numpy as np
 
-        np.random.set_state(state["numpy"])
+        kind, keys, pos, has_gauss, gauss = state["numpy"]
+        np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
+
+
+def _load_extra(path: pathlib.Path) -> dict:
+    """extra.pt with torch's safe loader (tensors and plain containers only): a file that holds anything
+    else, such as a pickled callable put there to run code on resume, is refused."""
+    try:
+        return torch.load(path, weights_only=True)
+    except pickle.UnpicklingError as e:
+        # torch's message says to reload with weights_only=False: not advice to pass on. Its line naming
+        # the refused object is what helps.
+        named = [line for line in str(e).splitlines() if "GLOBAL" in line or "Unsupported" in line]
+        refused = (named or ["?"])[0].strip()
+        raise CheckpointError(
+            f"{path} holds objects other than tensors and plain values ({refused}); it was not written by "
+            "streamrl or was altered, so it is not loaded (loading it could run code). Resume from another "
+            "checkpoint, or start the run afresh"
+        ) from None
 
 
 def _write_atomic(path: pathlib.Path, data: bytes) -> None:

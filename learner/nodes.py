@@ -4,6 +4,12 @@ One thread (`NodeRegistry`) owns the ZMQ ROUTER socket, since sockets are not th
 `Register` with a `Welcome`, records heartbeats, routes `WeightsApplied` to whoever waits for them,
 and sends what other threads queue with `send`. The registry is the one owner of "which nodes are
 in the run": the orchestrator reads `events` (joined / left) and `forget`s an evicted node.
+
+It is also the one owner of who a node is (`identity`): a node id is bound to the CURVE key that
+first registered it (for the whole run: a different key cannot take the id over, even after the
+node left) and to a secret made at each registration and sent in its `Welcome`, which signs its
+trajectory frames. A control message is taken only from the peer and key that registered its node;
+anything else is counted on the control socket's tally (`unregistered`, `spoofed`) and ignored.
 """
 
 from __future__ import annotations
@@ -17,8 +23,10 @@ import threading
 import time
 from collections.abc import Callable
 
-from streamrl.engine.messages import Goodbye, Heartbeat, Register, WeightsApplied, Welcome
-from streamrl.engine.transport import ControlServer, TransportError
+from streamrl.engine.auth import Identity, new_secret
+from streamrl.engine.control import ControlServer
+from streamrl.engine.messages import Goodbye, Heartbeat, Register, Stop, WeightsApplied, Welcome
+from streamrl.engine.transport import TransportError
 
 log = logging.getLogger("streamrl.learner")
 
@@ -29,6 +37,7 @@ class NodeInfo:
     host: str
     registered: float
     last_seen: float
+    key: str = ""  # the CURVE key it registered with ('' without CURVE)
     version: int = 0
     tokens_generated: int = 0
     generate_s: float = 0.0  # the node's own clock: seconds generating, idle, and paused for swaps
@@ -44,6 +53,8 @@ class NodeRegistry(threading.Thread):
         super().__init__(name="control", daemon=True)
         self.server, self.welcome = server, welcome
         self.nodes: dict[str, NodeInfo] = {}
+        self.identities: dict[str, Identity] = {}  # kept after a node leaves: its id stays bound to its key
+        self.departed: dict[str, tuple[bytes, str]] = {}  # connection and key of nodes that left
         self.events: queue.Queue[tuple[str, str]] = queue.Queue()  # ("joined" | "left", node_id)
         self.applied: dict[str, queue.Queue[WeightsApplied]] = collections.defaultdict(queue.Queue)
         self.outbox: queue.Queue[tuple[str, object, concurrent.futures.Future, bool]] = queue.Queue()
@@ -83,14 +94,22 @@ class NodeRegistry(threading.Thread):
             if then_forget:
                 self.forget(node_id)
 
-    def _handle(self, peer: bytes, msg) -> None:
-        now = time.time()
+    def identity(self, node_id: str) -> Identity | None:
+        """What the node's frames must prove (its key and secret); None for an id never registered."""
+        with self.lock:
+            return self.identities.get(node_id)
+
+    def _handle(self, peer: bytes, msg, key: str = "") -> None:
         if isinstance(msg, Register):
-            with self.lock:
-                self.nodes[msg.node_id] = NodeInfo(peer, msg.host, now, now)
-            self.server.send(peer, self.welcome(msg.node_id))
-            self.events.put(("joined", msg.node_id))
-        elif isinstance(msg, Heartbeat) and msg.node_id in self.nodes:
+            self._register(peer, msg, key)
+            return
+        if not isinstance(msg, (Heartbeat, WeightsApplied, Goodbye)):  # what only the learner sends
+            self.server.faults.add(f"peer {peer!r}", "unexpected", detail=type(msg).__name__)
+            return
+        if not self._speaks_for(peer, key, msg):
+            return
+        now = time.time()
+        if isinstance(msg, Heartbeat):
             info = self.nodes[msg.node_id]
             info.last_seen, info.version, info.tokens_generated = now, msg.policy_version, msg.tokens_generated
             info.generate_s, info.idle_s, info.swap_s = msg.generate_s, msg.idle_s, msg.swap_s
@@ -99,6 +118,41 @@ class NodeRegistry(threading.Thread):
         elif isinstance(msg, Goodbye):
             log.info("node %s left: %s", msg.node_id, msg.reason)
             self.events.put(("left", msg.node_id))
+
+    def _register(self, peer: bytes, msg: Register, key: str) -> None:
+        bound = self.identity(msg.node_id)
+        if bound is not None and bound.key != key:
+            self._refuse(peer, msg, "spoofed", "the id is bound to another key")
+            self.server.send(peer, Stop(reason=f"node id {msg.node_id!r} is registered under another key"))
+            return
+        now, identity = time.time(), Identity(key, new_secret())
+        with self.lock:
+            self.identities[msg.node_id] = identity
+            self.nodes[msg.node_id] = NodeInfo(peer, msg.host, now, now, key)
+        welcome = self.welcome(msg.node_id)
+        welcome.secret = identity.secret
+        self.server.send(peer, welcome)
+        self.events.put(("joined", msg.node_id))
+
+    def _speaks_for(self, peer: bytes, key: str, msg) -> bool:
+        """The message comes from the connection and key that registered the node it names. A late
+        message from a node that left (or was evicted), from its own connection, is dropped uncounted."""
+        info = self.nodes.get(msg.node_id)
+        if info is not None and (info.peer, info.key) == (peer, key):
+            return True
+        if info is not None:
+            self._refuse(peer, msg, "spoofed", "sent by another peer or key than the node's")
+        elif self.departed.get(msg.node_id) != (peer, key):
+            self._refuse(peer, msg, "unregistered", "no such node in the run")
+        return False
+
+    def _refuse(self, peer: bytes, msg, kind: str, why: str) -> None:
+        detail = f"{type(msg).__name__} from peer {peer!r}: {why}"
+        self.server.faults.add(f"node {msg.node_id!r} (claimed)", kind, detail=detail)
+
+    def refused(self) -> int:
+        """Control messages ignored because they could not prove their node."""
+        return self.server.faults.count("unregistered") + self.server.faults.count("spoofed")
 
     def send(self, node_id: str, msg, then_forget: bool = False) -> concurrent.futures.Future:
         """Queue `msg` for the node; the future fails when it could not be delivered (node gone).
@@ -129,7 +183,9 @@ class NodeRegistry(threading.Thread):
 
     def forget(self, node_id: str) -> None:
         with self.lock:
-            self.nodes.pop(node_id, None)
+            info = self.nodes.pop(node_id, None)
+            if info is not None:
+                self.departed[node_id] = (info.peer, info.key)
 
     def close(self) -> None:
         self.stopping.set()

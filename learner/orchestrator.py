@@ -18,11 +18,14 @@ from collections.abc import Callable, Mapping
 import torch
 from torch import Tensor
 
+from streamrl.engine.auth import open_gate
 from streamrl.engine.config import Config, ConfigError
+from streamrl.engine.control import ControlServer
 from streamrl.engine.ledger import open_ledger
 from streamrl.engine.messages import Stop, Trajectory, Welcome
+from streamrl.engine.redis_server import redact
 from streamrl.engine.telemetry import MetricsSink
-from streamrl.engine.transport import ControlServer, TrajectoryReceiver, bind_address
+from streamrl.engine.transport import REFUSALS, TrajectoryReceiver, bind_address
 from streamrl.learner.advantages import group_advantages
 from streamrl.learner.batching import StepBatch, pack_for_ranks, sequence_cost
 from streamrl.learner.intake import Intake
@@ -61,18 +64,25 @@ class Orchestrator:
         self._first_step = first_step
         self.peak_flops = peak_flops(device)
         self.ledger, self.redis = open_ledger(cfg.ledger, cfg.run.name, cfg.run.path)
+        self.gate = None
         try:
             self._claim_run(resumed)
             self.redis_url = cfg.ledger.url or self.redis.url
             t = cfg.transport
-            caps = dict(max_frame_mb=t.max_frame_mb, fault_log_interval_s=t.fault_log_interval_s)
-            receiver = TrajectoryReceiver(bind_address(t.host, t.trajectory_port), hwm=t.hwm, **caps)
-            self.intake = Intake(receiver, self.ledger, cfg.ledger.max_staleness)
+            self.gate = open_gate(cfg)  # CURVE keys and their gatekeeper; None on loopback without CURVE
+            caps = dict(max_frame_mb=t.max_frame_mb, fault_log_interval_s=t.fault_log_interval_s, gate=self.gate)
             server = ControlServer(bind_address(t.host, t.control_port), t.send_timeout_s, **caps)
             self.registry = NodeRegistry(server, self._welcome)
+            # frames are admitted only from registered nodes: the receiver asks the registry who they are
+            receiver = TrajectoryReceiver(
+                bind_address(t.host, t.trajectory_port), hwm=t.hwm, identities=self.registry.identity, **caps
+            )
+            self.intake = Intake(receiver, self.ledger, cfg.ledger.max_staleness)
             self.publisher = Publisher(cfg, self.registry, device)
             self.sink = MetricsSink(cfg.run.path, cfg.telemetry)
         except BaseException:
+            if self.gate is not None:
+                self.gate.close()
             if self.redis is not None:
                 self.redis.stop()
             raise
@@ -122,7 +132,8 @@ class Orchestrator:
         path = run_dir / "learner.json"
         tmp = path.with_suffix(".tmp")
         addresses = {"control_addr": self.registry.addr, "trajectory_addr": self.intake.addr}
-        tmp.write_text(json.dumps({**addresses, "redis_url": self.redis_url, "run": self.cfg.run.name}))
+        # no credentials here: the file is readable by others, and nodes get the ledger's URL in their Welcome
+        tmp.write_text(json.dumps({**addresses, "redis_url": redact(self.redis_url), "run": self.cfg.run.name}))
         tmp.rename(path)
 
     # ---- receive → admit → pack --------------------------------------------------------------
@@ -210,6 +221,7 @@ class Orchestrator:
             "gaps": self.intake.receiver.gaps,
             "duplicates": self.intake.receiver.duplicates,
             "decode_errors": self.intake.receiver.decode_errors + self.registry.server.decode_errors,
+            **self._refusals(),
         }
         self.sink.log(step, record)
         log.info(
@@ -225,6 +237,20 @@ class Orchestrator:
             record["nodes"],
             100 * record["time/idle_fraction"],
         )
+
+    def _refusals(self) -> dict[str, int]:
+        """Connections and frames refused for not proving who they came from, by where and why (the
+        per-sender counts are in the log), and their total as `refused`."""
+        tallies = {"trajectory": self.intake.receiver.faults, "control": self.registry.server.faults}
+        if self.gate is not None:
+            tallies["gate"] = self.gate.faults
+        out = {
+            f"refused/{where}/{kind}": tally.count(kind)
+            for where, tally in tallies.items()
+            for kind in REFUSALS
+            if tally.count(kind)
+        }
+        return {"refused": sum(out.values()), **out}
 
     def _time_figures(self, flat: list[Trajectory], timings: dict[str, float]) -> dict[str, float]:
         """Where the learner's step went: waiting for data (idle), training, the push's hold; the MFU
@@ -273,6 +299,8 @@ class Orchestrator:
             self.registry.close()
             self.publisher.close()
             self.intake.close()
+            if self.gate is not None:
+                self.gate.close()
             self.sink.close()
             errors = self.ledger.check()
             if errors:

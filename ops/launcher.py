@@ -23,7 +23,7 @@ import time
 
 from streamrl.engine.config import Config, dump
 from streamrl.engine.placement import Placement, plan, visible_gpus
-from streamrl.engine.redis_server import RedisServer
+from streamrl.engine.redis_server import RedisServer, write_private
 
 _UNPLANNED = Placement(learner=[], nodes=[])  # start() plans the GPUs unless plan_gpus() ran first
 STOP_GRACE_S = 45.0  # longer than a node's own grace for finishing its groups (30 s)
@@ -101,7 +101,7 @@ class Launcher:
         if not self.cfg.ledger.url:
             self.redis = RedisServer(self.run_dir / "redis")
             self.cfg = _with(self.cfg, "ledger", url=self.redis.start())
-        self.config_path.write_text(dump(self.cfg))
+        write_private(self.config_path, dump(self.cfg))  # 0600: ledger.url holds the run's Redis password
 
     def start_learner(self) -> None:
         self.learner = self._spawn("learner", self._learner_command(), self._learner_gpus())

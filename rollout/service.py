@@ -23,7 +23,9 @@ import socket
 import threading
 import time
 
+from streamrl.engine.auth import client_keys
 from streamrl.engine.config import Config, ConfigError
+from streamrl.engine.control import ControlClient
 from streamrl.engine.ledger import Ledger
 from streamrl.engine.messages import (
     Goodbye,
@@ -35,7 +37,7 @@ from streamrl.engine.messages import (
     WeightsReady,
     Welcome,
 )
-from streamrl.engine.transport import ControlClient, TrajectorySender, TransportError
+from streamrl.engine.transport import TrajectorySender, TransportError
 
 log = logging.getLogger("streamrl.rollout")
 
@@ -252,8 +254,9 @@ async def serve(cfg: Config, learner_addr: str, node_id: str, max_groups: int | 
         inputs.scorer.close()
         raise
     t = cfg.transport
+    keys = client_keys(cfg)  # CURVE: this node's key pair and the learner's public key (None without)
     client = ControlClient(learner_addr, node_id, t.recv_timeout_s, max_frame_mb=t.max_frame_mb,
-                           fault_log_interval_s=t.fault_log_interval_s)  # fmt: skip
+                           fault_log_interval_s=t.fault_log_interval_s, keys=keys)  # fmt: skip
     try:
         log.info("phase: registering with the learner at %s", learner_addr)
         welcome = register(client, node_id, cfg.rollout.backend, device, cfg.transport.recv_timeout_s)
@@ -264,7 +267,13 @@ async def serve(cfg: Config, learner_addr: str, node_id: str, max_groups: int | 
         beat.start()
         try:
             with TrajectorySender(
-                welcome.trajectory_addr, node_id, t.hwm, t.send_timeout_s, max_frame_mb=t.max_frame_mb
+                welcome.trajectory_addr,
+                node_id,
+                t.hwm,
+                t.send_timeout_s,
+                max_frame_mb=t.max_frame_mb,
+                keys=keys,
+                secret=welcome.secret,
             ) as tx:
                 sink = LedgerSink(ledger, tx)
                 credits = LedgerCredits(ledger, node_id, version_of=lambda: engine.policy_version)

@@ -111,9 +111,10 @@ class FakeLearner:
     def __init__(self, redis_url: str, run: str):
         import threading
 
+        from streamrl.engine.control import ControlServer
         from streamrl.engine.ledger import Ledger
         from streamrl.engine.redis_server import connect
-        from streamrl.engine.transport import ControlServer, TrajectoryReceiver
+        from streamrl.engine.transport import TrajectoryReceiver
 
         self.ledger = Ledger(connect(redis_url), run)
         self.ledger.init_run(groups_per_step=4)
@@ -136,7 +137,7 @@ class FakeLearner:
             got = self.control.recv(0.05)
             if got is None:
                 continue
-            peer, msg = got
+            peer, msg, _ = got
             self.messages.append(msg)
             if isinstance(msg, Register):
                 welcome = Welcome(node_id=msg.node_id, trajectory_addr=self.receiver.addr, redis_url=self.redis_url,

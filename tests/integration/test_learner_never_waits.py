@@ -14,9 +14,9 @@ import time
 import pytest
 
 from streamrl.engine.config import build
+from streamrl.engine.control import ControlClient
 from streamrl.engine.messages import Heartbeat, Register, Stop, Welcome
 from streamrl.engine.telemetry import read_metrics
-from streamrl.engine.transport import ControlClient
 from streamrl.ops.launcher import Launcher
 from streamrl.ops.run import DEMO
 

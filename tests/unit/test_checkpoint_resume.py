@@ -131,3 +131,35 @@ def test_meta_records_the_learner_state(tiny_model, tmp_path):
     assert meta["model"]["hidden_size"] == trainer.model.lm.config.hidden_size
     assert checkpoint.resolve("latest", tmp_path) == path
     assert not list((tmp_path / "checkpoints").glob(".tmp-*"))
+
+
+class _RunsCodeOnLoad:
+    """What a tampered checkpoint would hold: unpickling it calls a function (here, touching a file)."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        import pathlib
+
+        return (pathlib.Path.touch, (pathlib.Path(self.marker),))
+
+
+def test_a_tampered_extra_pt_with_a_pickled_callable_is_refused_and_never_runs(tiny_model, tmp_path):
+    import numpy as np
+
+    trainer = make_trainer(tiny_model)
+    np.random.seed(5)
+    path = save(trainer, tmp_path / "checkpoints", 1, tiny_model)
+    expected = np.random.rand(2)
+    resume(path, tiny_model)  # the honest file loads with the safe loader, numpy's RNG state included
+    assert np.array_equal(np.random.rand(2), expected)
+    marker = tmp_path / "code-ran"
+    extra = torch.load(path / "extra.pt", weights_only=True)
+    torch.save({**extra, "scheduler": _RunsCodeOnLoad(marker)}, path / "extra.pt")
+    torch.load(path / "extra.pt", weights_only=False)  # what the old loader did: the file's code runs
+    assert marker.exists()
+    marker.unlink()
+    with pytest.raises(checkpoint.CheckpointError, match=r"extra.pt holds objects other than tensors"):
+        resume(path, tiny_model)
+    assert not marker.exists()

@@ -9,8 +9,9 @@ import pytest
 import zmq
 
 from streamrl.engine import messages
+from streamrl.engine.control import ControlClient, ControlServer
 from streamrl.engine.messages import Register, Stop, Trajectory, Welcome
-from streamrl.engine.transport import ControlClient, ControlServer, TrajectoryReceiver, TrajectorySender, TransportError
+from streamrl.engine.transport import TrajectoryReceiver, TrajectorySender, TransportError
 
 
 def _traj(sample_id: str = "s", completion: int = 3) -> Trajectory:
@@ -127,7 +128,7 @@ def test_malformed_address_is_a_clear_error():
 def test_control_request_reply_and_pushed_messages_are_kept():
     with ControlServer() as server, ControlClient(server.addr, "node-1", timeout_s=10) as client:
         client.send(Register(node_id="node-1", host="h"))
-        peer, msg = server.recv(10)
+        peer, msg, _ = server.recv(10)
         assert peer == b"node-1" and isinstance(msg, Register) and msg.host == "h"
         server.send(peer, Stop(reason="first"))
         server.send(
