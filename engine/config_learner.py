@@ -1,0 +1,161 @@
+"""Config sections of the learner: the loss, the optimizer and batching, checkpoints."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+import msgspec
+
+from streamrl.engine.config_base import _doc, _Section
+
+
+class LossConfig(_Section):
+    """The small config the pure loss functions see (learner/losses.py; formulas in docs/ALGORITHMS.md).
+
+    The default correction is bounded, per token: truncated importance sampling, w = pi_prox / mu
+    capped at 3, as the asynchronous anchors bound it (verl's fully-async recipes: token level, cap 2;
+    AReaL's behav_imp_weight_cap; prime-rl's token mask) with TRL's cap. A per-sequence weight (TRL's
+    synchronous default) is a product over the tokens that shrinks with length x staleness: on the
+    demo at max_staleness 4 its reward stayed under 0.7 for 30 steps, where per-token truncation
+    reached 0.9 by step 23 (docs/ALGORITHMS.md, "The default, and why").
+    """
+
+    clip_low: Annotated[float, _doc("Ratio lower clip 1 - clip_low.", ge=0.0, lt=1.0)] = 0.2
+    clip_high: Annotated[float, _doc("Ratio upper clip 1 + clip_high (clip-higher when > clip_low).", ge=0.0)] = 0.28
+    dual_clip: Annotated[float, _doc("Dual-clip bound c for negative advantages; 0 disables (else > 1).", ge=0.0)] = 0.0
+    ratio_level: Annotated[
+        Literal["token", "sequence"],
+        _doc(
+            "PPO ratio pi_theta / pi_prox per token, or per sequence (GSPO: the geometric mean of the "
+            "sequence's token ratios, clipped per sequence; wants clip_low/high near 3e-4/4e-4)."
+        ),
+    ] = "token"
+    aggregation: Annotated[
+        Literal["token", "sequence", "constant"],
+        _doc(
+            "token: mean over all tokens; sequence: mean of per-sequence means; "
+            "constant: per-sequence sum / norm_constant, mean over sequences (Dr.GRPO)."
+        ),
+    ] = "token"
+    norm_constant: Annotated[float, _doc("Divisor for aggregation=constant (usually max_tokens).", gt=0.0)] = 1024.0
+    importance: Annotated[
+        Literal["truncated", "masked", "decoupled", "none"],
+        _doc(
+            "Off-policy correction w = pi_prox / mu (mu: the rollout policy). truncated (TIS): w clamped "
+            "to [is_low, is_high]; masked (MIS): tokens or sequences whose w is outside [is_low, is_high] "
+            "get no policy loss; decoupled: w unbounded (only the log-ratio clamp); none: no w, the PPO "
+            "ratio is taken against mu."
+        ),
+    ] = "truncated"
+    importance_level: Annotated[
+        Literal["token", "sequence"],
+        _doc("w per token, or per sequence: exp of the sum of its token log-ratios, one w for all its tokens."),
+    ] = "token"
+    is_low: Annotated[
+        float, _doc("Lower bound on w: masked drops below it, truncated raises to it; 0: no lower bound.", ge=0.0)
+    ] = 0.0
+    is_high: Annotated[float, _doc("Upper bound on w: masked drops above it, truncated caps at it.", gt=0.0)] = 3.0
+    log_ratio_clamp: Annotated[
+        float,
+        _doc(
+            "Every log-ratio (importance weight, PPO ratio, KL) is clamped to +-this before exp, so an "
+            "extreme token gives a finite loss and gradient (exp(80) is still finite in fp32).",
+            gt=0.0,
+            le=80.0,
+        ),
+    ] = 20.0
+    kl_coef: Annotated[
+        float,
+        _doc(
+            "KL penalty to a frozen reference policy (built at start, sharded like the policy); 0 disables "
+            "and builds no reference.",
+            ge=0.0,
+        ),
+    ] = 0.0
+    reference_path: Annotated[
+        str,
+        _doc(
+            "The reference policy for kl_coef > 0: a local HF model folder (or hub id); empty: model.path "
+            "(the weights the run starts from)."
+        ),
+    ] = ""
+    kl_estimator: Annotated[
+        Literal["k1", "k2", "k3"],
+        _doc(
+            "Per-token estimator of KL(pi_theta || ref), r = ref / pi_theta: k1 = -log r, "
+            "k2 = (log r)^2 / 2, k3 = r - 1 - log r (unbiased, >= 0, low variance)."
+        ),
+    ] = "k3"
+    entropy_coef: Annotated[
+        float, _doc("Entropy bonus: the loss minus entropy_coef x the policy entropy of each loss token.", ge=0.0)
+    ] = 0.0
+    advantage: Annotated[
+        Literal["group_mean", "group_std", "leave_one_out"], _doc("Group-relative advantage estimator.")
+    ] = "group_std"
+
+    def __post_init__(self) -> None:
+        if 0.0 < self.dual_clip <= 1.0:
+            raise ValueError(f"loss.dual_clip = {self.dual_clip} must be > 1 (a bound c on -c*A), or 0 to disable")
+        if self.is_low >= self.is_high:
+            raise ValueError(
+                f"loss.is_low = {self.is_low} must be below loss.is_high = {self.is_high}: "
+                "importance weights are kept (masked) or clamped (truncated) inside [is_low, is_high]"
+            )
+
+
+class LearnerConfig(_Section):
+    lr: Annotated[float, _doc("AdamW learning rate.", gt=0.0, le=1.0)] = 1e-5
+    weight_decay: Annotated[float, _doc("AdamW weight decay.", ge=0.0)] = 0.0
+    betas: Annotated[tuple[float, float], _doc("AdamW betas.")] = (0.9, 0.999)
+    warmup_steps: Annotated[int, _doc("Linear LR warm-up, in learner steps (batches, not updates).", ge=0)] = 0
+    max_grad_norm: Annotated[float, _doc("Gradient clipping norm (on by default; inf disables).", gt=0.0)] = 1.0
+    groups_per_step: Annotated[int, _doc("Prompt groups consumed per learner step (one batch).", ge=1)] = 4
+    updates_per_batch: Annotated[
+        int,
+        _doc(
+            "Optimizer updates per batch (mini-batch PPO): the batch is split into this many mini-batches of "
+            "whole samples, balanced by tokens; the clip acts against the weights the batch started from. "
+            "The policy version moves once per batch.",
+            ge=1,
+        ),
+    ] = 1
+    micro_batch_tokens: Annotated[int, _doc("Token budget of one packed micro-batch.", ge=16)] = 8192
+    ranks: Annotated[int, _doc("Learner processes (FSDP2 ranks); >1 runs under torchrun.", ge=1)] = 1
+    gpus: Annotated[
+        list[int], _doc("GPUs of this host for the learner ranks, one per rank; empty: the first learner.ranks.")
+    ] = msgspec.field(default_factory=list)
+    activation_checkpointing: Annotated[bool, _doc("Recompute activations in backward to save memory.")] = False
+    compile: Annotated[
+        bool | Literal["auto"],
+        _doc("torch.compile each decoder layer; auto: on CUDA (where it is worth its compile time), off on CPU."),
+    ] = "auto"
+    pad_buckets: Annotated[
+        int,
+        _doc("Micro-batches are padded to a multiple of micro_batch_tokens / pad_buckets when the model is "
+             "compiled (a few static shapes, so nothing recompiles mid-run); 0 never pads.", ge=0),
+    ] = 8  # fmt: skip
+    fsdp_unit_params: Annotated[
+        int,
+        _doc(
+            "Decoder layers are sharded in FSDP units of at least this many parameters; "
+            "a model under it is one unit (one all-gather per step, no per-layer "
+            "hooks). Lower it when a whole model does not fit one GPU.",
+            ge=1,
+        ),
+    ] = 1_000_000_000
+    head_logits_gib: Annotated[
+        float,
+        _doc(
+            "LM-head logits (one micro-batch, model dtype) kept from forward for "
+            "backward, in GiB; past it they are recomputed (one more head matmul). "
+            "0 always recomputes.",
+            ge=0.0,
+        ),
+    ] = 16.0
+
+
+class CheckpointConfig(_Section):
+    every: Annotated[int, _doc("Save a resumable checkpoint every N steps; 0 disables.", ge=0)] = 0
+    keep_last: Annotated[int, _doc("Keep the newest K checkpoints.", ge=1)] = 2
+    keep_every: Annotated[int, _doc("Also keep every checkpoint whose step is a multiple of M; 0 disables.", ge=0)] = 0
+    export_every: Annotated[int, _doc("Write an HF safetensors export every N steps; 0 disables.", ge=0)] = 0
