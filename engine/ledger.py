@@ -74,7 +74,8 @@ class Ledger(LedgerBooks):
 
     @retried
     def init_run(self, groups_per_step: int) -> int:
-        """Record the credit capacity `(max_staleness + 1) * groups_per_step`; the learner calls it at start."""
+        """Record the credit capacity `(max_staleness + 1) * groups_per_step`; the learner calls it at start
+        (a learner resuming a run that had finished takes it up again: it is no longer finished)."""
         if groups_per_step < 1:
             raise ValueError(f"groups_per_step = {groups_per_step}: must be >= 1")
         capacity = (self.config.max_staleness + 1) * groups_per_step
@@ -86,6 +87,7 @@ class Ledger(LedgerBooks):
                 "groups_per_step": groups_per_step,
             },
         )
+        self.client.hdel(self.prefix + "meta", "finished")
         if self.client.get(self.prefix + "version") is None:
             self.publish_version(0, step=0)
         return capacity
@@ -121,6 +123,13 @@ class Ledger(LedgerBooks):
         learner at the end of a run) without waiting for its heartbeat to expire: the node counts
         as lost from now on, and its samples are no longer its to deliver."""
         return self._call("LEAVE", node_id, check_reason(reason), time.time())
+
+    @retried
+    def announce_learner(self, incarnation: str, control_addr: str, trajectory_addr: str) -> None:
+        """A learner (re)started for this run: where nodes reach it now (`learner()` reads it). Nodes of
+        an earlier incarnation notice the new one here and register with it."""
+        record = {"incarnation": incarnation, "control_addr": control_addr, "trajectory_addr": trajectory_addr}
+        self.client.hset(self.prefix + "learner", mapping={**record, "time": time.time()})
 
     # ---- a run's end and a learner's resume ------------------------------------------------------
 

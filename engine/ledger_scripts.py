@@ -13,6 +13,7 @@ Key layout under the prefix `streamrl:{run}:`:
   version         string current policy version
   versions        hash   version -> JSON {"step", "time"}
   rollbacks       list   JSON {"from", "to", "samples", "time"} per roll_back
+  learner         hash   incarnation, control_addr, trajectory_addr, time (the learner now serving the run)
   inflight        string groups holding a credit (taken, not every sample resolved)
   counts          hash   total, admitted, generated, received, trained, dropped, dropped:<reason>
   lag             hash   staleness (versions) at training -> samples
