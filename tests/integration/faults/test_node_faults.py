@@ -113,10 +113,16 @@ def test_a_node_frozen_past_its_heartbeat_is_reaped_while_training_goes_on_and_l
 
 def test_a_node_the_launcher_kills_is_resolved_by_the_launcher(run, fault_tools):
     victim = SURVIVOR
-    run.wait(lambda: _generating(run, victim), f"{victim} at work", 300)
     pid = run.launcher.nodes[victim].process.pid
-    fault_tools.kill(pid, signal.SIGSTOP)  # it cannot act on SIGTERM: the launcher's grace runs out
-    held = run.held_by(victim)
+    for _ in range(20):  # frozen while it holds samples it has not sent (what it sent reaches the learner)
+        run.wait(lambda: _generating(run, victim), f"{victim} at work", 300)
+        fault_tools.kill(pid, signal.SIGSTOP)  # it cannot act on SIGTERM: the launcher's grace runs out
+        time.sleep(1.5)
+        held = run.held_by(victim)
+        if held:
+            break
+        fault_tools.kill(pid, signal.SIGCONT)
+        time.sleep(random.uniform(0.5, 2.0))
     lost_before = run.ledger.counts().dropped_by_reason.get("node_lost", 0)
     start = time.monotonic()
     code = run.launcher.stop_node(victim, timeout_s=1.0)
