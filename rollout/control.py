@@ -114,7 +114,7 @@ class ControlLoop(threading.Thread):
             except queue.Empty:
                 return
             try:
-                self.client.send(applied)
+                self.client.send(applied, timeout_s=1.0)  # a learner that is gone must not hold this thread
             except TransportError as e:  # the learner times the version out and evicts; keep serving
                 log.warning("could not confirm weights version %d: %s", applied.version, e)
             if not applied.error:

@@ -46,9 +46,10 @@ def test_learner_killed_and_resumed_with_its_nodes_left_running(fault_run, fault
     ledger = run.ledger
     dead_version = ledger.current_version()
     resumed_step = checkpoint.list_checkpoints(root)[-1][0]
-    resumed_version = next(r["version"] for r in run.records() if r["step"] == resumed_step)
+    resumed_version = int(next(r["version"] for r in run.records() if r["step"] == resumed_step))
     trained_after = _trained_by(ledger, resumed_version, dead_version)
-    stale_before = ledger.counts().dropped_by_reason.get("stale", 0)
+    at_kill = ledger.counts()
+    stale_before = at_kill.dropped_by_reason.get("stale", 0)
     assert trained_after, "the kill came before any step past the checkpoint committed"
 
     launcher.restart_learner("latest")  # the nodes are left running
@@ -63,6 +64,7 @@ def test_learner_killed_and_resumed_with_its_nodes_left_running(fault_run, fault
     states = {sid: ledger.record(sid).get("state") for sid in trained_after}
     counts = ledger.counts()
     stale = counts.dropped_by_reason.get("stale", 0) - stale_before
+    trained_new = sum(r["samples"] for r in new)
     followed = [n for n in launcher.nodes if "the learner restarted" in launcher.nodes[n].log_path.read_text()]
     books = run.books_at_end()
     fault_tools.figure(
@@ -72,6 +74,8 @@ def test_learner_killed_and_resumed_with_its_nodes_left_running(fault_run, fault
         samples_rolled_back=len(trained_after),
         stall_s=round(stall, 1),
         stale_after_restart=stale,
+        stale_per_trained_before=round(stale_before / max(at_kill.trained, 1), 2),
+        stale_per_trained_after=round(stale / trained_new, 2),
         nodes_followed=len(followed),
         **books,
     )
@@ -81,8 +85,9 @@ def test_learner_killed_and_resumed_with_its_nodes_left_running(fault_run, fault
     assert new[0]["resume/rolled_back_samples"] == rollback["samples"] >= len(trained_after)
     # steps and versions continue from the checkpoint
     assert [r["step"] for r in new] == list(range(resumed_step + 1, STEPS + 1)), [r["step"] for r in new]
-    assert [r["version"] for r in new] == list(range(resumed_version + 1, resumed_version + 1 + len(new)))
-    # both nodes followed the new learner; no stale flood (at most one credit window of samples)
+    assert [int(r["version"]) for r in new] == list(range(resumed_version + 1, resumed_version + 1 + len(new)))
+    # both nodes followed the new learner, with its weights: no stale flood (the nodes left running
+    # by a dead learner once had 9,246 samples dropped stale while 11 steps trained); the share of
+    # stale samples is the run's own, as before the kill
     assert len(followed) == 2, followed
-    capacity = (run.cfg.ledger.max_staleness + 1) * run.cfg.learner.groups_per_step * run.cfg.rollout.group_size
-    assert stale <= capacity, (stale, capacity)
+    assert stale / trained_new < stale_before / max(at_kill.trained, 1) + 0.25, (stale, trained_new, at_kill)
