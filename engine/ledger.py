@@ -109,8 +109,10 @@ class Ledger(LedgerBooks):
         pipe.execute()
 
     def reap_lost_nodes(self) -> dict[str, int]:
-        """Resolve the samples of every node whose heartbeat expired (one round trip); node -> samples."""
-        out = self._call("REAP", self.config.on_node_lost, time.time())
+        """Resolve the samples of every node whose heartbeat expired (one round trip); node -> samples.
+        None for `heartbeat_ttl_s` after it first sees a restarted Redis: heartbeats that expired while
+        the server was down are no news of the nodes."""
+        out = self._call("REAP", self.config.on_node_lost, time.time(), self.config.heartbeat_ttl_s)
         return dict(zip(out[::2], out[1::2]))
 
     def leave(self, node_id: str, reason: str = "preempted") -> int:

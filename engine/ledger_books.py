@@ -188,7 +188,6 @@ class LedgerBooks:
         self.config = config or LedgerConfig()
         self.prefix = f"streamrl:{run}:"
         self.url = _url_of(client)
-        self.recovered_at = float("-inf")  # time.monotonic() when Redis last answered again after an outage
         self._scripts = {name: client.register_script(lua.exactly_once(getattr(lua, name))) for name in _WRITERS}
         self._scripts.update({name: client.register_script(getattr(lua, name)) for name in _READERS})
 
@@ -229,7 +228,6 @@ class LedgerBooks:
                 continue
             if warned:
                 log.warning("ledger: Redis at %s answers again after %.1f s", self.url, time.monotonic() - start)
-                self.recovered_at = time.monotonic()
             return result
 
     # ---- reading the books -----------------------------------------------------------------------

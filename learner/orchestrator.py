@@ -191,9 +191,7 @@ class Orchestrator:
                 self._remove(node_id)
         for node_id in self.publisher.poll():  # a failed transfer, or a version never confirmed live
             log.warning("node %s was evicted (%d nodes left)", node_id, len(self.publisher.nodes))
-        ttl = self.cfg.ledger.heartbeat_ttl_s
-        # After a Redis outage every heartbeat may have expired meanwhile: the nodes get one TTL to beat again.
-        if time.monotonic() - self._last_reap > REAP_EVERY_S and time.monotonic() - self.ledger.recovered_at > ttl:
+        if time.monotonic() - self._last_reap > REAP_EVERY_S:
             self._last_reap = time.monotonic()
             for node_id, samples in self.ledger.reap_lost_nodes().items():
                 log.warning(
@@ -204,6 +202,7 @@ class Orchestrator:
                 )
                 # A frozen node may wake up: told to stop, it leaves instead of generating for a run
                 # that sends it no weights (a dead one cannot be told; that is logged and forgotten).
+                ttl = self.cfg.ledger.heartbeat_ttl_s
                 self._remove(node_id, f"lost: no heartbeat in the ledger for {ttl:g} s (ledger.heartbeat_ttl_s)")
 
     def _remove(self, node_id: str, stop_reason: str = "") -> None:

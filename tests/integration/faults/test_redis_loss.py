@@ -1,4 +1,4 @@
-"""The ledger's Redis killed with `kill -9` mid-run, twice.
+"""The ledger's Redis killed with `kill -9` mid-run, twice (and the reaper across a restart).
 
 1. Back within `ledger.retry_s` (restarted on its port from its append-only file): the learner and
    the nodes wait for it and carry on; the stall is the outage plus a step.
@@ -12,12 +12,47 @@ import time
 
 import pytest
 
-pytestmark = [pytest.mark.faults, pytest.mark.vllm, pytest.mark.slow]
+from streamrl.engine.config import LedgerConfig
+from streamrl.engine.ledger import Ledger
+from streamrl.engine.redis_server import RedisServer, connect
+
+pytestmark = [pytest.mark.faults]
 
 RETRY_S = 12.0
 OUTAGE_S = 4.0
 
 
+def test_a_restarted_redis_pauses_the_reaper_for_one_ttl(tmp_path, fault_tools):
+    """Heartbeats that expired while the server was down are no news of the nodes: none is reaped
+    until it had one TTL to beat again; a node that does not beat then is."""
+    ttl = 1.0
+    with RedisServer(tmp_path / "redis") as server:
+        ledger = Ledger(connect(server.url), "r", LedgerConfig(heartbeat_ttl_s=ttl, retry_s=10.0))
+        ledger.init_run(groups_per_step=1)
+        for node in ("beats", "silent"):
+            ledger.heartbeat(node)
+            ledger.take_credit(node, f"g-{node}", 2)
+        assert ledger.reap_lost_nodes() == {}  # the reaper meets this server
+        fault_tools.kill(server.pid)
+        server.process.wait(timeout=10)
+        time.sleep(ttl + 0.5)  # both heartbeats expire while the server is down
+        server.start()
+        assert ledger.alive_nodes() == []
+        paused = ledger.reap_lost_nodes()  # a restart seen: nobody is judged on the outage
+        ledger.heartbeat("beats")
+        time.sleep(ttl / 2)
+        still_paused = ledger.reap_lost_nodes()
+        ledger.heartbeat("beats")
+        time.sleep(ttl / 2 + 0.1)
+        after = ledger.reap_lost_nodes()
+        fault_tools.figure("reaper_after_redis_restart", paused=paused, still_paused=still_paused, after=after)
+        assert paused == {} and still_paused == {}
+        assert after == {"silent": 2}
+        ledger.drop(["g-beats:0", "g-beats:1"], "preempted")
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
 def test_redis_killed_mid_run_back_within_the_bound_then_gone_for_good(fault_run, fault_tools):
     run = fault_run(["run.steps=100000", f"ledger.retry_s={RETRY_S}"])
     launcher = run.launcher
