@@ -41,11 +41,13 @@ class StallAlarm:
     def __init__(self, warn_s: float, stop_s: float, counts: Callable[[], Counts]):
         self.warn_s, self.stop_s, self.counts = warn_s, stop_s, counts
         self.trained()
+        self.since_what = "since the learner started"
 
     def trained(self) -> None:
         """A step trained samples just now (one ledger read: the baseline of the next report)."""
         self.since = self.last_warn = time.monotonic()
         self.baseline = self.counts()
+        self.since_what = "since the last trained step"
 
     def check(self, hint: Callable[[], str]) -> None:
         now = time.monotonic()
@@ -65,10 +67,10 @@ class StallAlarm:
         drops = {r: n for r, n in sorted(drops.items(), key=lambda kv: -kv[1]) if n > 0}
         admitted = now.total - base.total
         if not admitted and not drops:
-            return "since the last trained step no sample was admitted or dropped (no node generates)"
+            return f"{self.since_what} no sample was admitted or dropped (no node generates)"
         reasons = ", ".join(f"{r} {n}" for r, n in drops.items()) or "none"
         return (
-            f"since the last trained step {admitted} samples admitted, {sum(drops.values())} dropped ({reasons}), "
+            f"{self.since_what} {admitted} samples admitted, {sum(drops.values())} dropped ({reasons}), "
             f"{now.received} received and waiting for their groups"
         )
 

@@ -32,9 +32,12 @@ def test_the_alarm_names_the_drops_since_the_last_trained_step_and_stops_past_it
         alarm.check(lambda: "2 nodes registered")
         alarm.check(lambda: "2 nodes registered")  # once per warn_s, not per call
     assert len(caplog.records) == 1
-    assert "20 samples admitted, 17 dropped (reward_error 15, stale 2), 3 received" in caplog.text
+    assert "since the learner started 20 samples admitted, 17 dropped (reward_error 15, stale 2), 3 received" in (
+        caplog.text
+    )
     time.sleep(0.25)
-    with pytest.raises(LearnerStalledError, match=r"stall_stop_s = 0.3\): since .*\(reward_error 15"):
+    stopped = r"stall_stop_s = 0.3\): since the learner started .*\(reward_error 15"
+    with pytest.raises(LearnerStalledError, match=stopped):
         alarm.check(lambda: "hint")
 
 
