@@ -5,15 +5,20 @@ are re-marked `dropped:rolled_back` (exactly those, counted in the first metrics
 and the step numbers continue from the checkpoint. The nodes see the new incarnation in the ledger,
 resolve what they generated for the dead learner and register with the new one: training continues
 to the last step with no stale flood, and the books close with nothing lost or unresolved.
+
+One node is stopped (SIGTERM) while no learner runs: its sends have no one to go to, and it still
+exits within its bound (`stop_bound_s`), holding nothing.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
 
 from streamrl.learner import checkpoint
+from streamrl.rollout.service import stop_bound_s
 
 pytestmark = [pytest.mark.faults, pytest.mark.vllm, pytest.mark.slow]
 
@@ -52,7 +57,17 @@ def test_learner_killed_and_resumed_with_its_nodes_left_running(fault_run, fault
     stale_before = at_kill.dropped_by_reason.get("stale", 0)
     assert trained_after, "the kill came before any step past the checkpoint committed"
 
-    launcher.restart_learner("latest")  # the nodes are left running
+    stopped: dict = {}
+
+    def stop_a_node():
+        start = time.monotonic()
+        stopped["code"] = launcher.stop_node("node-1")
+        stopped["seconds"] = time.monotonic() - start
+
+    stopper = threading.Thread(target=stop_a_node)
+    stopper.start()
+    launcher.restart_learner("latest")  # node-0 is left running
+    stopper.join(timeout=stop_bound_s(run.cfg) + 30)
     assert launcher.learner.process.wait(timeout=600) == 0, launcher.learner.log_tail(40)
     for child in launcher.nodes.values():
         assert child.process.wait(timeout=120) == 0, child.log_tail(30)
@@ -77,6 +92,7 @@ def test_learner_killed_and_resumed_with_its_nodes_left_running(fault_run, fault
         stale_per_trained_before=round(stale_before / max(at_kill.trained, 1), 2),
         stale_per_trained_after=round(stale / trained_new, 2),
         nodes_followed=len(followed),
+        node_stopped_without_learner_s=round(stopped["seconds"], 1),
         **books,
     )
     # exactly the samples trained after the checkpoint were rolled back, and counted
@@ -86,8 +102,11 @@ def test_learner_killed_and_resumed_with_its_nodes_left_running(fault_run, fault
     # steps and versions continue from the checkpoint
     assert [r["step"] for r in new] == list(range(resumed_step + 1, STEPS + 1)), [r["step"] for r in new]
     assert [int(r["version"]) for r in new] == list(range(resumed_version + 1, resumed_version + 1 + len(new)))
-    # both nodes followed the new learner, with its weights: no stale flood (the nodes left running
+    # the node stopped while no learner ran: within its bound, holding nothing
+    assert stopped["code"] == 0 and stopped["seconds"] < stop_bound_s(run.cfg), stopped
+    assert run.held_by("node-1") == 0
+    # the node left running followed the new learner, with its weights: no stale flood (the nodes left running
     # by a dead learner once had 9,246 samples dropped stale while 11 steps trained); the share of
     # stale samples is the run's own, as before the kill
-    assert len(followed) == 2, followed
+    assert followed == ["node-0"], followed
     assert stale / trained_new < stale_before / max(at_kill.trained, 1) + 0.25, (stale, trained_new, at_kill)
