@@ -56,3 +56,11 @@ def test_stop_zero_never_stops():
     alarm = StallAlarm(warn_s=0.01, stop_s=0.0, counts=_Books())
     time.sleep(0.03)
     alarm.check(lambda: "")
+
+
+def test_a_stop_bound_below_the_warning_is_refused_naming_both_fields():
+    from streamrl.engine.config import ConfigError, build
+
+    with pytest.raises(ConfigError, match=r"learner.stall_stop_s = 50 is below learner.stall_warn_s = 100"):
+        build({}, ["learner.stall_warn_s=100", "learner.stall_stop_s=50"])
+    assert build({}, ["learner.stall_warn_s=100", "learner.stall_stop_s=0"]).learner.stall_stop_s == 0
