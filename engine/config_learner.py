@@ -153,6 +153,30 @@ class LearnerConfig(_Section):
         ),
     ] = 16.0
 
+    stall_warn_s: Annotated[
+        float,
+        _doc(
+            "No sample trained for this long: the learner logs why (drop reasons and counts since the last "
+            "trained step) and repeats it as long as the stall lasts.",
+            gt=0.0,
+        ),
+    ] = 120.0
+    stall_stop_s: Annotated[
+        float,
+        _doc(
+            "No sample trained for this long: the learner stops with an error (exit 3) naming the reasons; "
+            "0 never stops. Counted from the learner's start too, so it must cover the nodes' start-up.",
+            ge=0.0,
+        ),
+    ] = 1800.0
+
+    def __post_init__(self) -> None:
+        if 0.0 < self.stall_stop_s < self.stall_warn_s:
+            raise ValueError(
+                f"learner.stall_stop_s = {self.stall_stop_s:g} is below learner.stall_warn_s = "
+                f"{self.stall_warn_s:g}: the run would stop before it warned; raise stall_stop_s or set it to 0"
+            )
+
 
 class CheckpointConfig(_Section):
     every: Annotated[int, _doc("Save a resumable checkpoint every N steps; 0 disables.", ge=0)] = 0

@@ -77,7 +77,8 @@ class Ledger(LedgerBooks):
         """Record the admission rules (the learner calls it at start): at most `(max_staleness + 1) *
         groups_per_step` groups in flight; a group only when it can be trained within max_staleness of
         the weights that generate it (mode "async") or, in mode "sync", one step's groups at a time with
-        the learner's newest weights; never more groups than `steps_left` steps train (-1: no end)."""
+        the learner's newest weights; never more groups than `steps_left` steps train (-1: no end). A
+        learner resuming a run that had finished takes it up again: it is no longer finished."""
         if groups_per_step < 1:
             raise ValueError(f"groups_per_step = {groups_per_step}: must be >= 1")
         if mode not in ("async", "sync"):
@@ -93,6 +94,7 @@ class Ledger(LedgerBooks):
                 "steps_left": steps_left,
             },
         )
+        self.client.hdel(self.prefix + "meta", "finished")
         if self.client.get(self.prefix + "version") is None:
             self.publish_version(0, step=0)
         return capacity
@@ -114,8 +116,10 @@ class Ledger(LedgerBooks):
         pipe.execute()
 
     def reap_lost_nodes(self) -> dict[str, int]:
-        """Resolve the samples of every node whose heartbeat expired (one round trip); node -> samples."""
-        out = self._call("REAP", self.config.on_node_lost, time.time())
+        """Resolve the samples of every node whose heartbeat expired (one round trip); node -> samples.
+        None for `heartbeat_ttl_s` after it first sees a restarted Redis: heartbeats that expired while
+        the server was down are no news of the nodes."""
+        out = self._call("REAP", self.config.on_node_lost, time.time(), self.config.heartbeat_ttl_s)
         return dict(zip(out[::2], out[1::2]))
 
     def leave(self, node_id: str, reason: str = "preempted") -> int:
@@ -128,6 +132,13 @@ class Ledger(LedgerBooks):
         learner at the end of a run) without waiting for its heartbeat to expire: the node counts
         as lost from now on, and its samples are no longer its to deliver."""
         return self._call("LEAVE", node_id, check_reason(reason), time.time())
+
+    @retried
+    def announce_learner(self, incarnation: str, control_addr: str, trajectory_addr: str) -> None:
+        """A learner (re)started for this run: where nodes reach it now (`learner()` reads it). Nodes of
+        an earlier incarnation notice the new one here and register with it."""
+        record = {"incarnation": incarnation, "control_addr": control_addr, "trajectory_addr": trajectory_addr}
+        self.client.hset(self.prefix + "learner", mapping={**record, "time": time.time()})
 
     # ---- a run's end and a learner's resume ------------------------------------------------------
 

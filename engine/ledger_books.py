@@ -268,6 +268,12 @@ class LedgerBooks:
         return None if value is None else float(value)
 
     @retried
+    def learner(self) -> dict[str, str]:
+        """The run's learner as it announced itself (`announce_learner`): incarnation, control_addr,
+        trajectory_addr, time; empty before any learner started."""
+        return self.client.hgetall(self.prefix + "learner")
+
+    @retried
     def rollbacks(self) -> list[dict]:
         """Every `roll_back`, oldest first: {"from", "to", "samples", "time"}."""
         return [json.loads(r) for r in self.client.lrange(self.prefix + "rollbacks", 0, -1)]

@@ -13,6 +13,7 @@ Key layout under the prefix `streamrl:{run}:`:
   version         string current policy version
   versions        hash   version -> JSON {"step", "time"}
   rollbacks       list   JSON {"from", "to", "samples", "time"} per roll_back
+  learner         hash   incarnation, control_addr, trajectory_addr, time (the learner now serving the run)
   inflight        string groups holding a credit (taken, not every sample resolved)
   counts          hash   total, admitted, generated, received, trained, dropped, dropped:<reason>
   lag             hash   staleness (versions) at training -> samples
@@ -20,6 +21,7 @@ Key layout under the prefix `streamrl:{run}:`:
   g:<group_id>    hash   node, n, open (samples not yet resolved), prompt, t
   ng:<node_id>    set    groups of the node holding a credit
   adm / admseq    zset   groups holding a credit, by admission order (the learner trains them in it)
+  server          hash   run_id, since: the Redis server the reaper last saw, and when (a restart pauses it)
   tv:<version>    set    samples trained by that policy version (what a roll-back undoes)
   nodes / lost    set    nodes seen alive / nodes reaped or gone
   alive:<node_id> string heartbeat, expires after the TTL
@@ -246,12 +248,22 @@ local function groups_in_flight(p)
 end
 """
 
-# ARGV: prefix, mode ('drop' | 'readmit'), now. Every node whose heartbeat expired is resolved
-# (reason node_lost). Returns {node, samples resolved, node, samples resolved, ...}.
+# ARGV: prefix, mode ('drop' | 'readmit'), now, heartbeat TTL (s). Every node whose heartbeat
+# expired is resolved (reason node_lost). Returns {node, samples resolved, node, samples resolved, ...}.
 REAP = (
     _RESOLVE_NODE
     + r"""
-local p, mode, now = ARGV[1], ARGV[2], ARGV[3]
+local p, mode, now, ttl = ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4])
+-- A server restarted (from its append-only file) expired every heartbeat that lapsed while it was
+-- down: that is no news of the nodes, so they get one TTL from the restart's discovery to beat again.
+local server = string.match(redis.call('INFO', 'server'), 'run_id:(%w+)')
+local seen = redis.call('HMGET', p .. 'server', 'run_id', 'since')
+if seen[1] ~= server then
+  redis.call('HSET', p .. 'server', 'run_id', server, 'since', now)
+  if seen[1] then return {} end
+elseif tonumber(now) - tonumber(seen[2]) < ttl then
+  return {}
+end
 local b = books(p)
 local out = {}
 for _, node in ipairs(redis.call('SMEMBERS', p .. 'nodes')) do

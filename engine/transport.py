@@ -44,6 +44,10 @@ class TransportError(RuntimeError):
     """A socket wait that ran out of time or a peer that cannot be reached; the message names the address."""
 
 
+class SendTimeoutError(TransportError):
+    """A trajectory the receiver did not take within the send timeout (not sent; the same call may be retried)."""
+
+
 def timeout_ms(seconds: float) -> int:
     return max(0, int(seconds * 1000))
 
@@ -167,7 +171,7 @@ class TrajectorySender:
             else:
                 self._sock.send(frame, copy=False)
         except zmq.Again:
-            raise TransportError(
+            raise SendTimeoutError(
                 f"node {self.node_id}: trajectory {traj.sample_id} (seq {self.seq}) not accepted by {self.addr} "
                 f"within {self.send_timeout_s:g}s: the learner is unreachable or stopped reading "
                 f"(check the address and that the learner runs; raise transport.send_timeout_s "

@@ -5,6 +5,10 @@ rewards and duplicates are resolved there and never trained. Admitted samples wa
 group until the group is whole (or has waited `GROUP_PATIENCE_S`, then it is used with the members
 it has); a member that went stale while it waited is dropped when the group is taken, since
 staleness is judged at consumption. What is held here is the learner's; `drop_held` resolves it.
+
+`StallAlarm` watches for a run that makes no progress although samples may keep arriving (a reward
+that always fails drops every one of them): it counts from the last trained step, not the last
+arrival, says what became of the samples meanwhile, and stops the learner past a second bound.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ import logging
 import time
 from collections.abc import Callable
 
-from streamrl.engine.ledger import Ledger, is_stale
+from streamrl.engine.ledger import Counts, Ledger, is_stale
 from streamrl.engine.messages import Trajectory
 from streamrl.engine.transport import TrajectoryReceiver
 
@@ -23,6 +27,52 @@ log = logging.getLogger("streamrl.learner")
 
 WAITING_WARN_S = 30.0
 GROUP_PATIENCE_S = 30.0  # a group missing members this long is used with the members it has
+
+
+class LearnerStalledError(RuntimeError):
+    """No sample was trained for `learner.stall_stop_s`; the message says what became of them."""
+
+
+class StallAlarm:
+    """Seconds since a sample was last trained. Past `warn_s` (and every `warn_s` after) it logs why:
+    the samples admitted and the drops by reason since then, from the ledger; past `stop_s` (0: never)
+    it raises `LearnerStalledError`. A skipped step trains nothing, so it does not reset the clock."""
+
+    def __init__(self, warn_s: float, stop_s: float, counts: Callable[[], Counts]):
+        self.warn_s, self.stop_s, self.counts = warn_s, stop_s, counts
+        self.trained()
+        self.since_what = "since the learner started"
+
+    def trained(self) -> None:
+        """A step trained samples just now (one ledger read: the baseline of the next report)."""
+        self.since = self.last_warn = time.monotonic()
+        self.baseline = self.counts()
+        self.since_what = "since the last trained step"
+
+    def check(self, hint: Callable[[], str]) -> None:
+        now = time.monotonic()
+        quiet = now - self.since
+        if self.stop_s and quiet >= self.stop_s:
+            raise LearnerStalledError(
+                f"no sample trained for {quiet:.0f} s (learner.stall_stop_s = {self.stop_s:g}): {self.why()}; {hint()}"
+            )
+        if quiet >= self.warn_s and now - self.last_warn >= self.warn_s:
+            self.last_warn = now
+            log.warning("no sample trained for %.0f s: %s; %s", quiet, self.why(), hint())
+
+    def why(self) -> str:
+        """E.g. `since the last trained step 1520 samples admitted, 1488 dropped (reward_error 1488)`."""
+        now, base = self.counts(), self.baseline
+        drops = {r: n - base.dropped_by_reason.get(r, 0) for r, n in now.dropped_by_reason.items()}
+        drops = {r: n for r, n in sorted(drops.items(), key=lambda kv: -kv[1]) if n > 0}
+        admitted = now.total - base.total
+        if not admitted and not drops:
+            return f"{self.since_what} no sample was admitted or dropped (no node generates)"
+        reasons = ", ".join(f"{r} {n}" for r, n in drops.items()) or "none"
+        return (
+            f"{self.since_what} {admitted} samples admitted, {sum(drops.values())} dropped ({reasons}), "
+            f"{now.received} received and waiting for their groups"
+        )
 
 
 @dataclasses.dataclass
@@ -40,8 +90,8 @@ class _Group:
 class Intake:
     """Receives, admits and assembles groups; `collect` hands out whole groups of fresh samples."""
 
-    def __init__(self, receiver: TrajectoryReceiver, ledger: Ledger, max_staleness: int):
-        self.receiver, self.ledger, self.max_staleness = receiver, ledger, max_staleness
+    def __init__(self, receiver: TrajectoryReceiver, ledger: Ledger, max_staleness: int, alarm: StallAlarm):
+        self.receiver, self.ledger, self.max_staleness, self.alarm = receiver, ledger, max_staleness, alarm
         self.groups: dict[str, _Group] = {}
         self.counters = collections.Counter()
         self._order_wait_since: float | None = None
@@ -58,6 +108,7 @@ class Intake:
         waited for when the wait is long."""
         waiting_since = last_warn = time.monotonic()
         while True:
+            self.alarm.check(waiting_hint)  # also between steps that train nothing (skipped steps)
             between()
             batch = self.drain(0.05)
             if batch:

@@ -18,9 +18,11 @@ import torch
 
 from streamrl.engine import config_rules
 from streamrl.engine.config import Config, ConfigError
+from streamrl.engine.ledger import LedgerUnavailableError
 from streamrl.engine.models import default_tiny_model, load_model
 from streamrl.engine.telemetry import setup_logging
 from streamrl.learner import checkpoint, parallel
+from streamrl.learner.intake import LearnerStalledError
 from streamrl.learner.orchestrator import Orchestrator
 from streamrl.learner.reference import build_reference
 from streamrl.learner.train_step import Trainer
@@ -46,8 +48,10 @@ def run_learner(cfg: Config, resume: str = "") -> int:
     reference = build_reference(cfg, device, compute, policy)  # None unless loss.kl_coef > 0
     trainer = _trainer(cfg, policy, device, reference)
     keeper = checkpoint.Keeper(cfg.checkpoint, cfg.run.path, policy.lm, trainer, model_path, cfg.run.steps)
-    first = keeper.resume(resume, cfg.run.path).step + 1 if resume else 1
-    orchestrator = _start_orchestrator(cfg, device, trainer, policy, resumed=bool(resume), first_step=first)
+    first = keeper.resume(resume, cfg.run.path).step + 1 if resume else 1  # steps continue from the checkpoint
+    resumed_version = trainer.version if resume else None  # the ledger is rolled back to it
+    orchestrator = _start_orchestrator(cfg, device, trainer, policy, resumed_version, first_step=first)
+    ending = {"reason": "the learner stopped", "finished": False, "ledger_reachable": True}
     try:
         _continue_versions(trainer, orchestrator, policy, compute)
         for step in range(first, cfg.run.steps + 1):
@@ -69,9 +73,16 @@ def run_learner(cfg: Config, resume: str = "") -> int:
             clock.lap("checkpoint_s")
             if rank0:
                 orchestrator.report(step, batch.version, metrics, clock.laps, clock.started)  # report
+        ending.update(reason="run finished", finished=True)
+    except LedgerUnavailableError:
+        ending.update(reason="the ledger (Redis) is unreachable", ledger_reachable=False)
+        raise
+    except LearnerStalledError:
+        ending.update(reason="nothing was trained for learner.stall_stop_s")
+        raise
     finally:
         if orchestrator is not None:
-            orchestrator.close()
+            orchestrator.close(**ending)
         parallel.shutdown()
     return 0
 
@@ -99,7 +110,9 @@ class _Laps:
         self._last = now
 
 
-def _start_orchestrator(cfg: Config, device: torch.device, trainer: Trainer, policy, resumed: bool, first_step: int):
+def _start_orchestrator(
+    cfg: Config, device: torch.device, trainer: Trainer, policy, resumed_version: int | None, first_step: int
+):
     """Rank 0's orchestrator; a refusal (a run trained already, ...) stops every rank, not rank 0 alone."""
     orchestrator, error = None, None
     if parallel.is_rank0():
@@ -107,7 +120,13 @@ def _start_orchestrator(cfg: Config, device: torch.device, trainer: Trainer, pol
         params = sum(p.numel() for p in policy.lm.parameters())
         try:
             orchestrator = Orchestrator(
-                cfg, device, lambda: trainer.version, resumed, compiled, params, first_step=first_step
+                cfg,
+                device,
+                lambda: trainer.version,
+                resumed_version=resumed_version,
+                compiled=compiled,
+                params=params,
+                first_step=first_step,
             )
         except ConfigError as e:
             error = str(e)
@@ -118,8 +137,8 @@ def _start_orchestrator(cfg: Config, device: torch.device, trainer: Trainer, pol
 
 
 def _continue_versions(trainer: Trainer, orchestrator: Orchestrator | None, policy, dtype: torch.dtype) -> None:
-    """Continue at the ledger's version when it is ahead of the weights (steps trained after the last
-    checkpoint were lost with the learner); a resumed learner hands joining nodes its restored weights."""
+    """A resumed learner hands joining nodes its restored weights. The ledger's version equals the
+    weights' (a resume rolled the ledger back to the checkpoint); the max only guards a ledger ahead."""
     ledger_version = orchestrator.ledger_version if orchestrator is not None else 0
     trainer.version = parallel.from_rank0(max(trainer.version, ledger_version))
     if trainer.version > 0:
@@ -133,7 +152,9 @@ def _terminate_gracefully(signum, frame):
 
 
 def main(cfg: Config, resume: str = "") -> int:
-    """The learner process: the exit status (2 for a config or checkpoint error, 130 on a signal)."""
+    """The learner process: the exit status (2 for a config or checkpoint error, 3 when nothing was
+    trained for `learner.stall_stop_s`, 4 when the ledger's Redis stayed unreachable past
+    `ledger.retry_s`, 130 on a signal)."""
     try:
         check_config(cfg)
     except ConfigError as e:
@@ -148,3 +169,9 @@ def main(cfg: Config, resume: str = "") -> int:
     except (ConfigError, checkpoint.CheckpointError) as e:
         log.error("%s", e)
         return 2
+    except LearnerStalledError as e:
+        log.error("the run stalled: %s", e)
+        return 3
+    except LedgerUnavailableError as e:
+        log.error("the learner stops: %s", e)
+        return 4

@@ -5,6 +5,12 @@ tokens → (every rank trains) → commit (ledger) → push (`Publisher`) → re
 It also serves the nodes between receives (`NodeRegistry`: joins get the latest weights, departures
 and lost nodes are resolved). The policy version is the trainer's (`version_of()` asks it); the
 orchestrator publishes it to the ledger at each commit and hands it to every node that registers.
+
+Faults: each learner is one incarnation of the run, announced in `RUN/learner.json` and in the ledger,
+so nodes left running by a dead learner register with the next one. A resumed learner makes the
+books match its checkpoint (`_claim_run`); a run that trains nothing for `learner.stall_stop_s`
+stops (`StallAlarm`); at the end, everything the learner or a gone node still holds is resolved and
+the run is marked finished, so `streamrl status` can tell an unresolved sample from one on its way.
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ import json
 import logging
 import pathlib
 import time
+import uuid
 from collections.abc import Callable, Mapping
 
 import torch
@@ -21,14 +28,14 @@ from torch import Tensor
 from streamrl.engine.auth import open_gate
 from streamrl.engine.config import Config, ConfigError
 from streamrl.engine.control import ControlServer
-from streamrl.engine.ledger import open_ledger
+from streamrl.engine.ledger import LedgerUnavailableError, open_ledger
 from streamrl.engine.messages import Stop, Trajectory, Welcome
 from streamrl.engine.redis_server import redact
 from streamrl.engine.telemetry import MetricsSink
 from streamrl.engine.transport import REFUSALS, TrajectoryReceiver, bind_address
 from streamrl.learner.advantages import group_advantages
 from streamrl.learner.batching import StepBatch, pack_for_ranks, sequence_cost
-from streamrl.learner.intake import Intake
+from streamrl.learner.intake import Intake, StallAlarm
 from streamrl.learner.nodes import NodeRegistry
 from streamrl.learner.publisher import Publisher
 from streamrl.rewards.stats import batch_stats, warn_if_flat
@@ -55,7 +62,7 @@ class Orchestrator:
         cfg: Config,
         device: torch.device,
         version_of: Callable[[], int],
-        resumed: bool = False,
+        resumed_version: int | None = None,
         compiled: bool = False,
         params: int = 0,
         first_step: int = 1,
@@ -63,10 +70,11 @@ class Orchestrator:
         self.cfg, self.version_of, self.compiled, self.params = cfg, version_of, compiled, params
         self._first_step = first_step
         self.peak_flops = peak_flops(device)
+        self.incarnation = uuid.uuid4().hex[:12]
         self.ledger, self.redis = open_ledger(cfg.ledger, cfg.run.name, cfg.run.path)
         self.gate = None
         try:
-            self._claim_run(resumed)
+            self.resume_figures = self._claim_run(resumed_version)
             self.redis_url = cfg.ledger.url or self.redis.url
             t = cfg.transport
             self.gate = open_gate(cfg)  # CURVE keys and their gatekeeper; None on loopback without CURVE
@@ -77,7 +85,8 @@ class Orchestrator:
             receiver = TrajectoryReceiver(
                 bind_address(t.host, t.trajectory_port), hwm=t.hwm, identities=self.registry.identity, **caps
             )
-            self.intake = Intake(receiver, self.ledger, cfg.ledger.max_staleness)
+            alarm = StallAlarm(cfg.learner.stall_warn_s, cfg.learner.stall_stop_s, self.ledger.counts)
+            self.intake = Intake(receiver, self.ledger, cfg.ledger.max_staleness, alarm)
             self.publisher = Publisher(cfg, self.registry, device)
             self.sink = MetricsSink(cfg.run.path, cfg.telemetry)
         except BaseException:
@@ -88,10 +97,12 @@ class Orchestrator:
             raise
         self.pending: list[list[Trajectory]] = []  # the step's groups until committed
         self._last_reap = 0.0
+        self.ledger.announce_learner(self.incarnation, self.registry.addr, self.intake.addr)
         self.registry.start()
         self._write_address_file(cfg.run.path)
         log.info(
-            "learner up: control %s, trajectories %s, ledger %s",
+            "learner up (incarnation %s): control %s, trajectories %s, ledger %s",
+            self.incarnation,
             self.registry.addr,
             self.intake.addr,
             self.redis_url.split("@")[-1],
@@ -105,18 +116,42 @@ class Orchestrator:
     def ledger_version(self) -> int:
         return self.ledger.current_version()
 
-    def _claim_run(self, resumed: bool) -> None:
+    def _claim_run(self, resumed_version: int | None) -> dict[str, int]:
         """A fresh learner refuses a run that already trained (it would continue its versions with fresh
-        weights); a resumed one resolves what its predecessor took in but never trained."""
-        if not resumed and self.ledger.current_version() > 0:
+        weights). A learner resumed from a checkpoint of policy `resumed_version` makes the books match
+        it: what its predecessor took in but never trained is dropped as `preempted`, and the samples
+        trained in steps the checkpoint does not contain become `rolled_back` (the version goes back to
+        the checkpoint's). The figures go into the first metrics record of the resumed run."""
+        ledger_version = self.ledger.current_version()
+        if resumed_version is None and ledger_version > 0:
             raise ConfigError(
-                f"run {self.cfg.run.name!r} already trained to version {self.ledger.current_version()} (its "
+                f"run {self.cfg.run.name!r} already trained to version {ledger_version} (its "
                 "ledger says so): pass --resume latest to continue it, or set run.name to start a new run"
             )
+        if resumed_version is not None and resumed_version > ledger_version:
+            raise ConfigError(
+                f"the checkpoint is of version {resumed_version} but run {self.cfg.run.name!r}'s ledger is at "
+                f"version {ledger_version}: they are not of one run (another run's checkpoint, or a ledger.url "
+                "that does not hold this run's books); resume with the run's own ledger and checkpoints"
+            )
         self.ledger.init_run(self.cfg.learner.groups_per_step, self.cfg.run.mode, self.steps_left(self._first_step))
-        if resumed:
-            dropped = self.ledger.drop_received("preempted")
-            log.info("resuming: %d samples received but not trained before are dropped as preempted", dropped)
+        if resumed_version is None:
+            return {}
+        preempted = self.ledger.drop_received("preempted")
+        rolled_back = self.ledger.roll_back(resumed_version) if ledger_version > resumed_version else 0
+        log.warning(
+            "resuming at version %d (the ledger was at %d): %d samples trained after the checkpoint are "
+            "rolled back, %d received but never trained are dropped as preempted",
+            resumed_version,
+            ledger_version,
+            rolled_back,
+            preempted,
+        )
+        return {
+            "resume/rolled_back_samples": rolled_back,
+            "resume/rolled_back_versions": ledger_version - resumed_version,
+            "resume/preempted_samples": preempted,
+        }
 
     def _welcome(self, node_id: str) -> Welcome:
         return Welcome(
@@ -133,7 +168,8 @@ class Orchestrator:
         tmp = path.with_suffix(".tmp")
         addresses = {"control_addr": self.registry.addr, "trajectory_addr": self.intake.addr}
         # no credentials here: the file is readable by others, and nodes get the ledger's URL in their Welcome
-        tmp.write_text(json.dumps({**addresses, "redis_url": redact(self.redis_url), "run": self.cfg.run.name}))
+        record = {**addresses, "redis_url": redact(self.redis_url), "run": self.cfg.run.name}
+        tmp.write_text(json.dumps({**record, "incarnation": self.incarnation}))
         tmp.rename(path)
 
     # ---- receive → admit → pack --------------------------------------------------------------
@@ -183,11 +219,17 @@ class Orchestrator:
                     samples,
                     self.cfg.ledger.on_node_lost,
                 )
-                self._remove(node_id)
+                # A frozen node may wake up: told to stop, it leaves instead of generating for a run
+                # that sends it no weights (a dead one cannot be told; that is logged and forgotten).
+                ttl = self.cfg.ledger.heartbeat_ttl_s
+                self._remove(node_id, f"lost: no heartbeat in the ledger for {ttl:g} s (ledger.heartbeat_ttl_s)")
 
-    def _remove(self, node_id: str) -> None:
+    def _remove(self, node_id: str, stop_reason: str = "") -> None:
         self.publisher.remove(node_id)
-        self.registry.forget(node_id)
+        if stop_reason and node_id in self.registry.nodes:
+            self.registry.send(node_id, Stop(reason=stop_reason), then_forget=True)
+        else:
+            self.registry.forget(node_id)
 
     # ---- commit → push → report --------------------------------------------------------------
 
@@ -199,6 +241,7 @@ class Orchestrator:
             self.ledger.drop(ids, "nonfinite_step")
         else:
             self.ledger.commit_step(ids, self.version_of(), step, steps_left=self.steps_left(step + 1))
+            self.intake.alarm.trained()
 
     def publish(self, weights: Mapping[str, Tensor]) -> float:
         """Hand the new version to the publisher (nodes get it in the background); the seconds it held us."""
@@ -222,7 +265,9 @@ class Orchestrator:
             "duplicates": self.intake.receiver.duplicates,
             "decode_errors": self.intake.receiver.decode_errors + self.registry.server.decode_errors,
             **self._refusals(),
+            **self.resume_figures,
         }
+        self.resume_figures = {}  # in the first record of a resumed run only
         self.sink.log(step, record)
         log.info(
             "step %d v%d reward %.3f±%.3f loss %.4f tokens/s %.0f mismatch_kl %.2e staleness %.2f nodes %d idle %.0f%%",
@@ -282,32 +327,54 @@ class Orchestrator:
 
     # ---- end ------------------------------------------------------------------------------------
 
-    def close(self, reason: str = "run finished", drain_s: float = 5.0) -> None:
-        """Tell every node to stop and keep taking (and discarding) what they still send until they said
-        goodbye or `drain_s` passed, so no node blocks on a send to a learner that is gone; everything
-        the learner still holds is resolved, then the books are checked."""
+    def close(
+        self, reason: str = "run finished", finished: bool = True, ledger_reachable: bool = True, drain_s: float = 5.0
+    ) -> None:
+        """Tell every node to stop (`reason`) and keep taking (and discarding) what they still send until
+        they said goodbye or `drain_s` passed, so no node blocks on a send to a learner that is gone; then
+        the books are settled (`_settle_books`), and marked finished when the run reached its end. With
+        the ledger unreachable (Redis gone past `ledger.retry_s`) it is left as it was: a resumed
+        learner settles it."""
         try:
-            if self.pending:  # a step cut short (a signal mid-step): its samples were never trained
-                self.ledger.drop([t.sample_id for g in self.pending for t in g], "preempted")
             for node_id in list(self.registry.nodes):
                 self.registry.send(node_id, Stop(reason=reason))
             deadline = time.monotonic() + drain_s
             while self.registry.nodes and time.monotonic() < deadline:
                 self.intake.drain(0.05)
-                self.serve_nodes()
-            self.intake.drop_held("preempted")  # received, never trained: resolved, so the books close
+                for kind, node_id in self.registry.take_events():
+                    if kind == "left":
+                        self._remove(node_id)
+            if ledger_reachable:
+                self._settle_books(finished)
             self.registry.close()
             self.publisher.close()
             self.intake.close()
             if self.gate is not None:
                 self.gate.close()
             self.sink.close()
-            errors = self.ledger.check()
-            if errors:
-                log.error("the ledger does not balance: %s", "; ".join(errors))
         finally:
             if self.redis is not None:
                 self.redis.stop()
+
+    def _settle_books(self, finished: bool) -> None:
+        """Resolve what the learner holds (a step cut short, samples received and never trained) and what
+        nodes that are gone hold (`node_lost`: nothing will deliver it); when the run reached its end,
+        mark it finished, after which anything still in flight is an error of the books."""
+        try:
+            if self.pending:  # a step cut short (a signal mid-step): its samples were never trained
+                self.ledger.drop([t.sample_id for g in self.pending for t in g], "preempted")
+            self.intake.drop_held("preempted")
+            self.ledger.drop_received("preempted")  # e.g. a stopped node's last samples, taken in by no one
+            for node_id, held in self.ledger.in_flight().held_by_gone_nodes.items():
+                resolved = self.ledger.resolve_node(node_id, "node_lost")
+                log.warning("node %s is gone holding %d samples: %d resolved as node_lost", node_id, held, resolved)
+            if finished:
+                self.ledger.finish_run()
+            errors = self.ledger.check()
+            if errors:
+                log.error("the ledger does not balance: %s", "; ".join(errors))
+        except LedgerUnavailableError as e:
+            log.error("the books could not be settled: %s", e)
 
 
 def _batch_figures(flat: list[Trajectory], version: int, seconds: float) -> dict[str, float]:

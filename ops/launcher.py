@@ -5,12 +5,17 @@ writing to its own log in `RUN/logs/`; the console shows only the live view. Ctr
 learner finishing) stops every child this launcher started, by pid: SIGTERM, a grace period, then
 SIGKILL. Nodes can be added (`add_node`) or stopped (`stop_node`)
 while the run goes on.
+
+The grace outlasts a node's own bound on stopping (`stop_grace_s`, from the config), so a node is
+killed only when it broke its bound; once a node it stopped is gone, the launcher resolves in the
+ledger whatever the node still held (`node_lost`): nothing else would deliver it.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import pathlib
 import shlex
@@ -21,12 +26,24 @@ import sys
 import tempfile
 import time
 
+import msgspec
+
 from streamrl.engine.config import Config, dump
+from streamrl.engine.ledger import Ledger, LedgerUnavailableError
 from streamrl.engine.placement import Placement, plan, visible_gpus
-from streamrl.engine.redis_server import RedisServer, write_private
+from streamrl.engine.redis_server import RedisServer, connect, write_private
+from streamrl.rollout.service import stop_bound_s
+
+log = logging.getLogger("streamrl.launcher")
 
 _UNPLANNED = Placement(learner=[], nodes=[])  # start() plans the GPUs unless plan_gpus() ran first
-STOP_GRACE_S = 45.0  # longer than a node's own grace for finishing its groups (30 s)
+EXIT_MARGIN_S = 10.0  # a process past its own bound still has to be reaped by the OS
+
+
+def stop_grace_s(cfg: Config) -> float:
+    """How long the launcher waits after SIGTERM before SIGKILL: a node's own bound on stopping (its grace
+    for groups in flight, its ledger retries, closing: `rollout.service.stop_bound_s`), and a margin."""
+    return stop_bound_s(cfg) + EXIT_MARGIN_S
 
 
 @dataclasses.dataclass
@@ -75,6 +92,7 @@ class Launcher:
         self.tmp = pathlib.Path(tempfile.mkdtemp(prefix="streamrl-"))
         self._next_node = 0
         self.placement: Placement | None = _UNPLANNED
+        self._ledger: Ledger | None = None
 
     def plan_gpus(self, nodes: int) -> Placement | None:
         """Each role's GPU (None on CPU); raises ConfigError naming the fields of a placement that cannot be."""
@@ -171,9 +189,30 @@ class Launcher:
         self.nodes[name] = self._spawn(f"rollout-{name}", command, self._node_gpu(self._next_node - 1))
         return name
 
-    def stop_node(self, name: str, timeout_s: float = STOP_GRACE_S) -> int | None:
+    def stop_node(self, name: str, timeout_s: float | None = None) -> int | None:
+        """SIGTERM, the node's grace (`stop_grace_s`, or `timeout_s`), SIGKILL; then what it still held
+        in the ledger is resolved. Its exit status."""
         child = self.nodes.pop(name)
-        return _stop(child.process, timeout_s)
+        code = _stop(child.process, stop_grace_s(self.cfg) if timeout_s is None else timeout_s)
+        self.resolve_gone(name)
+        return code
+
+    def resolve_gone(self, name: str) -> int:
+        """Drop, as `node_lost`, the samples a node that is gone still holds (a node that left cleanly
+        holds none); how many. The ledger may be gone too (the run is ending): then 0."""
+        if not self.ledger_url:
+            return 0
+        try:
+            if self._ledger is None:
+                ledger_cfg = msgspec.structs.replace(self.cfg.ledger, retry_s=min(self.cfg.ledger.retry_s, 5.0))
+                self._ledger = Ledger(connect(self.ledger_url, retries=2), self.cfg.run.name, ledger_cfg)
+            resolved = self._ledger.resolve_node(name, "node_lost")
+        except (LedgerUnavailableError, OSError) as e:
+            log.warning("node %s: its samples could not be resolved (%s)", name, e)
+            return 0
+        if resolved:
+            log.warning("node %s was stopped holding %d samples: resolved as node_lost", name, resolved)
+        return resolved
 
     def _spawn(self, name: str, command: list[str], gpus: list[int] | None = None) -> Child:
         log_path = self.run_dir / "logs" / f"{name}.out"
@@ -196,14 +235,19 @@ class Launcher:
         """Nodes first (they resolve their samples while the ledger is up), then the learner, then Redis.
 
         Every node is signalled before any is waited for, so they wind down together."""
-        nodes = [self.nodes.pop(name).process for name in list(self.nodes)]
-        for process in nodes:
+        nodes = {name: self.nodes.pop(name).process for name in list(self.nodes)}
+        for process in nodes.values():
             if process.poll() is None:
                 process.send_signal(signal.SIGTERM)
-        for process in nodes:
-            _stop(process, STOP_GRACE_S)
+        deadline = time.monotonic() + stop_grace_s(self.cfg)
+        for name, process in nodes.items():
+            _stop(process, max(0.0, deadline - time.monotonic()))
+            self.resolve_gone(name)
         if self.learner is not None:
-            _stop(self.learner.process, STOP_GRACE_S)
+            _stop(self.learner.process, stop_grace_s(self.cfg))
+        if self._ledger is not None:
+            self._ledger.client.close()
+            self._ledger = None
         if not keep_redis:
             self.stop_redis()
         shutil.rmtree(self.tmp, ignore_errors=True)
@@ -229,6 +273,4 @@ def _stop(process: subprocess.Popen, timeout_s: float) -> int | None:
 
 
 def _with(cfg: Config, section: str, **fields) -> Config:
-    import msgspec
-
     return msgspec.structs.replace(cfg, **{section: msgspec.structs.replace(getattr(cfg, section), **fields)})

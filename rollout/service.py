@@ -7,7 +7,14 @@ credits from the ledger bound how many groups are in flight, each trajectory is 
 before it is sent, heartbeats go to the ledger and the learner, and `WeightsReady` / `Stop` from
 the learner are served by one control thread (ZMQ sockets are not thread-safe). On SIGTERM or
 Ctrl-C the node stops taking credits, finishes or abandons its groups, resolves what it never
-sent in the ledger (`preempted`) and says goodbye.
+sent in the ledger (`preempted`) and says goodbye, within `stop_bound_s(cfg)`: past it the node
+exits anyway, and whoever stopped it resolves what it still held (the launcher does).
+
+A node outlives its learner: a learner restarted for the run announces itself in the ledger under
+a new incarnation; the node sees it there (`LedgerHeartbeat`), abandons the groups it generated for
+the old one (resolved as `preempted`), registers with the new one and takes its weights, keeping
+its engine. A learner that does not come back ends the node when a send has waited
+`transport.send_timeout_s`.
 """
 
 from __future__ import annotations
@@ -17,7 +24,6 @@ import json
 import logging
 import os
 import pathlib
-import queue
 import signal
 import socket
 import threading
@@ -26,22 +32,23 @@ import time
 from streamrl.engine.auth import client_keys
 from streamrl.engine.config import Config, ConfigError
 from streamrl.engine.control import ControlClient
-from streamrl.engine.ledger import Ledger
-from streamrl.engine.messages import (
-    Goodbye,
-    Heartbeat,
-    Register,
-    Stop,
-    Trajectory,
-    WeightsApplied,
-    WeightsReady,
-    Welcome,
-)
-from streamrl.engine.transport import TrajectorySender, TransportError
+from streamrl.engine.ledger import Ledger, LedgerUnavailableError
+from streamrl.engine.messages import Goodbye, Register, Stop, Trajectory, Welcome
+from streamrl.engine.transport import SendTimeoutError, TrajectorySender, TransportError
+from streamrl.rollout.control import ControlLoop, LedgerHeartbeat
 
 log = logging.getLogger("streamrl.rollout")
 
-HEARTBEAT_S = 1.0
+STOP_GRACE_S = 30.0  # a stopping node finishes its groups in flight this long, then abandons the rest
+SEND_SLICE_S = 1.0  # a blocked send waits in slices this long, so a stop or a learner's restart ends it
+CLOSE_S = 20.0  # after the groups: the control thread's join (5 s), the goodbye (1 s), the engine's shutdown
+
+
+def stop_bound_s(cfg: Config) -> float:
+    """The longest a node takes from SIGTERM to its exit: the grace for its groups in flight, a blocked
+    send's last slice, resolving the abandoned groups and leaving the ledger (each may retry for
+    `ledger.retry_s` while Redis is away), closing. A node still running then exits at once."""
+    return STOP_GRACE_S + SEND_SLICE_S + 2 * cfg.ledger.retry_s + CLOSE_S
 
 
 class LedgerCredits:
@@ -67,115 +74,38 @@ class LedgerCredits:
 
 
 class LedgerSink:
-    """Marks each trajectory generated in the ledger, then streams it to the learner."""
+    """Marks each trajectory generated in the ledger, then streams it to the learner. A send the learner
+    does not take waits in slices (the sender's timeout is `SEND_SLICE_S`) up to `send_timeout_s`, so
+    `cancel()` (a stop past its grace, a restarted learner) ends it within a slice; a sample not sent
+    then stays `generated`, and leaving the ledger resolves it."""
 
-    def __init__(self, ledger: Ledger, sender: TrajectorySender):
-        self.ledger, self.sender = ledger, sender
+    def __init__(self, ledger: Ledger, sender: TrajectorySender, send_timeout_s: float = 60.0):
+        self.ledger, self.sender, self.send_timeout_s = ledger, sender, send_timeout_s
+        self.cancelled = threading.Event()
+
+    def cancel(self) -> None:
+        self.cancelled.set()
 
     def send(self, traj: Trajectory) -> int:
+        if self.cancelled.is_set():
+            return -1
         if not self.ledger.mark_generated([traj])[0]:
             # Not ours any more (reaped as lost while generating, or resolved already): the learner
             # would refuse it, so it is not sent.
             log.warning("sample %s is no longer this node's in the ledger; not sent", traj.sample_id)
             return -1
-        return self.sender.send(traj)
-
-
-class ControlLoop(threading.Thread):
-    """Heartbeats to the learner out; WeightsReady and Stop in. The control socket is this thread's.
-
-    A `WeightsReady` starts the update on the node's event loop and the thread goes on serving (the
-    engine keeps generating while the version is staged); the `WeightsApplied` is sent from here once
-    the version is live. `first_weights` is set once a version went live (a node joining past version
-    0 waits for it before generating)."""
-
-    def __init__(self, client: ControlClient, node, loop: asyncio.AbstractEventLoop):
-        super().__init__(name="control", daemon=True)
-        self.client, self.node, self.loop = client, node, loop
-        self.stopping = threading.Event()
-        self.first_weights = threading.Event()
-        self.stop_reason = ""
-        self._applied: queue.Queue[WeightsApplied] = queue.Queue()
-
-    def run(self) -> None:
-        last_beat = 0.0
-        while not self.stopping.is_set():
-            if time.monotonic() - last_beat > HEARTBEAT_S:
-                self._beat()
-                last_beat = time.monotonic()
-            self._confirm()
-            msg = self.client.recv(0.02)
-            if isinstance(msg, WeightsReady):
-                self._apply(msg)
-            elif isinstance(msg, Stop):
-                self.stop_reason = msg.reason
-                log.info("the learner asked this node to stop: %s", msg.reason)
-                self.loop.call_soon_threadsafe(self.node.abandon, msg.reason)  # no learner to send to
-                self.first_weights.set()  # nothing more will come; let a waiting start-up end
-                return
-
-    def _beat(self) -> None:
-        clock = getattr(self.node.engine, "clock", None)
-        generate_s, idle_s, swap_s = clock.snapshot() if clock is not None else (0.0, 0.0, 0.0)
-        try:
-            self.client.send(
-                Heartbeat(
-                    node_id=self.node.node_id,
-                    policy_version=self.node.policy_version,
-                    in_flight=len(self.node.in_flight),
-                    tokens_generated=self.node.stats.tokens_sent,
-                    generate_s=generate_s,
-                    idle_s=idle_s,
-                    swap_s=swap_s,
-                ),
-                timeout_s=1.0,
-            )
-        except TransportError as e:
-            log.warning("heartbeat to the learner failed: %s", e)
-
-    def _apply(self, ready: WeightsReady) -> None:
-        future = asyncio.run_coroutine_threadsafe(self.node.apply_weights(ready), self.loop)
-        future.add_done_callback(lambda done: self._applied.put(self._outcome(ready, done)))
-
-    def _outcome(self, ready: WeightsReady, done) -> WeightsApplied:
-        error, seconds = "", 0.0
-        try:
-            seconds = done.result()
-        except Exception as e:  # noqa: BLE001 - reported to the learner, which evicts the node
-            error = f"{type(e).__name__}: {e}"
-            log.error("weights version %d failed: %s", ready.version, error)
-        return WeightsApplied(node_id=self.node.node_id, version=ready.version, seconds=seconds, error=error)
-
-    def _confirm(self) -> None:
-        while True:
+        deadline = time.monotonic() + self.send_timeout_s
+        while not self.cancelled.is_set():
             try:
-                applied = self._applied.get_nowait()
-            except queue.Empty:
-                return
-            try:
-                self.client.send(applied)
-            except TransportError as e:  # the learner times the version out and evicts; keep serving
-                log.warning("could not confirm weights version %d: %s", applied.version, e)
-            if not applied.error:
-                self.first_weights.set()
-
-
-class LedgerHeartbeat(threading.Thread):
-    """Keeps the node alive in the ledger, apart from the control thread (which may be busy applying
-    weights for longer than a heartbeat period)."""
-
-    def __init__(self, ledger: Ledger, node_id: str):
-        super().__init__(name="ledger-heartbeat", daemon=True)
-        self.ledger, self.node_id = ledger, node_id
-        self.period_s = ledger.config.heartbeat_ttl_s / 4
-        self.stopping = threading.Event()
-
-    def run(self) -> None:
-        while not self.stopping.wait(self.period_s):
-            try:
-                self.ledger.heartbeat(self.node_id)
-            except Exception as e:  # noqa: BLE001 - a missed beat is logged; the ledger's TTL judges
-                log.warning("ledger heartbeat failed: %s", e)
+                return self.sender.send(traj)
+            except SendTimeoutError:
+                if time.monotonic() >= deadline:
+                    raise TransportError(
+                        f"node {self.sender.node_id}: trajectory {traj.sample_id} not accepted by the learner at "
+                        f"{self.sender.addr} within transport.send_timeout_s = {self.send_timeout_s:g}: the learner "
+                        "is gone or stopped reading (raise transport.send_timeout_s if it is only slow)"
+                    ) from None
+        return -1
 
 
 def resolve_learner(learner: str, cfg: Config) -> str:
@@ -236,10 +166,52 @@ class _Inputs:
         self.scorer = build_scorer(cfg.reward, answer_column=cfg.data.answer_column)
 
 
+class _StopSignal:
+    """SIGTERM / Ctrl-C, for whichever learner's session runs: no new group, the groups in flight get
+    `STOP_GRACE_S`, then a blocked send is cancelled; at `stop_bound_s(cfg)` the process exits whatever
+    still blocks it (its samples are resolved by whoever stopped it, or by the learner's reaper)."""
+
+    def __init__(self, cfg: Config, node_id: str):
+        self.cfg, self.node_id = cfg, node_id
+        self.name = ""
+        self.node = self.control = self.sink = None
+
+    def attach(self, node, control: ControlLoop, sink: LedgerSink) -> None:
+        self.node, self.control, self.sink = node, control, sink
+
+    def __call__(self, name: str) -> None:  # also before generation starts (node.stop alone would be lost then)
+        first = not self.name
+        self.name = name
+        if self.node is not None:
+            self.node.stop(name)
+            self.control.first_weights.set()
+        if first:
+            _later(STOP_GRACE_S, lambda: self.sink is not None and self.sink.cancel())
+            _later(stop_bound_s(self.cfg), self._exit)
+
+    def _exit(self) -> None:
+        log.error(
+            "node %s did not stop within %.0f s of %s (stop_bound_s: grace %g s + 2 x ledger.retry_s + %g s): "
+            "exiting now",
+            self.node_id,
+            stop_bound_s(self.cfg),
+            self.name,
+            STOP_GRACE_S,
+            CLOSE_S,
+        )
+        logging.shutdown()
+        os._exit(1)
+
+
+def _later(seconds: float, fn) -> None:
+    timer = threading.Timer(seconds, fn)
+    timer.daemon = True
+    timer.start()
+
+
 async def serve(cfg: Config, learner_addr: str, node_id: str, max_groups: int | None = None) -> int:
-    from streamrl.engine.redis_server import connect
+    """Build the engine once, then serve the run's learner, and the next one when it is restarted."""
     from streamrl.rollout.backends import build_engine, resolve_device
-    from streamrl.rollout.node import RolloutNode
 
     inputs = _Inputs(cfg, node_id)
     try:
@@ -253,6 +225,39 @@ async def serve(cfg: Config, learner_addr: str, node_id: str, max_groups: int | 
     except BaseException:
         inputs.scorer.close()
         raise
+    signalled = _StopSignal(cfg, node_id)
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, signalled, signal.Signals(sig).name)
+    prompts = iter(inputs.source)  # one prompt stream across the learners this node serves
+    try:
+        while learner_addr and not signalled.name:
+            learner_addr = await _session(cfg, learner_addr, node_id, engine, device, inputs, prompts, signalled,
+                                          max_groups)  # fmt: skip
+            if learner_addr:
+                check_reachable(learner_addr, cfg.transport.send_timeout_s)
+    finally:
+        await engine.close()
+        inputs.scorer.close()
+    source = inputs.source
+    log.info(
+        "node %s done; prompts skipped: %d overlong, %d malformed",
+        node_id,
+        getattr(source, "skipped_overlong", 0),
+        getattr(source, "skipped_malformed", 0),
+    )
+    return 0
+
+
+async def _session(
+    cfg: Config, learner_addr: str, node_id: str, engine, device: str, inputs: _Inputs, prompts, signalled: _StopSignal,
+    max_groups: int | None,
+) -> str:  # fmt: skip
+    """One learner's service: register, take its weights, generate until stopped. The next learner's
+    control address when another learner took the run over meanwhile, else ''."""
+    from streamrl.engine.redis_server import connect
+    from streamrl.rollout.node import RolloutNode
+
     t = cfg.transport
     keys = client_keys(cfg)  # CURVE: this node's key pair and the learner's public key (None without)
     client = ControlClient(learner_addr, node_id, t.recv_timeout_s, max_frame_mb=t.max_frame_mb,
@@ -263,29 +268,29 @@ async def serve(cfg: Config, learner_addr: str, node_id: str, max_groups: int | 
         log.info("phase: registered as %s at policy version %d", node_id, welcome.policy_version)
         ledger = Ledger(connect(welcome.redis_url, cfg.ledger.connect_retries), welcome.run_name, cfg.ledger)
         ledger.heartbeat(node_id)
-        beat = LedgerHeartbeat(ledger, node_id)
+        beat = LedgerHeartbeat(ledger, node_id, ledger.learner().get("incarnation", ""))
         beat.start()
         try:
             with TrajectorySender(
                 welcome.trajectory_addr,
                 node_id,
                 t.hwm,
-                t.send_timeout_s,
+                SEND_SLICE_S,
                 max_frame_mb=t.max_frame_mb,
                 keys=keys,
-                secret=welcome.secret,
+                secret=welcome.secret,  # this learner's secret for this node: a new one per registration
             ) as tx:
-                sink = LedgerSink(ledger, tx)
+                sink = LedgerSink(ledger, tx, t.send_timeout_s)
                 credits = LedgerCredits(ledger, node_id, version_of=lambda: engine.policy_version)
-                node = RolloutNode(
-                    cfg, node_id, engine, inputs.source, inputs.scorer, sink, inputs.tokenizer, credits=credits
-                )
-                return await _generate(cfg, client, ledger, node, welcome, beat, max_groups)
+                scorer, tokenizer = inputs.scorer, inputs.tokenizer
+                node = RolloutNode(cfg, node_id, engine, prompts, scorer, sink, tokenizer, credits=credits)
+                control = ControlLoop(client, node, asyncio.get_running_loop(), beat, sink)
+                signalled.attach(node, control, sink)
+                await _generate(cfg, client, ledger, node, welcome, control, signalled, max_groups)
+                return control.moved_to
         finally:
             beat.stopping.set()
     finally:
-        await engine.close()
-        inputs.scorer.close()
         client.close()
 
 
@@ -295,21 +300,12 @@ async def _generate(
     ledger: Ledger,
     node,
     welcome: Welcome,
-    beat: LedgerHeartbeat,
+    control: ControlLoop,
+    signalled: _StopSignal,
     max_groups: int | None = None,
-) -> int:
-    loop = asyncio.get_running_loop()
-    control = ControlLoop(client, node, loop)
-    signalled: list[str] = []
-
-    def on_signal(name: str) -> None:  # also before generation starts (node.stop alone would be lost then)
-        signalled.append(name)
-        node.stop(name)
-        control.first_weights.set()
-
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, on_signal, signal.Signals(sig).name)
+) -> None:
     control.start()
+    ledger_lost = False
     try:
         if welcome.policy_version > 0:  # joining mid-run: the current weights before any generation
             timeout_s = cfg.weights.timeout_s * 3
@@ -318,32 +314,33 @@ async def _generate(
                     f"no weights (version {welcome.policy_version}) from the learner within {timeout_s:g} s of joining"
                 )
         log.info("phase: generating")
-        stats = node.stats if control.stop_reason or signalled else await node.run(max_groups)
+        stats = node.stats if control.stop_reason or signalled.name else await node.run(max_groups, STOP_GRACE_S)
+    except LedgerUnavailableError:
+        ledger_lost = True  # leaving would wait `ledger.retry_s` again; the reaper or the launcher resolves
+        raise
     finally:
         control.stopping.set()
+        control.sink.cancel()
         await asyncio.to_thread(control.join, 5.0)
-        beat.stopping.set()  # no beat after leaving, or the node would be reaped again later
-        left = ledger.leave(node.node_id, "preempted")
-        if not control.is_alive():  # the socket is the control thread's while it lives
+        control.watch.stopping.set()  # no beat after leaving, or the node would be reaped again later
+        left = 0 if ledger_lost else ledger.leave(node.node_id, "preempted")
+        if not control.is_alive() and not control.moved_to:  # the socket is the control thread's while it lives
             try:
                 client.send(Goodbye(node_id=node.node_id, reason=control.stop_reason or "stopped"), timeout_s=1.0)
             except TransportError:
                 pass  # the learner is gone already
-    source = node.source
     log.info(
-        "node %s done: %d groups sent, %d samples resolved on leaving; prompts skipped: %d overlong, %d malformed",
+        "node %s done with the learner at %s: %d groups sent, %d samples resolved on leaving",
         node.node_id,
+        client.addr,
         stats.groups_sent,
         left,
-        getattr(source, "skipped_overlong", 0),
-        getattr(source, "skipped_malformed", 0),
     )
-    return 0
 
 
 def main(cfg: Config, learner: str = "", node_id: str | None = None, max_groups: int | None = None) -> int:
     """Run one registered rollout node; the process exit status: 0 done, 1 the learner unreachable or
-    gone, 2 bad input (config, model, data, rewards)."""
+    gone (or the ledger's Redis past `ledger.retry_s`), 2 bad input (config, model, data, rewards)."""
     from streamrl.engine.models import ModelLoadError
     from streamrl.engine.telemetry import setup_logging
     from streamrl.rewards import RewardSpecError
@@ -353,7 +350,7 @@ def main(cfg: Config, learner: str = "", node_id: str | None = None, max_groups:
     setup_logging(cfg.run.path, f"rollout-{node_id}", console=True, level=cfg.telemetry.log_level)
     try:
         return asyncio.run(serve(cfg, resolve_learner(learner, cfg), node_id, max_groups))
-    except TransportError as e:
+    except (TransportError, LedgerUnavailableError) as e:
         log.error("%s", e)
         return 1
     except (ConfigError, ModelLoadError, PromptSourceError, RewardSpecError, ValueError) as e:

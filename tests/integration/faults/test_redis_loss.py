@@ -1,0 +1,104 @@
+"""The ledger's Redis killed with `kill -9` mid-run, twice (and the reaper across a restart).
+
+1. Back within `ledger.retry_s` (restarted on its port from its append-only file): the learner and
+   the nodes wait for it and carry on; the stall is the outage plus a step.
+2. Gone for longer: the learner stops with exit 4 and an error naming the server, the nodes exit with
+   an error too, and the ledger is intact: once Redis is back, every record agrees with the counters.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from streamrl.engine.config import LedgerConfig
+from streamrl.engine.ledger import Ledger
+from streamrl.engine.redis_server import RedisServer, connect
+
+pytestmark = [pytest.mark.faults]
+
+RETRY_S = 12.0
+OUTAGE_S = 4.0
+
+
+def test_a_restarted_redis_pauses_the_reaper_for_one_ttl(tmp_path, fault_tools):
+    """Heartbeats that expired while the server was down are no news of the nodes: none is reaped
+    until it had one TTL to beat again; a node that does not beat then is."""
+    ttl = 1.0
+    with RedisServer(tmp_path / "redis") as server:
+        ledger = Ledger(connect(server.url), "r", LedgerConfig(heartbeat_ttl_s=ttl, retry_s=10.0))
+        ledger.init_run(groups_per_step=1)
+        for node in ("beats", "silent"):
+            ledger.heartbeat(node)
+            ledger.take_credit(node, f"g-{node}", 2)
+        assert ledger.reap_lost_nodes() == {}  # the reaper meets this server
+        fault_tools.kill(server.pid)
+        server.process.wait(timeout=10)
+        time.sleep(ttl + 0.5)  # both heartbeats expire while the server is down
+        server.start()
+        assert ledger.alive_nodes() == []
+        paused = ledger.reap_lost_nodes()  # a restart seen: nobody is judged on the outage
+        ledger.heartbeat("beats")
+        time.sleep(ttl / 2)
+        still_paused = ledger.reap_lost_nodes()
+        ledger.heartbeat("beats")
+        time.sleep(ttl / 2 + 0.1)
+        after = ledger.reap_lost_nodes()
+        fault_tools.figure("reaper_after_redis_restart", paused=paused, still_paused=still_paused, after=after)
+        assert paused == {} and still_paused == {}
+        assert after == {"silent": 2}
+        ledger.drop(["g-beats:0", "g-beats:1"], "preempted")
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_redis_killed_mid_run_back_within_the_bound_then_gone_for_good(fault_run, fault_tools):
+    run = fault_run(["run.steps=100000", f"ledger.retry_s={RETRY_S}"])
+    launcher = run.launcher
+    launcher.start(nodes=2)
+    run.wait_steps(3)
+    pace = run.step_gap(run.records())
+    server = launcher.redis
+
+    killed = time.time()
+    fault_tools.kill(server.pid)
+    server.process.wait(timeout=10)
+    time.sleep(OUTAGE_S)
+    server.start()  # same port and folder: the ledger is read back from the append-only file
+    run.wait_steps(3)
+    stall = run.stall(killed, time.time())
+    alive = [launcher.learner.alive] + [c.alive for c in launcher.nodes.values()]
+    counts_back = run.ledger.counts()
+    assert all(alive), alive
+    assert counts_back.balance_errors() == []
+    assert stall < OUTAGE_S + 3 * pace + 5.0, (stall, pace)
+
+    gone = time.time()
+    fault_tools.kill(server.pid)
+    server.process.wait(timeout=10)
+    code = launcher.learner.process.wait(timeout=RETRY_S * 3 + 30)
+    learner_exit_s = time.time() - gone
+    node_codes = [c.process.wait(timeout=RETRY_S * 4 + 60) for c in launcher.nodes.values()]
+    log = run.learner_log()
+    server.start()
+    books = run.ledger.check(deep=True)
+    counts = run.ledger.counts()
+    fault_tools.figure(
+        "redis_kill9",
+        pace_s=round(pace, 2),
+        outage_s=OUTAGE_S,
+        stall_s=round(stall, 1),
+        learner_exit_s=round(learner_exit_s, 1),
+        learner_code=code,
+        node_codes=node_codes,
+        samples=counts.total,
+        in_flight_at_stop=counts.in_flight,
+        lost=0 if not books else books,
+    )
+    assert code == 4, launcher.learner.log_tail(30)
+    assert f"Redis at redis://127.0.0.1:{server.port}" in log and "did not answer" in log
+    assert learner_exit_s < RETRY_S * 2 + 15
+    assert all(c == 1 for c in node_codes), node_codes
+    assert books == [], books  # intact: every record agrees with the counters (in flight is allowed: unfinished)
+    assert run.ledger.finished() is None

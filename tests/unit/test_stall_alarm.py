@@ -1,0 +1,66 @@
+"""`StallAlarm`: the time since a sample was last trained, and what became of the samples meanwhile."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import pytest
+
+from streamrl.engine.ledger import Counts
+from streamrl.learner.intake import LearnerStalledError, StallAlarm
+
+
+class _Books:
+    def __init__(self):
+        self.counts = Counts(total=10, trained=8, dropped=2, dropped_by_reason={"stale": 2})
+
+    def __call__(self) -> Counts:
+        return self.counts
+
+
+def test_the_alarm_names_the_drops_since_the_last_trained_step_and_stops_past_its_bound(caplog):
+    books = _Books()
+    alarm = StallAlarm(warn_s=0.05, stop_s=0.3, counts=books)
+    # since the baseline: 30 - 10 = 20 admitted; reward_error 15 new, stale 2 -> 4 is 2 new; 3 received
+    books.counts = Counts(total=30, trained=8, dropped=19, received=3,
+                          dropped_by_reason={"stale": 4, "reward_error": 15})  # fmt: skip
+    alarm.check(lambda: "hint")
+    assert not caplog.records  # not yet quiet for warn_s
+    time.sleep(0.06)
+    with caplog.at_level(logging.WARNING, logger="streamrl.learner"):
+        alarm.check(lambda: "2 nodes registered")
+        alarm.check(lambda: "2 nodes registered")  # once per warn_s, not per call
+    assert len(caplog.records) == 1
+    assert "since the learner started 20 samples admitted, 17 dropped (reward_error 15, stale 2), 3 received" in (
+        caplog.text
+    )
+    time.sleep(0.25)
+    stopped = r"stall_stop_s = 0.3\): since the learner started .*\(reward_error 15"
+    with pytest.raises(LearnerStalledError, match=stopped):
+        alarm.check(lambda: "hint")
+
+
+def test_a_trained_step_resets_the_clock_and_the_baseline():
+    books = _Books()
+    alarm = StallAlarm(warn_s=0.05, stop_s=0.1, counts=books)
+    time.sleep(0.08)
+    books.counts = Counts(total=14, trained=12, dropped=2, dropped_by_reason={"stale": 2})
+    alarm.trained()
+    time.sleep(0.08)
+    alarm.check(lambda: "")  # 0.08 s since the trained step: under stop_s
+    assert alarm.why() == "since the last trained step no sample was admitted or dropped (no node generates)"
+
+
+def test_stop_zero_never_stops():
+    alarm = StallAlarm(warn_s=0.01, stop_s=0.0, counts=_Books())
+    time.sleep(0.03)
+    alarm.check(lambda: "")
+
+
+def test_a_stop_bound_below_the_warning_is_refused_naming_both_fields():
+    from streamrl.engine.config import ConfigError, build
+
+    with pytest.raises(ConfigError, match=r"learner.stall_stop_s = 50 is below learner.stall_warn_s = 100"):
+        build({}, ["learner.stall_warn_s=100", "learner.stall_stop_s=50"])
+    assert build({}, ["learner.stall_warn_s=100", "learner.stall_stop_s=0"]).learner.stall_stop_s == 0
