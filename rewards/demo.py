@@ -9,27 +9,10 @@ from __future__ import annotations
 
 import random
 
-DEMO_WORDS = (
-    "alpha",
-    "beta",
-    "gamma",
-    "delta",
-    "red",
-    "green",
-    "blue",
-    "cat",
-    "dog",
-    "sun",
-    "moon",
-    "star",
-    "one",
-    "two",
-    "three",
-    "four",
-    "five",
-    "yes",
-    "no",
-)
+from streamrl.engine.models import WORDS
+
+# the tiny model's own words (its tokenizer was trained on them), without the filler ones
+DEMO_WORDS = WORDS[: WORDS.index("the")]
 
 
 def demo_rows(n: int, seed: int = 0) -> list[dict]:

@@ -6,14 +6,11 @@ again in every pool worker, which receives only the spec strings and the `Reward
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import inspect
-import pathlib
-import sys
 from collections.abc import Callable, Iterable
 
 from streamrl.engine.config import RewardConfig
+from streamrl.engine.user_code import UserCodeError, load_named
 
 from . import builtin, demo
 from .call import CALL_KEYWORDS
@@ -42,34 +39,6 @@ class RewardSpecError(ValueError):
     """A reward spec that does not name a callable; the message says which spec and why."""
 
 
-def _load_file(path: str, spec: str):
-    file = pathlib.Path(path).expanduser().resolve()
-    if not file.is_file():
-        raise RewardSpecError(f"reward {spec!r}: file {file} does not exist")
-    name = f"streamrl_user_reward_{abs(hash(str(file)))}"
-    if name in sys.modules:
-        return sys.modules[name]
-    module_spec = importlib.util.spec_from_file_location(name, file)
-    module = importlib.util.module_from_spec(module_spec)
-    sys.modules[name] = module
-    try:
-        module_spec.loader.exec_module(module)
-    except Exception as e:
-        del sys.modules[name]
-        raise RewardSpecError(f"reward {spec!r}: importing {file} failed: {type(e).__name__}: {e}") from e
-    return module
-
-
-def _load_module(name: str, spec: str):
-    try:
-        return importlib.import_module(name)
-    except ImportError as e:
-        raise RewardSpecError(
-            f"reward {spec!r}: cannot import module {name!r} ({e}); use a registry name "
-            f"({', '.join(BUILTINS)}), `module:function` or `path.py:function`"
-        ) from e
-
-
 def resolve(spec: str, cfg: RewardConfig) -> RewardFn:
     """The reward callable that `spec` names; raises `RewardSpecError` naming the spec."""
     if spec in BUILTINS:
@@ -77,16 +46,12 @@ def resolve(spec: str, cfg: RewardConfig) -> RewardFn:
             return BUILTINS[spec](cfg)
         except ValueError as e:
             raise RewardSpecError(f"reward {spec!r}: {e}") from None
-    location, sep, attr = spec.rpartition(":")
-    if not sep or not location or not attr:
-        raise RewardSpecError(
-            f"reward {spec!r} is not a registry name ({', '.join(BUILTINS)}, {REWARD_MODEL}) "
-            "nor of the form `module:function` or `path.py:function`"
-        )
-    module = _load_file(location, spec) if location.endswith(".py") else _load_module(location, spec)
-    fn = getattr(module, attr, None)
-    if fn is None or not callable(fn):
-        raise RewardSpecError(f"reward {spec!r}: {location} has no callable named {attr!r}")
+    names = f"a registry name ({', '.join(BUILTINS)}, {REWARD_MODEL})"
+    try:
+        fn = load_named(spec, "reward", forms=f"{names} nor of the form `module:function` or `path.py:function`")
+    except UserCodeError as e:
+        hint = f"; use {names}, `module:function` or `path.py:function`" if "cannot import" in str(e) else ""
+        raise RewardSpecError(str(e).replace(" is not of the form", " is not") + hint) from e.__cause__
     check_signature(fn, spec)
     return fn
 

@@ -23,13 +23,11 @@ Names, like reward functions: a registered name (`BUILTINS`), `module:Class` or 
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import math
-import pathlib
-import sys
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
+
+from streamrl.engine.user_code import UserCodeError, load_named
 
 Message = dict[str, str]
 Observation = str | list[Message] | None
@@ -62,43 +60,11 @@ class EpisodeFailure(Exception):
 
 def load_object(spec: str, field: str, builtins: dict[str, str]) -> Any:
     """The object `spec` names: a key of `builtins`, `module:name` or `path.py:name` (as reward.functions)."""
-    target = builtins.get(spec, spec)
-    location, sep, attr = target.rpartition(":")
-    if not sep or not location or not attr:
-        raise SpecError(
-            f"{field} = {spec!r} is not a registered name ({', '.join(builtins) or 'none'}) "
-            "nor of the form `module:name` or `path.py:name`"
-        )
-    module = _load_file(location, spec, field) if location.endswith(".py") else _load_module(location, spec, field)
-    obj = getattr(module, attr, None)
-    if obj is None or not callable(obj):
-        raise SpecError(f"{field} = {spec!r}: {location} has no callable named {attr!r}")
-    return obj
-
-
-def _load_file(path: str, spec: str, field: str):
-    file = pathlib.Path(path).expanduser().resolve()
-    if not file.is_file():
-        raise SpecError(f"{field} = {spec!r}: file {file} does not exist")
-    name = f"streamrl_user_{file.stem}_{abs(hash(str(file)))}"
-    if name in sys.modules:
-        return sys.modules[name]
-    module_spec = importlib.util.spec_from_file_location(name, file)
-    module = importlib.util.module_from_spec(module_spec)
-    sys.modules[name] = module
+    forms = f"a registered name ({', '.join(builtins) or 'none'}) nor of the form `module:name` or `path.py:name`"
     try:
-        module_spec.loader.exec_module(module)
-    except Exception as e:
-        del sys.modules[name]
-        raise SpecError(f"{field} = {spec!r}: importing {file} failed: {type(e).__name__}: {e}") from e
-    return module
-
-
-def _load_module(name: str, spec: str, field: str):
-    try:
-        return importlib.import_module(name)
-    except ImportError as e:
-        raise SpecError(f"{field} = {spec!r}: cannot import module {name!r} ({e})") from e
+        return load_named(builtins.get(spec, spec), f"{field} =", forms=forms)
+    except UserCodeError as e:
+        raise SpecError(str(e).replace(" is not of the form", " is not")) from e.__cause__
 
 
 def load_environment(spec: str) -> Callable[..., Environment]:
