@@ -27,6 +27,7 @@ log = logging.getLogger("streamrl.learner")
 
 WAITING_WARN_S = 30.0
 GROUP_PATIENCE_S = 30.0  # a group missing members this long is used with the members it has
+ARRIVAL_GRACE_S = 2.0  # a group whose first members came this recently is still arriving
 
 
 class LearnerStalledError(RuntimeError):
@@ -90,8 +91,16 @@ class _Group:
 class Intake:
     """Receives, admits and assembles groups; `collect` hands out whole groups of fresh samples."""
 
-    def __init__(self, receiver: TrajectoryReceiver, ledger: Ledger, max_staleness: int, alarm: StallAlarm):
+    def __init__(
+        self,
+        receiver: TrajectoryReceiver,
+        ledger: Ledger,
+        max_staleness: int,
+        alarm: StallAlarm,
+        order_patience_s: float = GROUP_PATIENCE_S,
+    ):
         self.receiver, self.ledger, self.max_staleness, self.alarm = receiver, ledger, max_staleness, alarm
+        self.order_patience_s = order_patience_s
         self.groups: dict[str, _Group] = {}
         self.counters = collections.Counter()
         self._order_wait_since: float | None = None
@@ -167,26 +176,33 @@ class Intake:
         chosen = self._in_admission_order(usable, n_groups, now)
         return None if chosen is None else [self.groups.pop(g).fresh for g in chosen]
 
+    @staticmethod
+    def _arriving(group: _Group, now: float) -> bool:
+        """Members still coming: a node sends a group's samples one after another."""
+        return not group.complete and now - group.first_seen < ARRIVAL_GRACE_S
+
     def _in_admission_order(self, usable: list[str], n_groups: int, now: float) -> list[str] | None:
-        """The step's groups: the `n_groups` admitted first, once all of them are here (None: wait).
+        """The step's groups, oldest admitted first (None: wait for them).
 
         Admission counted on that order (a group waits as many steps as there were groups before it), so a
         newer group that finished sooner must not take an older one's place: the older one would miss its
-        step and go stale. A wait on the oldest is bounded by GROUP_PATIENCE_S (a lost node's groups are
-        resolved by then); past it, or for groups the ledger no longer lists, the oldest weights go first.
-        """
+        step and go stale. The learner waits for an oldest group of which nothing has arrived yet (it is
+        being generated, or its members are arriving), at most `order_patience_s` (a node that died holding
+        it is reaped by then); a group partly here for longer is not waited for (its node died mid-send:
+        the group patience covers it). What is ready among the oldest goes first, then the oldest weights."""
         oldest = self.ledger.oldest_open_groups(n_groups)
         ready = set(usable)
-        if len(oldest) == n_groups and all(g in ready for g in oldest):
-            self._order_wait_since = None
-            return oldest
-        if self._order_wait_since is None:
-            self._order_wait_since = now
-        if len(oldest) == n_groups and now - self._order_wait_since < GROUP_PATIENCE_S:
-            return None
+        in_flight = [g for g in oldest if g not in self.groups or self._arriving(self.groups[g], now)]
+        if in_flight:
+            if self._order_wait_since is None:
+                self._order_wait_since = now
+            if now - self._order_wait_since < self.order_patience_s:
+                return None
         self._order_wait_since = None
-        usable.sort(key=lambda g: (min(t.min_version for t in self.groups[g].fresh), self.groups[g].first_seen))
-        return usable[:n_groups]
+        first = [g for g in oldest if g in ready]
+        rest = sorted(ready - set(first), key=lambda g: (min(t.min_version for t in self.groups[g].fresh),
+                                                       self.groups[g].first_seen))  # fmt: skip
+        return (first + rest)[:n_groups]
 
     def _fresh_members(self, group: _Group, version: int) -> list[Trajectory]:
         """Drop members that went stale while they waited here (staleness is judged at consumption)."""

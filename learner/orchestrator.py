@@ -86,7 +86,9 @@ class Orchestrator:
                 bind_address(t.host, t.trajectory_port), hwm=t.hwm, identities=self.registry.identity, **caps
             )
             alarm = StallAlarm(cfg.learner.stall_warn_s, cfg.learner.stall_stop_s, self.ledger.counts)
-            self.intake = Intake(receiver, self.ledger, cfg.ledger.max_staleness, alarm)
+            # the wait for the oldest admitted groups: a node that died holding one is reaped within a TTL
+            patience = min(cfg.ledger.heartbeat_ttl_s * 1.5, 30.0)
+            self.intake = Intake(receiver, self.ledger, cfg.ledger.max_staleness, alarm, order_patience_s=patience)
             self.publisher = Publisher(cfg, self.registry, device)
             self.sink = MetricsSink(cfg.run.path, cfg.telemetry)
         except BaseException:
@@ -100,12 +102,12 @@ class Orchestrator:
         self.ledger.announce_learner(self.incarnation, self.registry.addr, self.intake.addr)
         self.registry.start()
         self._write_address_file(cfg.run.path)
-        log.info(
-            "learner up (incarnation %s): control %s, trajectories %s, ledger %s",
-            self.incarnation,
+        log.info(  # `learner up:` is what the live view reads (ops/phases.py)
+            "learner up: control %s, trajectories %s, ledger %s (incarnation %s)",
             self.registry.addr,
             self.intake.addr,
             self.redis_url.split("@")[-1],
+            self.incarnation,
         )
 
     def steps_left(self, next_step: int) -> int:

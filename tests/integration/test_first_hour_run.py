@@ -78,7 +78,8 @@ def _in_order(frames: list[str], row: str) -> list[str]:
 
 
 def test_the_live_view_names_each_phase_then_shows_the_steps(tmp_path):
-    code, frames, end = _run(_config(tmp_path, "phases", 2), nodes=1)
+    # enough steps that the 2 Hz view sees the run training (2 steps could pass between two frames)
+    code, frames, end = _run(_config(tmp_path, "phases", 8), nodes=1)
     assert code == 0, end
     phases = _in_order(frames, "phase")
     assert phases == [
@@ -95,7 +96,7 @@ def test_the_live_view_names_each_phase_then_shows_the_steps(tmp_path):
     assert node[:2] == ["starting", "loading the engine"] and node[-2:] == ["generating", "stopped"], node
     assert _in_order(frames, "learner")[:2] == ["loading the model", "up"]
     assert _cells(end, "learner") == "finished" and _cells(end, "node-0") == "stopped"
-    assert "streamrl — step 2/2" in end and "books balance" in end
+    assert "streamrl — step 8/8" in end and "books balance" in end
 
 
 def test_a_node_that_dies_at_start_is_shown_dead_with_its_error(tmp_path):

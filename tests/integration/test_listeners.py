@@ -87,7 +87,8 @@ def _wait_for_step(run_dir: pathlib.Path, step: int, process: subprocess.Popen, 
 
 
 def test_a_run_listens_on_loopback_only_and_logs_no_credential(tmp_path):
-    command = [sys.executable, "-m", "streamrl", "run", "--rollout-nodes", "1", "--steps", "2", "--device", "cpu"]
+    # steps enough that the learner is still training when its sockets are read after step 1
+    command = [sys.executable, "-m", "streamrl", "run", "--rollout-nodes", "1", "--steps", "8", "--device", "cpu"]
     command += ["--set", f"run.dir='{tmp_path}'", "--set", "run.name='listeners'"]
     command += ["--set", "telemetry.tensorboard=false"]
     run_dir = tmp_path / "listeners"

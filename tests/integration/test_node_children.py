@@ -62,6 +62,7 @@ max_model_len = 128
 [data]
 path = "{folder / "prompts.jsonl"}"
 loop = true
+max_prompt_tokens = 32
 [rollout]
 group_size = 2
 max_tokens = 8

@@ -9,7 +9,7 @@ import pytest
 
 from streamrl.engine.config import Config, DataConfig, RolloutConfig
 from streamrl.engine.messages import Trajectory, WeightsReady
-from streamrl.rollout.engine import Completion, GenerationEngine
+from streamrl.rollout.engine import Completion, EngineClock, GenerationEngine
 from streamrl.rollout.node import RolloutNode
 from streamrl.rollout.sources import Prompt
 
@@ -25,6 +25,7 @@ class FakeEngine:
     def __init__(self, tokens: int = 3, step_s: float = 0.0, fail_on: int | None = None):
         self.policy_version, self.tokens, self.step_s, self.fail_on = 0, tokens, step_s, fail_on
         self.calls = 0
+        self.clock = EngineClock()
 
     async def generate(self, prompt_ids: list[int], n: int, max_tokens: int) -> list[Completion]:
         self.calls += 1
@@ -41,6 +42,9 @@ class FakeEngine:
 
     async def update_weights(self, ready: WeightsReady) -> float:
         self.policy_version = ready.version
+        return 0.0
+
+    async def warm_up(self) -> float:
         return 0.0
 
     async def close(self) -> None:
