@@ -32,7 +32,7 @@ import time
 from streamrl.engine.auth import client_keys
 from streamrl.engine.config import Config, ConfigError
 from streamrl.engine.control import ControlClient
-from streamrl.engine.ledger import Ledger, LedgerUnavailableError
+from streamrl.engine.ledger import Ledger, LedgerError, LedgerUnavailableError
 from streamrl.engine.messages import Goodbye, Register, Stop, Trajectory, Welcome
 from streamrl.engine.transport import SendTimeoutError, TrajectorySender, TransportError
 from streamrl.rollout.control import ControlLoop, LedgerHeartbeat
@@ -61,7 +61,16 @@ class LedgerCredits:
 
     async def acquire(self, group_id: str, sample_ids: list[str]) -> bool:
         n, version = len(sample_ids), self.version_of()
-        taken = await asyncio.to_thread(self.ledger.take_credit, self.node_id, group_id, n, node_version=version)
+        try:
+            taken = await asyncio.to_thread(self.ledger.take_credit, self.node_id, group_id, n, node_version=version)
+        except LedgerError as e:
+            if "NODE_NOT_ALIVE" not in str(e):
+                raise
+            # A Redis restarted from its append-only file forgets a heartbeat that expired while it was
+            # down; the heartbeat thread beats again within a quarter TTL. Beat now and ask once more.
+            log.info("the ledger lost this node's heartbeat (a restarted Redis?); beating again")
+            await asyncio.to_thread(self.ledger.heartbeat, self.node_id)
+            taken = await asyncio.to_thread(self.ledger.take_credit, self.node_id, group_id, n, node_version=version)
         return taken is not None
 
     async def release(self, group_id: str, sample_ids: list[str], reason: str) -> None:

@@ -45,3 +45,17 @@ def test_credits_admit_and_a_sample_no_longer_ours_is_not_sent(redis_url, ledger
     assert sink.send(_traj(ids[1], "n0-abc123-g0")) == -1
     assert sender.sent == [ids[0]]
     ledger.drop([ids[0]], "preempted")  # close the books for the fixture's balance check
+
+
+def test_credits_beat_again_when_a_restarted_redis_forgot_the_heartbeat(redis_url, ledger_run):
+    """A Redis back from its append-only file has no heartbeat that expired while it was down: the
+    node's next admission beats again instead of failing (it stopped the node before)."""
+    ledger = Ledger(connect(redis_url), ledger_run)
+    ledger.init_run(groups_per_step=1)
+    ledger.heartbeat("n0")
+    ledger.client.delete(ledger.prefix + "alive:n0")  # what the restart leaves
+    assert ledger.alive_nodes() == []
+    ids = sample_ids("n0-abc123-g1", 2)
+    assert asyncio.run(LedgerCredits(ledger, "n0").acquire("n0-abc123-g1", ids))
+    assert ledger.alive_nodes() == ["n0"]
+    ledger.drop(ids, "preempted")
