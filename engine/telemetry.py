@@ -91,6 +91,11 @@ class MetricsSink:
             self._prometheus.close()
         if self._wandb is not None:
             self._wandb.finish()
+            # finish() can return before wandb's service has written the run's records; the teardown
+            # waits for it, so what a run logged is on disk when the sink is closed
+            import wandb
+
+            wandb.teardown()
 
 
 def _tensorboard_writer(folder: pathlib.Path):
