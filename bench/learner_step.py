@@ -36,14 +36,11 @@ PEAK_FLOPS = 989e12
 def qwen2_05b_config(**overrides):
     from transformers import Qwen2Config
 
+    from streamrl.engine.models import SHAPES
+
     fields = dict(
         vocab_size=151936,
-        hidden_size=896,
-        intermediate_size=4864,
-        num_hidden_layers=24,
-        num_attention_heads=14,
-        num_key_value_heads=2,
-        head_dim=64,
+        **SHAPES["0.5b"],  # the layers; the vocabulary and the rest are Qwen2-0.5B's own
         max_position_embeddings=32768,
         rope_theta=1e6,
         tie_word_embeddings=True,

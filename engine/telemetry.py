@@ -4,7 +4,8 @@
   `console` is true (learner rank 0, or a rollout node started by hand).
 - `MetricsSink`: one JSON object per learner step in `RUN/metrics.jsonl`; and, as configured,
   TensorBoard events, a Prometheus endpoint (`prometheus_client`) and Weights & Biases.
-- `MetricsTail`: reads a metrics.jsonl as it grows, only the new lines each time (the live view);
+- `MetricsTail`: reads a metrics.jsonl as it grows, only the new lines each time (the live view),
+  through `LineTail` (the complete lines appended to a file, which the live view also reads logs with);
   `read_metrics(path)` reads a whole one (tests, benchmarks).
 """
 
@@ -149,29 +150,40 @@ def _wandb_run(run_dir: pathlib.Path, cfg: TelemetryConfig):
     )
 
 
+class LineTail:
+    """The complete lines appended to a text file since the last `poll()` (from byte `offset` on); a
+    half-written last line waits for the next poll."""
+
+    def __init__(self, path: str | pathlib.Path, offset: int = 0):
+        self.path, self.offset = pathlib.Path(path), offset
+        self._partial = b""
+
+    def poll(self) -> list[str]:
+        try:
+            with self.path.open("rb") as f:
+                f.seek(self.offset)
+                chunk = f.read()
+        except FileNotFoundError:
+            return []
+        self.offset += len(chunk)
+        lines = (self._partial + chunk).split(b"\n")
+        self._partial = lines.pop()  # b"" after a complete last line
+        # a progress bar redraws with \r: its last state is the line
+        return [line.decode(errors="replace").rsplit("\r", 1)[-1] for line in lines]
+
+
 class MetricsTail:
-    """The records of a growing metrics.jsonl: `poll()` reads only what was appended since the last call
-    (a half-written last line waits for the next poll)."""
+    """The records of a growing metrics.jsonl: `poll()` reads only what was appended since the last call."""
 
     def __init__(self, path: str | pathlib.Path):
         self.path = pathlib.Path(path)
         self.records: list[dict[str, Any]] = []
-        self._offset = 0
-        self._partial = b""
+        self._lines = LineTail(self.path)
 
     def poll(self) -> list[dict[str, Any]]:
         """The new records (all records so far are in `records`)."""
-        try:
-            with self.path.open("rb") as f:
-                f.seek(self._offset)
-                chunk = f.read()
-        except FileNotFoundError:
-            return []
-        self._offset += len(chunk)
-        lines = (self._partial + chunk).split(b"\n")
-        self._partial = lines.pop()  # b"" after a complete last line
         new = []
-        for line in lines:
+        for line in self._lines.poll():
             try:
                 new.append(json.loads(line))
             except json.JSONDecodeError:

@@ -13,9 +13,10 @@ for a role that died.
 from __future__ import annotations
 
 import dataclasses
-import pathlib
 import re
 import signal
+
+from streamrl.engine.telemetry import LineTail
 
 NODE_PHASES = {
     "loading": "loading the engine",
@@ -50,27 +51,6 @@ def error_text(line: str) -> str | None:
         if found:
             return found.group(1).strip()
     return None
-
-
-class LineTail:
-    """The complete lines appended to a text file since the last `poll()` (from `offset` on)."""
-
-    def __init__(self, path: str | pathlib.Path, offset: int = 0):
-        self.path, self.offset = pathlib.Path(path), offset
-        self._partial = b""
-
-    def poll(self) -> list[str]:
-        try:
-            with self.path.open("rb") as f:
-                f.seek(self.offset)
-                chunk = f.read()
-        except FileNotFoundError:
-            return []
-        self.offset += len(chunk)
-        lines = (self._partial + chunk).split(b"\n")
-        self._partial = lines.pop()
-        # a progress bar redraws with \r: its last state is the line
-        return [line.decode(errors="replace").rsplit("\r", 1)[-1] for line in lines]
 
 
 @dataclasses.dataclass

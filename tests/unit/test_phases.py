@@ -9,8 +9,9 @@ from types import SimpleNamespace
 
 from rich.console import Console
 
+from streamrl.engine.telemetry import LineTail
 from streamrl.ops.live import live_table
-from streamrl.ops.phases import Board, LearnerWatch, LineTail, NodeWatch, error_text
+from streamrl.ops.phases import Board, LearnerWatch, NodeWatch, error_text
 
 
 class FakeChild:
