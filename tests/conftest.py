@@ -32,6 +32,39 @@ def tiny_model(tmp_path_factory) -> str:
     return str(make_tiny_model(tmp_path_factory.mktemp("models") / "tiny", seed=0))
 
 
+@pytest.fixture
+def demo_config(tmp_path):
+    """`make(name, steps, *overrides)`: the demo's config for a CPU run in this test's folder."""
+    from streamrl.engine.config import build
+    from streamrl.ops.run import DEMO
+
+    def make(name: str, steps: int, *extra: str):
+        sets = [*DEMO, f"run.dir='{tmp_path}'", f"run.name='{name}'", f"run.steps={steps}", "run.device='cpu'"]
+        return build({}, [*sets, "telemetry.tensorboard=false", *extra])
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def planted_weights():
+    """`plant(model, token, device)`: a copy of `model`'s weights (on `device`) under which every next
+    token is `token` (residual = embedding; that token's row is the larger)."""
+
+    def plant(model, token: int, device=None) -> dict:
+        state = {k: v.detach().to(device or v.device, copy=True) for k, v in model.state_dict().items()}
+        for name, t in state.items():
+            if name.endswith(("o_proj.weight", "down_proj.weight")):
+                t.zero_()
+            elif name.endswith("norm.weight"):
+                t.fill_(1.0)
+        state["model.embed_tokens.weight"].fill_(1.0)
+        state["model.embed_tokens.weight"][token] = 2.0
+        state["lm_head.weight"] = state["model.embed_tokens.weight"]
+        return state
+
+    return plant
+
+
 # ---- preflight fixtures ----
 
 

@@ -25,22 +25,16 @@ def two_gpus():
         pytest.skip("needs two CUDA devices")
 
 
-def test_nccl_transfer_finishes_during_a_long_batch_and_the_swap_waits_for_its_end(two_gpus, tiny_model):
+def test_nccl_transfer_finishes_during_a_long_batch_and_the_swap_waits_for_its_end(
+    two_gpus, tiny_model, planted_weights
+):
     from streamrl.engine.config import ModelConfig, RolloutConfig
     from streamrl.engine.weights import WeightSender, plan_buckets
     from streamrl.rollout.hf_engine import HFEngine
 
     model_cfg = ModelConfig(max_model_len=1024, dtype="bfloat16")
     engine = HFEngine(tiny_model, model_cfg, RolloutConfig(max_tokens=800), device="cuda:1", static=False)
-    state = {k: v.detach().to("cuda:0", copy=True) for k, v in engine.model.state_dict().items()}
-    for name, t in state.items():
-        if name.endswith(("o_proj.weight", "down_proj.weight")):
-            t.zero_()
-        elif name.endswith("norm.weight"):
-            t.fill_(1.0)
-    state["model.embed_tokens.weight"].fill_(1.0)
-    state["model.embed_tokens.weight"][PLANTED] = 2.0
-    state["lm_head.weight"] = state["model.embed_tokens.weight"]
+    state = planted_weights(engine.model, PLANTED, device="cuda:0")
     sender = WeightSender("gpu-hf", backend="nccl", device="cuda:0", timeout_s=60.0)
     ready = sender.prepare(1, plan_buckets(state, 1 << 20))
     sent: dict[str, float] = {}

@@ -14,29 +14,12 @@ import time
 
 import pytest
 
-from streamrl.engine.config import build
 from streamrl.engine.ledger import Ledger
 from streamrl.engine.redis_server import connect
 from streamrl.engine.telemetry import read_metrics
 from streamrl.ops.launcher import Launcher
-from streamrl.ops.run import DEMO
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
-
-
-def _config(tmp_path, name: str, steps: int, *extra: str):
-    return build(
-        {},
-        [
-            *DEMO,
-            f"run.dir='{tmp_path}'",
-            f"run.name='{name}'",
-            f"run.steps={steps}",
-            "run.device='cpu'",
-            "telemetry.tensorboard=false",
-            *extra,
-        ],
-    )
 
 
 def _wait_for_step(launcher: Launcher, step: int, timeout_s: float) -> list[dict]:
@@ -75,8 +58,8 @@ def launched():
         launcher.stop_all()
 
 
-def test_demo_learns_and_the_books_balance(tmp_path, launched):
-    launcher = Launcher(_config(tmp_path, "learns", 30))
+def test_demo_learns_and_the_books_balance(launched, demo_config):
+    launcher = Launcher(demo_config("learns", 30))
     launched.append(launcher)
     launcher.start(nodes=2)
     records = _wait_for_step(launcher, 30, timeout_s=900)
@@ -116,8 +99,8 @@ def _step(launcher: Launcher) -> int:
     return records[-1]["step"] if records else 0
 
 
-def test_nodes_join_and_leave_mid_run(tmp_path, launched):
-    cfg = _config(tmp_path, "elastic", 500, "ledger.heartbeat_ttl_s=4.0")
+def test_nodes_join_and_leave_mid_run(launched, demo_config):
+    cfg = demo_config("elastic", 500, "ledger.heartbeat_ttl_s=4.0")
     launcher = Launcher(cfg)
     launched.append(launcher)
     launcher.start(nodes=1)

@@ -16,25 +16,9 @@ import time
 import pytest
 from rich.console import Console
 
-from streamrl.engine.config import build
-from streamrl.ops.run import DEMO, run_local
+from streamrl.ops.run import run_local
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
-
-
-def _config(tmp_path, name: str, steps: int, *extra: str):
-    return build(
-        {},
-        [
-            *DEMO,
-            f"run.dir='{tmp_path}'",
-            f"run.name='{name}'",
-            f"run.steps={steps}",
-            "run.device='cpu'",
-            "telemetry.tensorboard=false",
-            *extra,
-        ],
-    )
 
 
 def _run(cfg, nodes: int) -> tuple[int, list[str], str]:
@@ -77,9 +61,9 @@ def _in_order(frames: list[str], row: str) -> list[str]:
     return list(dict.fromkeys(seen))
 
 
-def test_the_live_view_names_each_phase_then_shows_the_steps(tmp_path):
+def test_the_live_view_names_each_phase_then_shows_the_steps(demo_config):
     # enough steps that the 2 Hz view sees the run training (2 steps could pass between two frames)
-    code, frames, end = _run(_config(tmp_path, "phases", 8), nodes=1)
+    code, frames, end = _run(demo_config("phases", 8), nodes=1)
     assert code == 0, end
     phases = _in_order(frames, "phase")
     assert phases == [
@@ -99,10 +83,10 @@ def test_the_live_view_names_each_phase_then_shows_the_steps(tmp_path):
     assert "streamrl — step 8/8" in end and "books balance" in end
 
 
-def test_a_node_that_dies_at_start_is_shown_dead_with_its_error(tmp_path):
+def test_a_node_that_dies_at_start_is_shown_dead_with_its_error(tmp_path, demo_config):
     # run_local does not preflight (the `run` command does): the node meets the missing file itself
     missing = tmp_path / "missing.jsonl"
-    code, frames, end = _run(_config(tmp_path, "deadnode", 5, f"data.path='{missing}'"), nodes=1)
+    code, frames, end = _run(demo_config("deadnode", 5, f"data.path='{missing}'"), nodes=1)
     assert code == 1
     assert _cells(end, "node-0").startswith(f"dead: exit 2: bad input: data.path = {missing} does not exist")
     assert _cells(end, "learner") == "stopped"  # stopped by the run, not dead
@@ -111,8 +95,8 @@ def test_a_node_that_dies_at_start_is_shown_dead_with_its_error(tmp_path):
     assert "no run '" not in flat and "books balance" in flat  # the learner came up: its (empty) books show
 
 
-def test_a_learner_that_dies_at_start_ends_without_a_misleading_ledger_line(tmp_path):
-    code, frames, end = _run(_config(tmp_path, "deadlearner", 5, f"model.path='{tmp_path}/no-model'"), nodes=2)
+def test_a_learner_that_dies_at_start_ends_without_a_misleading_ledger_line(tmp_path, demo_config):
+    code, frames, end = _run(demo_config("deadlearner", 5, f"model.path='{tmp_path}/no-model'"), nodes=2)
     assert code != 0
     learner = _cells(end, "learner")
     assert learner.startswith("dead: exit 1: ") and f"model folder {tmp_path}/no-model does not exist" in learner

@@ -11,8 +11,6 @@ import asyncio
 import threading
 import time
 
-import torch
-
 from streamrl.engine.config import ModelConfig, RolloutConfig
 from streamrl.engine.weights import WeightSender, plan_buckets
 from streamrl.rollout.hf_engine import HFEngine
@@ -20,24 +18,10 @@ from streamrl.rollout.hf_engine import HFEngine
 PLANTED = 100
 
 
-def _planted(model) -> dict[str, torch.Tensor]:
-    """Weights under which every next token is PLANTED (residual = embedding; PLANTED's row is larger)."""
-    state = {k: v.clone() for k, v in model.state_dict().items()}
-    for name, t in state.items():
-        if name.endswith(("o_proj.weight", "down_proj.weight")):
-            t.zero_()
-        elif name.endswith("norm.weight"):
-            t.fill_(1.0)
-    state["model.embed_tokens.weight"].fill_(1.0)
-    state["model.embed_tokens.weight"][PLANTED] = 2.0
-    state["lm_head.weight"] = state["model.embed_tokens.weight"]
-    return state
-
-
-def test_transfer_finishes_during_a_long_batch_and_the_swap_waits_for_its_end(tiny_model):
+def test_transfer_finishes_during_a_long_batch_and_the_swap_waits_for_its_end(tiny_model, planted_weights):
     engine = HFEngine(tiny_model, ModelConfig(max_model_len=512), RolloutConfig(max_tokens=400), device="cpu")
     sender = WeightSender("hf-node", timeout_s=30.0)
-    state = _planted(engine.model)
+    state = planted_weights(engine.model, PLANTED)
     ready = sender.prepare(1, plan_buckets(state, 64 * 1024))
     sent: dict[str, float] = {}
 
