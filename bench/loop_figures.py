@@ -49,6 +49,8 @@ def figures(run: pathlib.Path, skip: int, standalone_mfu: float, raw_ms: float) 
         "idle_fraction": _median([r.get("time/idle_fraction") for r in steady]),
         "push_hold_ms": _median([1000 * r.get("time/push_s", 0) for r in steady]),
         "push_hold_max_ms": round(max(1000 * r.get("time/push_s", 0) for r in steady), 3),
+        "push_pack_ms": _median([1000 * r.get("time/push_pack_s", 0) for r in steady]),
+        "push_pack_device_ms": _median([1000 * r.get("time/push_pack_device_s", 0) for r in steady]),
         "transfer_ms": _median([1000 * r.get("weights_s", 0) for r in steady]),
         "evicted": records[-1].get("evicted"),
         "nodes": _node_figures(records[-1]),

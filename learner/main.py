@@ -53,7 +53,8 @@ def run_learner(cfg: Config, resume: str = "") -> int:
     orchestrator = _start_orchestrator(cfg, device, trainer, policy, resumed_version, first_step=first)
     ending = {"reason": "the learner stopped", "finished": False, "ledger_reachable": True}
     try:
-        _continue_versions(trainer, orchestrator, policy, compute)
+        push_weights = parallel.PushWeights(policy, compute)
+        _continue_versions(trainer, orchestrator, push_weights)
         for step in range(first, cfg.run.steps + 1):
             clock = _Laps()
             per_rank = orchestrator.next_batch(parallel.world_size()) if rank0 else None  # receive → admit
@@ -65,7 +66,7 @@ def run_learner(cfg: Config, resume: str = "") -> int:
             if rank0:
                 orchestrator.commit(step, skipped)  # commit
             clock.lap("commit_s")
-            weights = parallel.weights_for_push(policy, compute) if not skipped else None  # on the device
+            weights = push_weights() if not skipped else None  # on the device
             if rank0 and weights is not None:
                 orchestrator.publish(weights)  # push: nodes receive it in the background
             clock.lap("push_s")
@@ -136,13 +137,13 @@ def _start_orchestrator(
     return orchestrator
 
 
-def _continue_versions(trainer: Trainer, orchestrator: Orchestrator | None, policy, dtype: torch.dtype) -> None:
+def _continue_versions(trainer: Trainer, orchestrator: Orchestrator | None, push_weights: parallel.PushWeights) -> None:
     """A resumed learner hands joining nodes its restored weights. The ledger's version equals the
     weights' (a resume rolled the ledger back to the checkpoint); the max only guards a ledger ahead."""
     ledger_version = orchestrator.ledger_version if orchestrator is not None else 0
     trainer.version = parallel.from_rank0(max(trainer.version, ledger_version))
     if trainer.version > 0:
-        weights = parallel.weights_for_push(policy, dtype)
+        weights = push_weights()
         if orchestrator is not None:
             orchestrator.publisher.publish(trainer.version, weights)
 

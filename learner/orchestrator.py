@@ -306,6 +306,9 @@ class Orchestrator:
         positions = sum(sequence_cost(t) for t in flat)
         out = {f"time/{k}": v for k, v in timings.items()}
         out["time/idle_fraction"] = timings.get("wait_s", 0.0) / total
+        # the push's hold split: packing (host; the rest of push_s read the weights) and its device time
+        out["time/push_pack_s"] = self.publisher.hold_s
+        out["time/push_pack_device_s"] = self.publisher.pack_device_s()
         out["train_tokens_per_s"] = positions / max(timings.get("train_s", 0.0), 1e-9)
         if self.peak_flops and self.params:
             out["mfu"] = 6 * self.params * out["train_tokens_per_s"] / self.peak_flops

@@ -175,28 +175,41 @@ def hf_name(name: str) -> str:
     return name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
 
 
-def weights_for_push(model: nn.Module, dtype: torch.dtype) -> dict[str, Tensor]:
-    """Every rank calls: the full weights under HF names in `dtype`, on the device, for a push to the
-    engines; rank 0 gets them, the others an empty dict. No host copy, no resharding.
+class PushWeights:
+    """The full weights for a push to the engines: every rank calls; rank 0 gets them under HF names in
+    `dtype`, on the device, the others an empty dict. No host copy, no resharding.
 
     After `gather_for_next_forward` the parameters are the gathered copies the next forward reads
     (in the compute dtype), so the step's one gather serves the push too; a parameter still sharded
     (a layer unit resharded after backward) is gathered here. Tied parameters keep one tensor.
+    The module tree is walked once, here: each call reads the parameter slots directly (FSDP2 swaps
+    its gathered and sharded tensors in those slots), so the push's hold pays no walk over every
+    module (~0.7 ms of host time for a 0.5B model's 291 names, measured on CPU).
     """
-    from torch.distributed.tensor import DTensor
 
-    lm = model.lm if isinstance(model, PolicyModel) else model
-    out, seen = {}, {}
-    for name, param in lm.named_parameters(remove_duplicate=False):
-        if id(param) not in seen:
-            full = param.full_tensor() if isinstance(param, DTensor) else param
-            seen[id(param)] = full if full.dtype == dtype else full.to(dtype)  # read under no_grad by the packer
-        if is_rank0():
-            out[_hf_names.get(name) or _hf_names.setdefault(name, hf_name(name))] = seen[id(param)]
-    return out
+    def __init__(self, model: nn.Module, dtype: torch.dtype):
+        lm = model.lm if isinstance(model, PolicyModel) else model
+        self.dtype = dtype
+        self._slots = [  # (HF name, the module's parameter dict, the key in it), in named_parameters order
+            (hf_name(f"{prefix}.{key}" if prefix else key), module._parameters, key)
+            for prefix, module in lm.named_modules(remove_duplicate=False)
+            for key, param in module._parameters.items()
+            if param is not None
+        ]
 
+    def __call__(self) -> dict[str, Tensor]:
+        from torch.distributed.tensor import DTensor
 
-_hf_names: dict[str, str] = {}  # module name -> HF name, computed once per name
+        rank0, out, seen = is_rank0(), {}, {}
+        for name, params, key in self._slots:
+            param = params[key]
+            full = seen.get(id(param))
+            if full is None:
+                full = param.full_tensor() if isinstance(param, DTensor) else param
+                seen[id(param)] = full = full if full.dtype == self.dtype else full.to(self.dtype)
+            if rank0:
+                out[name] = full
+        return out
 
 
 def full_state_dict(model: nn.Module) -> dict[str, Tensor]:

@@ -43,6 +43,29 @@ class _Set:
 
 
 @dataclasses.dataclass
+class _DeviceTimer:
+    """CUDA events around one packing; `stop` returns the end event the transfers wait on."""
+
+    def __init__(self, device: torch.device):
+        self._events = None
+        if device.type == "cuda":
+            self._events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            self._events[0].record()
+
+    def stop(self) -> torch.cuda.Event | None:
+        if self._events is None:
+            return None
+        self._events[1].record()
+        return self._events[1]
+
+    def done(self) -> bool:
+        return self._events is None or self._events[1].query()
+
+    def seconds(self) -> float:
+        return 0.0 if self._events is None else self._events[0].elapsed_time(self._events[1]) / 1000
+
+
+@dataclasses.dataclass
 class NodeWeights:
     """What the learner knows of one node's weights (for metrics and eviction)."""
 
@@ -99,6 +122,9 @@ class Publisher:
         self._plans: dict[tuple, list] = {}
         self._cond = threading.Condition()
         self.evicted = 0  # nodes evicted so far
+        self.hold_s = 0.0  # the last publish's hold on the caller
+        self._timers: list[_DeviceTimer] = []  # the packings whose device time is not read yet
+        self._pack_device_s = 0.0
 
     @property
     def nodes(self) -> list[str]:
@@ -111,29 +137,35 @@ class Publisher:
     # ---- the learner's side: publish ---------------------------------------------------------
 
     def publish(self, version: int, weights: Mapping[str, Tensor]) -> float:
-        """Pack `weights` as `version` for every node (they get it in the background); the seconds
-        the caller was held: the packing alone."""
+        """Pack `weights` as `version` for every node (they get it in the background); the seconds the
+        caller was held (host time: the packing is queued on the device and read by the transfers)."""
         start = time.perf_counter()
         specs, fresh = self._plan(weights)
         with self._cond:
             free = next((s for s in self._sets if s.readers == 0 and s is not self._latest), None)
         pool = free.pool if free is not None else BufferPool()
         packed = PackedBuckets(specs, weights, self._buffer_device, pool, check=fresh)
+        timer = _DeviceTimer(self._buffer_device)
         with torch.no_grad():
             for i in range(len(packed)):
                 packed.get(i)  # pack now: the caller may change `weights` as soon as this returns
-        event = None
-        if self._buffer_device.type == "cuda":
-            event = torch.cuda.Event()
-            event.record()
-        fresh = _Set(version, packed, pool, event)
+        fresh = _Set(version, packed, pool, timer.stop())
+        self._timers = [*self._timers[-7:], timer]  # read by the next reports; a few at most
         with self._cond:
             if free is not None:
                 self._sets.remove(free)
             self._sets.append(fresh)
             self._latest = fresh
             self._cond.notify_all()
-        return time.perf_counter() - start
+        self.hold_s = time.perf_counter() - start
+        return self.hold_s
+
+    def pack_device_s(self) -> float:
+        """The device's time packing the newest version whose packing finished (0 on CPU: the packing
+        is the hold itself there); never waits for the device."""
+        while self._timers and self._timers[0].done():
+            self._pack_device_s = self._timers.pop(0).seconds()
+        return self._pack_device_s
 
     def _plan(self, weights: Mapping[str, Tensor]) -> tuple[list, bool]:
         """The bucket layout and whether it is new. Planned once for the tensors the learner hands over

@@ -127,3 +127,20 @@ def test_the_forward_after_a_step_sees_the_updated_weights(trainer, tiny_model):
         plain.load_state_dict(weights(trainer.model))
         reference, _ = compute_logprobs(PolicyModel(plain), mb)
     assert (after_step - reference).abs().max().item() < 1e-5
+
+
+def test_push_weights_read_the_live_parameters_under_hf_names_after_every_step(trainer):
+    push = parallel.PushWeights(trainer.model, torch.float32)
+    names = [parallel.hf_name(n) for n, _ in trainer.model.lm.named_parameters(remove_duplicate=False)]
+    for advantages in ([1.0, -1.0, 1.0, -1.0], [-1.0, 1.0, 0.5, -0.5]):
+        trainer.step(batch(advantages))  # gathered ahead: the slots hold FSDP's unsharded tensors
+        pushed = push()
+        assert list(pushed) == names
+        assert all(t.dtype == torch.float32 for t in pushed.values())
+        copies = {k: v.clone() for k, v in pushed.items()}
+        state = weights(trainer.model)  # resharded now: the next call reads sharded tensors, gathers them
+        assert all(torch.equal(copies[k], state[k]) for k in state)
+        assert all(torch.equal(v, copies[k]) for k, v in push().items())
+    halves = parallel.PushWeights(trainer.model, torch.bfloat16)()
+    assert {t.dtype for t in halves.values()} == {torch.bfloat16}
+    assert torch.equal(halves[names[0]], copies[names[0]].to(torch.bfloat16))
