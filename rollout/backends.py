@@ -31,4 +31,11 @@ def build_engine(cfg: Config, device: str = "cpu") -> GenerationEngine:
         return VLLMEngine(model_path, cfg.model, cfg.rollout, seed=cfg.run.seed, device=device)
     from streamrl.rollout.hf_engine import HFEngine
 
-    return HFEngine(model_path, cfg.model, cfg.rollout, seed=cfg.run.seed, device=device)
+    return HFEngine(
+        model_path,
+        cfg.model,
+        cfg.rollout,
+        seed=cfg.run.seed,
+        device=device,
+        max_prompt_tokens=cfg.data.max_prompt_tokens,
+    )

@@ -5,7 +5,8 @@ Requests that wait while a batch runs are batched together (left-padded) into th
 continuous batching would (but only at batch boundaries). On CUDA the cache is static
 (FINDINGS: 6x the dynamic cache at batch 256), and transformers compiles the decode step and records
 CUDA graphs for the shape it sees, reusing its cache (and so the graphs) only while the shape stays
-the same: every batch is padded to `max_batch` rows, prompts to a multiple of `WIDTH_STEP`, new tokens
+the same: every batch is padded to `max_batch` rows, prompts to `data.max_prompt_tokens` (rounded up to a
+multiple of `WIDTH_STEP`; a longer prompt, as a multi-turn episode's can be, to its own multiple), new tokens
 always `rollout.max_tokens` (a decode step at this size is latency-bound: 16 rows cost about what 256
 do), a batch waits up to `FILL_S` for requests to fill it, and `warm_up` compiles that shape before the
 node registers, so nothing compiles mid-run. (Seen on H200s with rows bucketed to powers of two: each
@@ -53,8 +54,10 @@ class HFEngine:
         device: str = "cpu",
         max_batch: int = 256,
         static: bool | None = None,
+        max_prompt_tokens: int = WIDTH_STEP,
     ):
-        """static: bucketed shapes and a static (compiled) cache; default on CUDA."""
+        """static: bucketed shapes and a static (compiled) cache; default on CUDA. max_prompt_tokens: the
+        prompt width every static batch is padded to (rounded up to a multiple of `WIDTH_STEP`)."""
         import torch
 
         from streamrl.engine.models import load_model, load_tokenizer
@@ -64,6 +67,7 @@ class HFEngine:
         self.rollout, self.device, self.max_batch = rollout, device, max_batch
         self.max_model_len = model.max_model_len
         self.static = device.startswith("cuda") if static is None else static
+        self.width = _round_up(max(max_prompt_tokens, 1), WIDTH_STEP)
         self.tokenizer = load_tokenizer(model_path, model.trust_remote_code)
         self.model = load_model(model_path, model.dtype, device, model.trust_remote_code)
         self.policy_version = 0
@@ -184,7 +188,7 @@ class HFEngine:
 
         width = max(map(len, rows))
         if self.static:
-            width = -(-width // WIDTH_STEP) * WIDTH_STEP
+            width = max(_round_up(width, WIDTH_STEP), self.width)
         pad = self.tokenizer.pad_token_id
         input_ids = torch.tensor([[pad] * (width - len(r)) + r for r in rows], device=self.device)
         attention_mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], device=self.device)
@@ -202,7 +206,7 @@ class HFEngine:
             return 0.0
         start, prompt = time.perf_counter(), [self.tokenizer.eos_token_id]
         # the serving shape (every batch is padded to it), twice: compile, then record and replay the graphs
-        shapes = [(self.max_batch, WIDTH_STEP), (self.max_batch, WIDTH_STEP)]
+        shapes = [(self.max_batch, self.width), (self.max_batch, self.width)]
         for rows, width in shapes:
             batch = [_Request(prompt * width, 1, self.rollout.max_tokens) for _ in range(rows)]
             shape_start = time.perf_counter()
@@ -249,3 +253,7 @@ class HFEngine:
     async def close(self) -> None:
         self._thread.shutdown(wait=False)
         self.model = None
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
