@@ -16,6 +16,7 @@ plots (`pipeline_speed.png`, `pipeline_staleness.png`) are written to `--out`.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import pathlib
 import re
@@ -50,9 +51,11 @@ def measure(mode: str, staleness: int, args, folder: str) -> dict:
     name = f"{mode}-s{staleness}" if mode == "async" else "sync"
     base = [] if args.config else DEMO
     sets = [*base, f"run.dir='{folder}'", f"run.name='{name}'", f"run.steps={args.steps}", f"run.mode='{mode}'"]
-    sets += [f"run.device='{args.device}'", f"ledger.max_staleness={staleness}", "telemetry.tensorboard=false"]
+    sets += [f"ledger.max_staleness={staleness}", "telemetry.tensorboard=false"]
+    sets += [f"run.device='{args.device}'"] if args.device else []  # else the config's (the demo's: cpu)
     sets += [f"simulate.{k}={v}" for k, v in args.simulate.items()] + args.sets
     launcher = Launcher(load(args.config, sets) if args.config else build({}, sets))
+    started = time.monotonic()
     try:
         launcher.start(args.nodes)
         launcher.learner.process.wait(timeout=3600)
@@ -60,9 +63,12 @@ def measure(mode: str, staleness: int, args, folder: str) -> dict:
     finally:
         launcher.stop_all()
     records = read_metrics(launcher.run_dir / "metrics.jsonl")
-    if len(records) <= WARMUP_STEPS + 1:
+    if len(records) <= args.warmup_steps + 1:
         raise RuntimeError(f"{name}: only {len(records)} steps finished; see {launcher.run_dir / 'logs'}")
-    return _figures(name, mode, staleness, records, counts, histogram, args.simulate)
+    return {
+        **_figures(name, mode, staleness, records, counts, histogram, args.simulate, args.warmup_steps),
+        "wall_s": time.monotonic() - started,
+    }
 
 
 def _books(launcher: Launcher) -> tuple:
@@ -70,12 +76,12 @@ def _books(launcher: Launcher) -> tuple:
     return ledger.counts(), ledger.staleness_histogram()
 
 
-def _figures(name, mode, staleness, records, counts, histogram, simulate) -> dict:
-    timed = records[WARMUP_STEPS:]
-    seconds = timed[-1]["time"] - records[WARMUP_STEPS - 1]["time"]
+def _figures(name, mode, staleness, records, counts, histogram, simulate, warmup: int = WARMUP_STEPS) -> dict:
+    timed = records[warmup:]
+    seconds = timed[-1]["time"] - records[warmup - 1]["time"]
     per_step = seconds / len(timed)
     generated = max(1, counts.total)
-    nodes = _node_idle(records[-1])
+    clocks = _node_clocks(records[-1], records[warmup - 1])
     out = {
         "figure": "pipeline",
         "config": name,
@@ -85,14 +91,18 @@ def _figures(name, mode, staleness, records, counts, histogram, simulate) -> dic
         "tokens_per_s": sum(r["completion_tokens"] for r in timed) / seconds,
         "seconds_per_step": per_step,
         "learner_idle_fraction": statistics.mean(r.get("time/idle_fraction", 0.0) for r in timed),
-        "rollout_idle_fraction": nodes,
+        "rollout_idle_fraction": clocks["idle"] / max(sum(clocks.values()), 1e-9) if clocks else None,
+        "node_generate_s": clocks["generate"] / len(timed) if clocks else None,  # per step, all nodes
         "staleness_histogram": {str(k): v for k, v in histogram.items()},
         "stale_share": counts.dropped_by_reason.get("stale", 0) / generated,
         "preempted_share": counts.dropped_by_reason.get("preempted", 0) / generated,
         "generated": counts.total,
         "trained": counts.trained,
         "final_reward": records[-1]["reward/mean"],
+        "train_s": statistics.median(r.get("time/train_s", 0.0) for r in timed),
     }
+    if mode == "sync":  # the stages run one after the other: the rest of a step is generating (and the push)
+        out["gen_s"] = max(per_step - out["train_s"], 0.0)
     gen, train = simulate.get("gen_s", 0.0), simulate.get("train_s", 0.0)
     if gen and train:  # async at max_staleness 0 cannot overlap the stages either
         ideal = gen + train if mode == "sync" or staleness == 0 else max(gen, train)
@@ -100,18 +110,21 @@ def _figures(name, mode, staleness, records, counts, histogram, simulate) -> dic
     return out
 
 
-def _node_idle(last: dict) -> float | None:
-    """The nodes' idle share of their own time (generate / idle / swap seconds they report)."""
+def _node_clocks(last: dict, first: dict) -> dict[str, float]:
+    """The nodes' own seconds generating / idle / paused for swaps between two records (the timed steps)."""
     nodes = {k.split("/")[1] for k in last if k.startswith("node/") and k.endswith("/idle_s")}
     if not nodes:
-        return None
-    idle = sum(last[f"node/{n}/idle_s"] for n in nodes)
-    busy = sum(last.get(f"node/{n}/generate_s", 0.0) + last.get(f"node/{n}/swap_s", 0.0) for n in nodes)
-    return idle / max(idle + busy, 1e-9)
+        return {}
+    return {
+        kind: sum(last.get(f"node/{n}/{kind}_s", 0.0) - first.get(f"node/{n}/{kind}_s", 0.0) for n in nodes)
+        for kind in ("generate", "idle", "swap")
+    }
 
 
 def speedups(results: list[dict], simulate: dict) -> list[dict]:
-    """Each async configuration against sync, measured in the same call (and against the ideal)."""
+    """Each async configuration against sync, measured in the same call, and as a fraction of the ideal
+    (gen + train) / max(gen, train): from the simulated stage times, else from the stages measured in
+    the sync run (its training seconds per step, and the rest of its step as generation)."""
     sync = next((r for r in results if r["mode"] == "sync"), None)
     out = []
     for r in results:
@@ -119,10 +132,17 @@ def speedups(results: list[dict], simulate: dict) -> list[dict]:
             continue
         ratio = r["tokens_per_s"] / sync["tokens_per_s"]
         row = {"figure": "pipeline_speedup", "config": r["config"], "vs": "sync", "ratio": ratio}
-        gen, train = simulate.get("gen_s", 0.0), simulate.get("train_s", 0.0)
+        simulated = bool(simulate.get("gen_s") and simulate.get("train_s"))
+        gen = simulate["gen_s"] if simulated else sync.get("gen_s", 0.0)
+        train = simulate["train_s"] if simulated else sync.get("train_s", 0.0)
         if gen and train:
             ideal = (gen + train) / max(gen, train) if r["max_staleness"] > 0 else 1.0
-            row.update(ideal_ratio=ideal, fraction_of_ideal=ratio / ideal)
+            row.update(ideal_ratio=ideal, fraction_of_ideal=ratio / ideal, gen_s=gen, train_s=train)
+            row["stages"] = "simulated" if simulated else "measured in sync"
+        node_gen = sync.get("node_generate_s")
+        if not simulated and node_gen and train and r["max_staleness"] > 0:  # the node's own generating time
+            ideal = (node_gen + train) / max(node_gen, train)
+            row.update(ideal_ratio_node_clock=ideal, fraction_of_ideal_node_clock=ratio / ideal)
         out.append(row)
     return out
 
@@ -141,6 +161,12 @@ def write_table(results: list[dict], gains: list[dict], out: pathlib.Path) -> pa
             f"{'-' if idle is None else format(idle, '.0%')} | {r['stale_share']:.1%} | {r['preempted_share']:.1%} | "
             f"{' '.join(f'{k}:{v}' for k, v in r['staleness_histogram'].items())} |"
         )
+    for g in gains:
+        if "ideal_ratio" in g and g["ideal_ratio"] > 1:
+            lines.append(
+                f"\n{g['config']}: {g['ratio']:.2f}× sync = {g['fraction_of_ideal']:.0%} of the ideal "
+                f"{g['ideal_ratio']:.2f}× (gen {g['gen_s']:.2f} s + train {g['train_s']:.2f} s per step, {g['stages']})"
+            )
     path = out / "pipeline.md"
     path.write_text("\n".join(lines) + "\n")
     return path
@@ -180,22 +206,36 @@ def plot(results: list[dict], out: pathlib.Path) -> list[pathlib.Path]:
     return [speed, stale]
 
 
+@contextlib.contextmanager
+def _runs_folder(keep: str):
+    if keep:
+        pathlib.Path(keep).mkdir(parents=True, exist_ok=True)
+        yield keep
+        return
+    with tempfile.TemporaryDirectory(prefix="srl-bench-") as folder:
+        yield folder
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--staleness", type=int, nargs="+", default=[0, 1, 2, 4], help="async max_staleness values")
     parser.add_argument("--no-sync", action="store_true", help="leave out the sync baseline")
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--nodes", type=int, default=1)
-    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--warmup-steps", type=int, default=WARMUP_STEPS, help="leading steps left out of the rates")
+    parser.add_argument("--device", default="", help="run.device (default: the config's)")
     parser.add_argument("--config", default="", help="a run config (TOML) instead of the built-in demo")
     parser.add_argument("--simulate", type=parse_simulate, default={}, help="gen=MEAN[±SD],train=MEAN[±SD] (s/step)")
     parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("."), help="folder for the table and plots")
+    parser.add_argument("--dir", default="", help="keep each run's folder (logs, metrics) here; default: a temp folder")
     parser.add_argument("--set", action="append", default=[], dest="sets")
     args = parser.parse_args()
+    if args.warmup_steps < 1:
+        raise SystemExit(f"--warmup-steps {args.warmup_steps}: give at least 1 (the rates start at a step's end)")
     configs = ([] if args.no_sync else [("sync", 0)]) + [("async", s) for s in args.staleness]
     started = time.monotonic()
     results = []
-    with tempfile.TemporaryDirectory(prefix="srl-bench-") as folder:
+    with _runs_folder(args.dir) as folder:
         for mode, staleness in configs:  # each line as soon as it is measured
             results.append(measure(mode, staleness, args, folder))
             print(json.dumps(results[-1]), flush=True)
