@@ -1,23 +1,49 @@
 #!/usr/bin/env bash
-# One device call for both GPU figures, most important first, each part bounded so the call ends in time:
-#   1. the standalone learner step on the loop's model (GPU 0)       -> in-loop MFU / standalone, same call
-#   2. `streamrl run --config examples/gpu.toml`, STEPS steps          -> the GPU loop's figures
-#   3. `bench/pipeline.py --config examples/gpu.toml`, sync vs async   -> async gain as a fraction of ideal
-# RAW_MS: a raw NCCL broadcast of the loop's weights measured in an earlier call (bench/weight_transfer.py).
+# The GPU figures, in parts, each bounded so a device call ends in time (PARTS="loop pipeline" by default;
+# add "tests" for the gpu-marked tests). JSON lines go to $OUT/figures.jsonl, logs' tails beside it.
+#   loop:     a raw NCCL broadcast of the loop's weights (bench/weight_transfer.py, GPU 0 -> GPU 1),
+#             the standalone learner step on the loop's model (GPU 0), then
+#             `streamrl run --config examples/gpu.toml`, STEPS steps    -> in-loop MFU / standalone and
+#             the push's hold / raw broadcast, all measured in this call
+#   pipeline: `bench/pipeline.py` on examples/gpu.toml with long prompts (LONG_WORDS words) and short
+#             completions (LONG_TOKENS), so generating and training a step take comparable time:
+#             sync vs async at STALENESS                                -> async gain as a fraction of ideal
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"; RUNS=/tmp/runs; F="$OUT/figures.jsonl"
 python3 -m streamrl make-tiny-model models/qwen2-0.5b-shape --shape 0.5b > /tmp/setup.log 2>&1
-CUDA_VISIBLE_DEVICES=0 timeout 75 python3 bench/learner_step.py --mode streamrl --compile --pad --vocab 512 \
-  --longest 176 --budget 40960 --micro-batches 2 --samples 700 --head-logits-gib 24 --warmup 1 --steps 4 \
-  >> "$F" 2>> "$OUT/errors.txt"
-timeout "${RUN_LIMIT:-240}" python3 -m streamrl run --config examples/gpu.toml --rollout-nodes 1 \
-  --steps "${STEPS:-50}" --set "run.dir='$RUNS'" > "$OUT/run.txt" 2>&1; echo "run exit $?" >> "$OUT/run.txt"
-MFU=$(python3 -c "import json;print([json.loads(l) for l in open('$F') if 'learner_step' in l][-1]['mfu'])" 2>/dev/null || echo 0)
-python3 -m streamrl.bench.loop_figures "$RUNS/gpu" --skip 8 --standalone-mfu "$MFU" --raw-broadcast-ms "${RAW_MS:-0}" >> "$F"
-cp "$RUNS/gpu/metrics.jsonl" "$OUT/metrics.jsonl" 2>/dev/null
-for f in "$RUNS"/gpu/logs/*.out; do echo "== $f"; tail -c 3000 "$f"; done > "$OUT/logs.txt" 2>/dev/null
-cat "$F"
-timeout "${PIPE_LIMIT:-170}" python3 -m streamrl.bench.pipeline --config examples/gpu.toml --staleness 1 \
-  --steps "${PIPE_STEPS:-8}" --out "$OUT" >> "$F" 2>> "$OUT/errors.txt"
-tail -n 3 "$F"
+
+if [[ " ${PARTS:-loop pipeline} " == *" loop "* ]]; then
+  timeout 90 python3 bench/weight_transfer.py --shapes qwen2-0.5b-v512 --bucket-mb 256 --iters 10 \
+    >> "$F" 2>> "$OUT/errors.txt"
+  CUDA_VISIBLE_DEVICES=0 timeout 75 python3 bench/learner_step.py --mode streamrl --compile --pad --vocab 512 \
+    --longest 176 --budget 40960 --micro-batches 2 --samples 700 --head-logits-gib 24 --warmup 1 --steps 4 \
+    >> "$F" 2>> "$OUT/errors.txt"
+  timeout "${RUN_LIMIT:-240}" python3 -m streamrl run --config examples/gpu.toml --rollout-nodes 1 \
+    --steps "${STEPS:-50}" --set "run.dir='$RUNS'" > "$OUT/run.txt" 2>&1; echo "run exit $?" >> "$OUT/run.txt"
+  last() { python3 -c "import json;print([r for r in map(json.loads, open('$F')) if r['figure'].startswith('$1')][-1]['$2'])" 2>/dev/null || echo 0; }
+  MFU=$(last learner_step mfu); RAW=$(last weight_transfer raw_ms)
+  python3 -m streamrl.bench.loop_figures "$RUNS/gpu" --skip 8 --standalone-mfu "$MFU" --raw-broadcast-ms "$RAW" >> "$F"
+  cp "$RUNS/gpu/metrics.jsonl" "$OUT/metrics.jsonl" 2>/dev/null
+  for f in "$RUNS"/gpu/logs/*.out; do echo "== $f"; tail -c 3000 "$f"; done > "$OUT/logs.txt" 2>/dev/null
+  cat "$F"
+fi
+
+if [[ " ${PARTS:-loop pipeline} " == *" pipeline "* ]]; then
+  WORDS=${LONG_WORDS:-380}
+  python3 -c "import json,random; from streamrl.rewards.demo import DEMO_WORDS as W; r=random.Random(0)
+for _ in range(4096): print(json.dumps({'prompt': ' '.join(r.choice(W) for _ in range($WORDS)), 'answer': 'a'}))" \
+    > /tmp/long_prompts.jsonl
+  timeout -s INT -k 30 "${PIPE_LIMIT:-400}" python3 -m streamrl.bench.pipeline --config examples/gpu.toml \
+    --staleness ${STALENESS:-1 2} --steps "${PIPE_STEPS:-10}" --warmup-steps "${PIPE_WARMUP:-2}" \
+    --out "$OUT" --dir /tmp/pipe_runs \
+    --set "data.path='/tmp/long_prompts.jsonl'" --set "data.max_prompt_tokens=$((WORDS + 4))" \
+    --set "rollout.max_tokens=${LONG_TOKENS:-48}" >> "$F" 2>> "$OUT/errors.txt"
+  for f in /tmp/pipe_runs/*/logs/*.out; do echo "== $f"; tail -c 2500 "$f"; done > "$OUT/pipe_logs.txt" 2>/dev/null
+  tail -n 6 "$F"
+fi
+
+if [[ " ${PARTS:-loop pipeline} " == *" tests "* ]]; then
+  timeout "${TESTS_LIMIT:-150}" python3 -m pytest -q -p no:cacheprovider tests/gpu > "$OUT/gpu_tests.txt" 2>&1
+  tail -3 "$OUT/gpu_tests.txt"
+fi
