@@ -42,7 +42,6 @@ class _Set:
     readers: int = 0
 
 
-@dataclasses.dataclass
 class _DeviceTimer:
     """CUDA events around one packing; `stop` returns the end event the transfers wait on."""
 
