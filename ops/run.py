@@ -20,6 +20,8 @@ from streamrl.ops.phases import Board
 # A learning rate this high suits only a tiny random model; examples/demo.toml spells it out.
 DEMO = ["learner.lr=1e-2", "rollout.group_size=8", "rollout.max_tokens=24", "run.steps=30"]
 LEARNER_UP_S = 300.0  # from the learner's start to its sockets (RUN/learner.json)
+POLL_S = 0.1  # how often the live view reads the logs and the metrics
+REDRAW_S = 0.5  # the view redraws at least this often (its clock), and whenever a state changes
 
 
 def fresh_name(cfg: Config, explicit: bool) -> Config:
@@ -77,7 +79,7 @@ def run_local(
                 # A second Ctrl-C or a SIGTERM must not cut the clean-up short and leave children running.
                 previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)}
                 launcher.stop_all(keep_redis=True)
-                view.show()  # the last table: every role as it ended
+                view.show(force=True)  # the last table: every role as it ended
         if failure:
             console.print(f"[red]error:[/] {failure}")
         elif board.learner is not None and board.learner.state.state == "dead":
@@ -102,12 +104,21 @@ class _View:
     def __init__(self, live: Live, board: Board, steps: int, started: float):
         self.live, self.board, self.steps, self.started = live, board, steps, started
         self.metrics = MetricsTail(board.launcher.run_dir / "metrics.jsonl")
+        self.shown: tuple = ()
+        self.shown_at = 0.0
 
-    def show(self) -> None:
+    def show(self, force: bool = False) -> None:
+        """Redraw when a phase, a role's state or the step changed (polled at POLL_S, so a phase
+        shorter than a frame is still seen), else at REDRAW_S for the clock."""
         self.metrics.poll()
         snapshot = self.board.poll(len(self.metrics.records))
-        elapsed = time.monotonic() - self.started
-        self.live.update(live_table(snapshot, self.metrics.records, self.steps, elapsed), refresh=True)
+        roles = [snapshot.learner, *snapshot.nodes]
+        seen = (snapshot.phase, snapshot.note, len(self.metrics.records), *(str(role) for role in roles))
+        now = time.monotonic()
+        if not force and seen == self.shown and now - self.shown_at < REDRAW_S:
+            return
+        self.shown, self.shown_at = seen, now
+        self.live.update(live_table(snapshot, self.metrics.records, self.steps, now - self.started), refresh=True)
 
 
 def _watch(launcher: Launcher, view: _View, console: Console) -> int:
@@ -144,7 +155,7 @@ def _follow(launcher: Launcher, view: _View, console: Console) -> None:
         finishing = bool(records) and records[-1]["step"] >= launcher.cfg.run.steps  # nodes were told to stop
         if started_nodes and nodes and not finishing:
             _check_nodes(board)
-        time.sleep(0.5)
+        time.sleep(POLL_S)
 
 
 def _check_nodes(board: Board) -> None:
