@@ -28,7 +28,7 @@ pytestmark = [pytest.mark.slow]
 
 SUBNET = "10.213.0"
 HOSTS = {"redis": 1, "learner": 2, "node-0": 3, "node-1": 4, "probe": 5}
-STEPS = 30  # long enough that the probe, made when node-0 joins, is over well before the run is (10 was not, once in CI)
+STEPS = 30  # the probe, made when node-0 joins, must end well before the run does (10 steps did not, once in CI)
 PROBE = pathlib.Path(__file__).with_name("netns_probe.py")
 
 
