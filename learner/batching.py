@@ -134,20 +134,31 @@ def collate(trajectories: list[Trajectory], advantages: list[float], pad_to: int
     used = sum(p["input_ids"].numel() for p in parts)
     if pad_to > used:
         parts.append(_padding(pad_to - used))
+    return _join(
+        parts,
+        sample_ids=[t.sample_id for t in trajectories],
+        loss_tokens=sum(t.model_tokens for t in trajectories),
+        loss_sequences=sum(1 for t in trajectories if t.model_tokens),
+    )
+
+
+def loss_free(positions: int, sequences: int) -> MicroBatch:
+    """A micro-batch of `positions` positions in `sequences` sequences, none with a loss token: the
+    shapes a compiled step will meet, without data (Trainer.warm_up)."""
+    if not 1 <= sequences <= positions:
+        raise ValueError(f"{sequences} sequences cannot cut {positions} positions")
+    sizes = [positions // sequences] * (sequences - 1)
+    return _join([_padding(n) for n in [*sizes, positions - sum(sizes)]], loss_tokens=0, loss_sequences=0)
+
+
+def _join(parts: list[dict[str, Tensor]], **extra) -> MicroBatch:
+    """Sequences' tensors end to end, with the offsets the attention cuts them by."""
     lengths = [p["input_ids"].numel() for p in parts]
     cat = {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
     seq_ids = torch.repeat_interleave(torch.arange(len(parts)), torch.tensor(lengths))
     cu = torch.zeros(len(parts) + 1, dtype=torch.int32)
     cu[1:] = torch.cumsum(torch.tensor(lengths), 0)
-    return MicroBatch(
-        seq_ids=seq_ids,
-        cu_seqlens=cu,
-        max_seqlen=max(lengths),
-        sample_ids=[t.sample_id for t in trajectories],
-        loss_tokens=sum(t.model_tokens for t in trajectories),
-        loss_sequences=sum(1 for t in trajectories if t.model_tokens),
-        **cat,
-    )
+    return MicroBatch(seq_ids=seq_ids, cu_seqlens=cu, max_seqlen=max(lengths), **cat, **extra)
 
 
 def pack(

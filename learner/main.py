@@ -55,6 +55,8 @@ def run_learner(cfg: Config, resume: str = "") -> int:
     try:
         push_weights = parallel.PushWeights(policy, compute)
         _continue_versions(trainer, orchestrator, push_weights)
+        if parallel.compiles(cfg.learner, device) and cfg.simulate.train_s <= 0:  # while the nodes start
+            log.info("learner compiled ahead of step 1 in %.1f s", trainer.warm_up())
         for step in range(first, cfg.run.steps + 1):
             clock = _Laps()
             per_rank = orchestrator.next_batch(parallel.world_size()) if rank0 else None  # receive → admit
@@ -117,7 +119,7 @@ def _start_orchestrator(
     """Rank 0's orchestrator; a refusal (a run trained already, ...) stops every rank, not rank 0 alone."""
     orchestrator, error = None, None
     if parallel.is_rank0():
-        compiled = cfg.learner.compile is True or (cfg.learner.compile == "auto" and device.type == "cuda")
+        compiled = parallel.compiles(cfg.learner, device)
         params = sum(p.numel() for p in policy.lm.parameters())
         try:
             orchestrator = Orchestrator(

@@ -120,7 +120,7 @@ def wrap_model(
 
         for i, layer in enumerate(layers):
             layers[i] = checkpoint_wrapper(layer, preserve_rng_state=False)
-    if cfg.compile is True or (cfg.compile == "auto" and device.type == "cuda"):
+    if compiles(cfg, device):
         for layer in layers:
             layer.compile()  # static shapes first; torch marks T dynamic if it varies
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
@@ -143,6 +143,11 @@ def wrap_model(
             module.set_gradient_divide_factor(1.0)
             module.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM
     return policy
+
+
+def compiles(cfg: LearnerConfig, device: torch.device) -> bool:
+    """Whether the learner compiles its decoder layers: `learner.compile`, where "auto" is on CUDA only."""
+    return cfg.compile is True or (cfg.compile == "auto" and device.type == "cuda")
 
 
 def set_grad_sync(model: nn.Module, enabled: bool) -> None:

@@ -28,7 +28,7 @@ from torch import Tensor, nn
 
 from streamrl.engine.config import LearnerConfig, LossConfig
 from streamrl.learner import parallel
-from streamrl.learner.batching import MicroBatch
+from streamrl.learner.batching import MicroBatch, loss_free
 from streamrl.learner.losses import local_normalizer, policy_loss, summarize
 from streamrl.learner.minibatch import split_updates
 from streamrl.learner.reference import release
@@ -194,6 +194,29 @@ class Trainer:
             step_seconds=time.perf_counter() - start,
         )
         return metrics
+
+    def warm_up(self) -> float:
+        """Compile ahead of the first step; the seconds it took.
+
+        Forward and backward over loss-free micro-batches of a few sizes (the padded buckets the
+        orchestrator packs to), in two rounds shaped like a step's (gradient sync off, then on). torch
+        compiles the first size as static and the next with the varying sizes (positions, sequences,
+        longest sequence) symbolic, which then serves every later micro-batch: no step recompiles
+        mid-run. The gradients are dropped: weights, optimizer state and version stay as they were."""
+        start = time.perf_counter()
+        budget = self.cfg.micro_batch_tokens
+        stride = max(1, budget // max(self.cfg.pad_buckets, 8))
+        sizes = [(max(4, budget - k * stride), k + 2) for k in range(4)]
+        for round_ in (sizes[:2], sizes[2:]):
+            for i, (positions, sequences) in enumerate(round_):
+                parallel.set_grad_sync(self.model, i == len(round_) - 1)
+                self._forward_backward(loss_free(positions, sequences).to(self.device), 1.0, None, None)
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.gather_ahead:
+            parallel.gather_for_next_forward(self.model)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter() - start
 
     def _update(
         self, micro_batches: list[MicroBatch], normalizer: float, extra: list[tuple[Tensor | None, Tensor | None]]

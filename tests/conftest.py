@@ -45,6 +45,61 @@ def demo_config(tmp_path):
     return make
 
 
+@pytest.fixture
+def compiled_trainer(tiny_model, monkeypatch):
+    """`make(backend, **learner)`: a Trainer over the tiny model with its decoder layers compiled by
+    `backend` (dynamo on for this test only: this file turns it off for vLLM's sake); dynamo's caches
+    are dropped before and after, so each test compiles afresh."""
+    import torch
+    import torch._dynamo
+    from transformers import AutoModelForCausalLM
+
+    from streamrl.engine.config import LearnerConfig, LossConfig
+    from streamrl.learner import parallel
+    from streamrl.learner.train_step import Trainer
+
+    monkeypatch.setenv("TORCHDYNAMO_DISABLE", "0")  # read when a module is compiled
+    torch._dynamo.reset()
+
+    def make(backend: str, **learner) -> Trainer:
+        compile_with = torch.nn.Module.compile
+        monkeypatch.setattr(torch.nn.Module, "compile", lambda self, **kw: compile_with(self, backend=backend))
+        device = parallel.init_distributed()
+        lm = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32, attn_implementation="sdpa")
+        cfg = LearnerConfig(lr=1e-3, compile=True, **learner)
+        return Trainer(parallel.wrap_model(lm, cfg, device), LossConfig(), cfg, device)
+
+    yield make
+    torch._dynamo.reset()
+
+
+@pytest.fixture
+def steps_of_new_shapes():
+    """`run(trainer, steps)`: that many steps over micro-batches of sizes, sequence counts and longest
+    sequences the trainer has not seen, a recompile an error; the steps' metrics."""
+    import torch._dynamo
+
+    from streamrl.engine.messages import Trajectory
+    from streamrl.learner.batching import pack
+
+    def run(trainer, steps: int = 4) -> list[dict]:
+        budget = trainer.cfg.micro_batch_tokens
+        out = []
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            for k in range(1, steps + 1):
+                trajectories = [
+                    Trajectory(sample_id=f"s{k}-{i}", group_id="g", node_id="n", seq=i, prompt_ids=[3, 4, 5 + i],
+                               completion_ids=list(range(10, 10 + 7 * k + i)), behavior_logprobs=[-6.0] * (7 * k + i),
+                               reward=0.0, policy_version=0)  # fmt: skip
+                    for i in range(3 * k)
+                ]
+                advantages = [(-1.0) ** i for i in range(len(trajectories))]
+                out.append(trainer.step(pack(trajectories, advantages, budget, pad_multiple=budget // 8)))
+        return out
+
+    return run
+
+
 @pytest.fixture(scope="session")
 def planted_weights():
     """`plant(model, token, device)`: a copy of `model`'s weights (on `device`) under which every next

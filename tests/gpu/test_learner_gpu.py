@@ -129,3 +129,14 @@ def test_safe_step_on_cuda(tiny_model):
     good = trainer.step(pack(trajs, [1.0, -1.0, 1.0, -1.0], 12))
     assert good["skipped"] == 0.0 and trainer.version == 1
     parallel.shutdown()
+
+
+def test_a_warmed_up_compiled_learner_never_recompiles_mid_run(compiled_trainer, steps_of_new_shapes):
+    """inductor and the varlen attention (cu_seqlens and the longest sequence vary too): after
+    Trainer.warm_up, steps over sizes it did not see compile nothing."""
+    from streamrl.learner import parallel
+
+    trainer = compiled_trainer("inductor", micro_batch_tokens=2048)
+    assert trainer.warm_up() > 0
+    assert [m["skipped"] for m in steps_of_new_shapes(trainer)] == [0.0] * 4 and trainer.version == 4
+    parallel.shutdown()

@@ -3,7 +3,7 @@ import random
 import pytest
 
 from streamrl.engine.messages import Trajectory
-from streamrl.learner.batching import pack, pack_for_ranks, plan, split_by_tokens
+from streamrl.learner.batching import loss_free, pack, pack_for_ranks, plan, split_by_tokens
 
 
 def traj(sid, prompt, completion, logprobs, version=0, token_versions=()):
@@ -121,3 +121,12 @@ def test_pad_multiple_pads_each_micro_batch_to_a_bucket_not_the_budget():
     assert mb.num_tokens == 8 and mb.loss_tokens == 5 and mb.loss_mask[7].item() is False
     (full,) = pack([A, B], [1.0, 1.0], token_budget=64, pad_to_budget=True)
     assert full.num_tokens == 64
+
+
+def test_loss_free_micro_batch_has_the_asked_shape_and_no_loss_token():
+    mb = loss_free(100, 3)
+    assert mb.num_tokens == 100 and mb.cu_seqlens.tolist() == [0, 33, 66, 100] and mb.max_seqlen == 34
+    assert mb.num_loss_tokens == 0 and mb.loss_tokens == 0 and mb.loss_sequences == 0
+    assert mb.position_ids[33].item() == 0 and mb.seq_ids.tolist() == [0] * 33 + [1] * 33 + [2] * 34
+    with pytest.raises(ValueError, match="4 sequences cannot cut 3 positions"):
+        loss_free(3, 4)

@@ -65,6 +65,33 @@ def test_planted_nan_skips_the_step_and_leaves_weights_bit_identical(trainer, ca
     assert all(torch.isfinite(v).all() for v in weights(trainer.model).values())
 
 
+def test_warm_up_runs_the_step_shapes_and_leaves_weights_optimizer_and_version_alone(trainer):
+    before, version = weights(trainer.model), trainer.version
+    moments = {id(p): {k: v.clone() for k, v in state.items()} for p, state in trainer.optimizer.state.items()}
+    assert trainer.warm_up() > 0
+    assert all(torch.equal(before[k], v) for k, v in weights(trainer.model).items())
+    assert trainer.version == version and all(p.grad is None for p in trainer.model.parameters())
+    after = {id(p): state for p, state in trainer.optimizer.state.items()}
+    assert after.keys() == moments.keys()
+    assert all(torch.equal(v, after[key][k]) for key, state in moments.items() for k, v in state.items())
+    assert trainer.step(batch([1.0, -1.0, 1.0, -1.0]))["skipped"] == 0.0  # and the next step trains
+
+
+def test_a_warmed_up_compiled_learner_never_recompiles_mid_run(trainer, compiled_trainer, steps_of_new_shapes):
+    """dynamo's guards and symbolic sizes on CPU (aot_eager: inductor's CPU build would take minutes);
+    tests/gpu runs the same with inductor and the varlen attention. Without the warm-up, the second
+    size met mid-run recompiles (a 7-9 s step on the H200 pair, bench/RESULTS.md)."""
+    import torch._dynamo
+
+    cold = compiled_trainer("aot_eager", micro_batch_tokens=1024)
+    with pytest.raises(torch._dynamo.exc.RecompileError, match="size mismatch"):
+        steps_of_new_shapes(cold)
+    torch._dynamo.reset()
+    warm = compiled_trainer("aot_eager", micro_batch_tokens=1024)
+    assert warm.warm_up() > 0
+    assert [m["skipped"] for m in steps_of_new_shapes(warm)] == [0.0] * 4 and warm.version == 4
+
+
 def test_first_step_on_own_logprobs_has_ratio_one_and_tiny_kl(trainer):
     mbs = batch([1.0, -1.0, 0.5, -0.5])
     with torch.no_grad():
