@@ -82,17 +82,18 @@ def steps_of_new_shapes():
     from streamrl.engine.messages import Trajectory
     from streamrl.learner.batching import pack
 
+    def sample(k: int, i: int) -> Trajectory:
+        n = 7 * k + i  # completion tokens: step k's sequences are longer than step k-1's
+        return Trajectory(sample_id=f"s{k}-{i}", group_id="g", node_id="n", seq=i, prompt_ids=[3, 4, 5 + i],
+                          completion_ids=list(range(10, 10 + n)), behavior_logprobs=[-6.0] * n, reward=0.0,
+                          policy_version=0)  # fmt: skip
+
     def run(trainer, steps: int = 4) -> list[dict]:
         budget = trainer.cfg.micro_batch_tokens
         out = []
         with torch._dynamo.config.patch(error_on_recompile=True):
             for k in range(1, steps + 1):
-                trajectories = [
-                    Trajectory(sample_id=f"s{k}-{i}", group_id="g", node_id="n", seq=i, prompt_ids=[3, 4, 5 + i],
-                               completion_ids=list(range(10, 10 + 7 * k + i)), behavior_logprobs=[-6.0] * (7 * k + i),
-                               reward=0.0, policy_version=0)  # fmt: skip
-                    for i in range(3 * k)
-                ]
+                trajectories = [sample(k, i) for i in range(3 * k)]
                 advantages = [(-1.0) ** i for i in range(len(trajectories))]
                 out.append(trainer.step(pack(trajectories, advantages, budget, pad_multiple=budget // 8)))
         return out
