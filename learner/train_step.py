@@ -198,11 +198,12 @@ class Trainer:
     def warm_up(self) -> float:
         """Compile ahead of the first step; the seconds it took.
 
-        Forward and backward over loss-free micro-batches of a few sizes (the padded buckets the
-        orchestrator packs to), in two rounds shaped like a step's (gradient sync off, then on). torch
-        compiles the first size as static and the next with the varying sizes (positions, sequences,
-        longest sequence) symbolic, which then serves every later micro-batch: no step recompiles
-        mid-run. The gradients are dropped: weights, optimizer state and version stay as they were."""
+        Forward and backward over loss-free micro-batches of four sizes a bucket apart below the budget (the
+        orchestrator's buckets at the default `pad_buckets`; any sizes that differ serve), in two rounds shaped
+        like a step's (gradient sync off, then on). torch compiles the first size as static and the next with
+        the varying sizes (positions, sequences, longest sequence) symbolic, which then serves every later
+        micro-batch: no step recompiles mid-run. The gradients are dropped: weights, optimizer state and version
+        stay as they were."""
         start = time.perf_counter()
         budget = self.cfg.micro_batch_tokens
         stride = max(1, budget // max(self.cfg.pad_buckets, 8))
