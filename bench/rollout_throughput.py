@@ -5,7 +5,7 @@
 Prints one JSON line per backend and round, then the ratio (vllm / hf): the median of the
 rounds' ratios, each round measuring both backends back to back (on a shared machine the load
 of others swings either figure several-fold between minutes). Each backend runs in its own
-child process and gets every group at once through the `GenerationEngine` interface (vLLM
+child process and gets every group at once through the `GenerationBackend` interface (vLLM
 batches continuously; hf batches whatever is queued), after one untimed pass of the same shape
 (vLLM's first full batch is several times slower). Tokens counted are completion tokens returned.
 With --min-tokens, each group gets its own max_tokens (a random model never stops early, so
@@ -86,12 +86,12 @@ async def _measure(engine, prompts: list[list[int]], group_size: int, lengths: l
 
 async def _run_backend(backend: str, model: str, args) -> dict:
     from streamrl.engine.config import ModelConfig, RolloutConfig
-    from streamrl.rollout.hf_engine import HFEngine
-    from streamrl.rollout.vllm_engine import VLLMEngine
+    from streamrl.rollout.backends.hf import HFBackend
+    from streamrl.rollout.backends.vllm import VLLMBackend
 
     model_cfg = ModelConfig(max_model_len=args.max_tokens + 64, dtype=args.dtype)
     rollout = RolloutConfig(backend=backend, temperature=1.0, max_tokens=args.max_tokens)
-    engine = (VLLMEngine if backend == "vllm" else HFEngine)(model, model_cfg, rollout, seed=0)
+    engine = (VLLMBackend if backend == "vllm" else HFBackend)(model, model_cfg, rollout, seed=0)
     try:
         rng = random.Random(1)
         lengths = [rng.randint(args.min_tokens or args.max_tokens, args.max_tokens) for _ in range(args.prompts)]

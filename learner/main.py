@@ -16,8 +16,8 @@ import time
 
 import torch
 
-from streamrl.engine import config_rules
 from streamrl.engine.config import Config, ConfigError
+from streamrl.engine.config import rules as config_rules
 from streamrl.engine.ledger import LedgerUnavailableError
 from streamrl.engine.models import default_tiny_model, load_model
 from streamrl.engine.telemetry import setup_logging
@@ -31,7 +31,7 @@ log = logging.getLogger("streamrl.learner")
 
 
 def check_config(cfg: Config) -> None:
-    """Refuse combinations the learner cannot run, naming the fields (engine/config_rules.py, as preflight)."""
+    """Refuse combinations the learner cannot run, naming the fields (engine/config/rules.py, as preflight)."""
     for finding in config_rules.require(cfg, roles=("learner",)):
         log.warning("%s", finding.message)
 

@@ -24,8 +24,8 @@ from torch import Tensor
 
 from streamrl.engine.config import Config
 from streamrl.engine.messages import Stop
-from streamrl.engine.weight_layout import BufferPool, PackedBuckets, plan_buckets
 from streamrl.engine.weights import WeightSender, WeightTransferError, resolve_backend
+from streamrl.engine.weights.layout import BufferPool, PackedBuckets, plan_buckets
 from streamrl.learner.nodes import NodeRegistry
 
 log = logging.getLogger("streamrl.learner")

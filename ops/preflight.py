@@ -6,7 +6,7 @@
 
 Each check reuses the code the roles themselves run (the model checks of engine/models.py, the row
 judging of rollout/sources.py, reward resolution and signature checks of rewards/registry.py, the
-vLLM rules of rollout/vllm_support.py), so preflight and the node never disagree. Nothing here
+vLLM rules of rollout/backends/vllm_support.py), so preflight and the node never disagree. Nothing here
 starts an engine, loads weights, opens a socket or calls a reward. A check that needs what an
 earlier one failed to load (the tokenizer, the model config) is skipped, not reported twice.
 """
@@ -20,8 +20,8 @@ import traceback
 from collections.abc import Callable, Iterable
 from typing import Any, Literal
 
-from streamrl.engine import config_rules
 from streamrl.engine.config import Config
+from streamrl.engine.config import rules as config_rules
 
 ROLES = ("learner", "rollout")
 SCAN_ROWS = 10_000  # rows judged (tokenized, ~60 us each on 2 cores) at most; the summary says when there are more
@@ -69,13 +69,13 @@ def _problem(check: str, message: str, level: str = "error", detail: str = "") -
 
 
 def check_config(ctx: _Context) -> list[Problem]:
-    """Cross-section mistakes the typed config cannot see field by field: engine/config_rules.py, the rules
+    """Cross-section mistakes the typed config cannot see field by field: engine/config/rules.py, the rules
     the learner itself refuses to start on; plus the rollout's sampling rules."""
     cfg = ctx.cfg
     found = config_rules.check(cfg, ctx.roles)
     out = [_problem("config", f.message, level=f.level) for f in found]
     if "rollout" in ctx.roles:
-        from streamrl.rollout.engine import check_sampling
+        from streamrl.rollout.backends.protocol import check_sampling
 
         try:
             check_sampling(cfg.rollout)
@@ -125,7 +125,7 @@ def check_engine(ctx: _Context) -> list[Problem]:
     if ctx.hf_config is None:
         return []
     from streamrl.rollout.backends import resolve_device
-    from streamrl.rollout.vllm_support import support_problems
+    from streamrl.rollout.backends.vllm_support import support_problems
 
     device = resolve_device(cfg.run.device)
     problems = support_problems(ctx.hf_config, cfg.model.max_model_len, device)

@@ -9,7 +9,7 @@ its parent: a daemon thread polls the parent's pid and SIGKILLs the child once t
 (reparented). The hook is inherited by forked children, so a child's own children watch it in
 turn (a chain dies link by link). Spawned children (vLLM uses spawn when CUDA is initialised in the
 parent) do not inherit it; `watch_parent()` arms the same watch from inside the child, and the
-worker extension module (`rollout/worker_ext.py`) calls it when vLLM imports it there.
+worker extension module (`rollout/backends/vllm_worker.py`) calls it when vLLM imports it there.
 
 Why a polling thread and not `prctl(PR_SET_PDEATHSIG)`: the death signal fires when the *thread*
 that forked the child ends, not the process, so an engine built in a worker thread (e.g. under

@@ -30,7 +30,7 @@ from typing import Protocol
 from streamrl.engine.config import Config
 from streamrl.engine.ledger import sample_ids as ledger_sample_ids
 from streamrl.engine.messages import Timings, Trajectory, WeightsReady
-from streamrl.rollout.engine import Completion, GenerationEngine
+from streamrl.rollout.backends.protocol import Completion, GenerationBackend
 from streamrl.rollout.envs.episode import Episode, build_runner
 from streamrl.rollout.sources import Prompt, prompt_text
 
@@ -92,7 +92,7 @@ class RolloutNode:
         self,
         cfg: Config,
         node_id: str,
-        engine: GenerationEngine,
+        engine: GenerationBackend,
         source: Iterable[Prompt],
         scorer: Scorer,
         sink: TrajectorySink,

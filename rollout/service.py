@@ -165,7 +165,7 @@ class _Inputs:
     def __init__(self, cfg: Config, node_id: str):
         from streamrl.engine.models import default_tiny_model, load_tokenizer
         from streamrl.rewards import build_scorer
-        from streamrl.rollout.engine import check_sampling
+        from streamrl.rollout.backends.protocol import check_sampling
         from streamrl.rollout.sources import PromptSource
 
         self.tokenizer = load_tokenizer(cfg.model.path or str(default_tiny_model()), cfg.model.trust_remote_code)
@@ -220,14 +220,14 @@ def _later(seconds: float, fn) -> None:
 
 async def serve(cfg: Config, learner_addr: str, node_id: str, max_groups: int | None = None) -> int:
     """Build the engine once, then serve the run's learner, and the next one when it is restarted."""
-    from streamrl.rollout.backends import build_engine, resolve_device
+    from streamrl.rollout.backends import build_backend, resolve_device
 
     inputs = _Inputs(cfg, node_id)
     try:
         check_reachable(learner_addr, cfg.transport.send_timeout_s)
         device = resolve_device(cfg.run.device)
         log.info("phase: loading the %s engine on %s", cfg.rollout.backend, device)  # `phase:` lines: the live view
-        engine = build_engine(cfg, device)  # before registering: weights can be taken at once
+        engine = build_backend(cfg, device)  # before registering: weights can be taken at once
         warm_s = await engine.warm_up()  # compile before serving, so nothing compiles mid-run
         if warm_s:
             log.info("engine warmed up in %.1f s", warm_s)

@@ -29,7 +29,7 @@ import traceback
 from collections.abc import Callable
 
 from streamrl.engine.config import Config, ConfigError
-from streamrl.rollout.engine import Completion, GenerationEngine
+from streamrl.rollout.backends.protocol import Completion, GenerationBackend
 from streamrl.rollout.envs.protocol import (
     Environment,
     EpisodeFailure,
@@ -74,7 +74,7 @@ class EpisodeRunner:
     """Runs episodes of `env_factory` environments on `engine` (one instance per episode)."""
 
     def __init__(
-        self, cfg: Config, engine: GenerationEngine, tokenizer, env_factory: Callable[[], Environment], tools=None
+        self, cfg: Config, engine: GenerationBackend, tokenizer, env_factory: Callable[[], Environment], tools=None
     ):
         self.cfg, self.env_cfg, self.engine, self.tokenizer = cfg, cfg.env, engine, tokenizer
         self.env_factory, self.tools = env_factory, tools
@@ -236,7 +236,7 @@ def _in_thread(fn: Callable, *args) -> asyncio.Future:
     return future
 
 
-def build_runner(cfg: Config, engine: GenerationEngine, tokenizer) -> EpisodeRunner:
+def build_runner(cfg: Config, engine: GenerationBackend, tokenizer) -> EpisodeRunner:
     """The runner for `cfg.env` (its tool pool started when `env.tools` names tools)."""
     from streamrl.rollout.envs.tools import ToolPool, ToolPoolError
 

@@ -30,10 +30,10 @@ def test_nccl_transfer_finishes_during_a_long_batch_and_the_swap_waits_for_its_e
 ):
     from streamrl.engine.config import ModelConfig, RolloutConfig
     from streamrl.engine.weights import WeightSender, plan_buckets
-    from streamrl.rollout.hf_engine import HFEngine
+    from streamrl.rollout.backends.hf import HFBackend
 
     model_cfg = ModelConfig(max_model_len=1024, dtype="bfloat16")
-    engine = HFEngine(tiny_model, model_cfg, RolloutConfig(max_tokens=800), device="cuda:1", static=False)
+    engine = HFBackend(tiny_model, model_cfg, RolloutConfig(max_tokens=800), device="cuda:1", static=False)
     state = planted_weights(engine.model, PLANTED, device="cuda:0")
     sender = WeightSender("gpu-hf", backend="nccl", device="cuda:0", timeout_s=60.0)
     ready = sender.prepare(1, plan_buckets(state, 1 << 20))

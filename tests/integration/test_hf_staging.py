@@ -1,6 +1,6 @@
 """The `hf` node takes a new version while a long batch runs: the learner's part is the transfer alone.
 
-A real `HFEngine` (tiny model, CPU) in a long `generate`; a real `WeightSender` over a real gloo group
+A real `HFBackend` (tiny model, CPU) in a long `generate`; a real `WeightSender` over a real gloo group
 pushes new weights meanwhile. The transfer ends while the batch is still running; the batch keeps the
 version it started with; the swap happens between batches; the next batch samples the new weights.
 """
@@ -13,13 +13,13 @@ import time
 
 from streamrl.engine.config import ModelConfig, RolloutConfig
 from streamrl.engine.weights import WeightSender, plan_buckets
-from streamrl.rollout.hf_engine import HFEngine
+from streamrl.rollout.backends.hf import HFBackend
 
 PLANTED = 100
 
 
 def test_transfer_finishes_during_a_long_batch_and_the_swap_waits_for_its_end(tiny_model, planted_weights):
-    engine = HFEngine(tiny_model, ModelConfig(max_model_len=512), RolloutConfig(max_tokens=400), device="cpu")
+    engine = HFBackend(tiny_model, ModelConfig(max_model_len=512), RolloutConfig(max_tokens=400), device="cpu")
     sender = WeightSender("hf-node", timeout_s=30.0)
     state = planted_weights(engine.model, PLANTED)
     ready = sender.prepare(1, plan_buckets(state, 64 * 1024))

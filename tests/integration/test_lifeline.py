@@ -25,7 +25,7 @@ def forked():
     time.sleep(120)
 
 def spawned():
-    lifeline.watch_parent()  # what importing rollout/worker_ext.py does in a spawned vLLM process
+    lifeline.watch_parent()  # what importing rollout/backends/vllm_worker.py does in a spawned vLLM process
     time.sleep(120)
 
 if __name__ == "__main__":

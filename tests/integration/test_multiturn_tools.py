@@ -10,7 +10,7 @@ import time
 import pytest
 
 from streamrl.engine.config import Config, EnvConfig, ModelConfig, RolloutConfig
-from streamrl.rollout.engine import Completion
+from streamrl.rollout.backends.protocol import Completion
 from streamrl.rollout.envs.episode import build_runner
 from streamrl.rollout.envs.tools import ToolPool, ToolPoolError
 

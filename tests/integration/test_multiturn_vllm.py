@@ -35,9 +35,9 @@ def tokenizer(tiny_model):
 
 @pytest.fixture(scope="module")
 def engine(tiny_model, loop):
-    from streamrl.rollout.vllm_engine import VLLMEngine
+    from streamrl.rollout.backends.vllm import VLLMBackend
 
-    engine = loop.run_until_complete(_make(VLLMEngine, tiny_model))
+    engine = loop.run_until_complete(_make(VLLMBackend, tiny_model))
     yield engine
     loop.run_until_complete(engine.close())
 
@@ -108,9 +108,9 @@ def test_a_three_turn_episode_holds_exactly_the_sampled_tokens(loop, engine, tok
 
     # the learner's view: a forward pass over prompt + completion gives the behavior logprobs back on
     # every model token, so the ids the trajectory holds are the ones vLLM sampled from
-    from streamrl.rollout.hf_engine import HFEngine
+    from streamrl.rollout.backends.hf import HFBackend
 
-    scorer = HFEngine(tiny_model, MODEL, RolloutConfig(), seed=0)
+    scorer = HFBackend(tiny_model, MODEL, RolloutConfig(), seed=0)
     scored = scorer.score(ep.prompt_ids, ep.completion_ids)
     gaps = [abs(a - b) for a, b, m in zip(scored, ep.logprobs, ep.mask) if m]
     assert len(gaps) == ep.model_tokens and max(gaps) < 1e-4

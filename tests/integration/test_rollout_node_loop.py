@@ -9,7 +9,7 @@ import pytest
 
 from streamrl.engine.config import Config, DataConfig, RolloutConfig
 from streamrl.engine.messages import Trajectory, WeightsReady
-from streamrl.rollout.engine import Completion, EngineClock, GenerationEngine
+from streamrl.rollout.backends.protocol import BackendClock, Completion, GenerationBackend
 from streamrl.rollout.node import RolloutNode
 from streamrl.rollout.sources import Prompt
 
@@ -25,7 +25,7 @@ class FakeEngine:
     def __init__(self, tokens: int = 3, step_s: float = 0.0, fail_on: int | None = None):
         self.policy_version, self.tokens, self.step_s, self.fail_on = 0, tokens, step_s, fail_on
         self.calls = 0
-        self.clock = EngineClock()
+        self.clock = BackendClock()
 
     async def generate(self, prompt_ids: list[int], n: int, max_tokens: int) -> list[Completion]:
         self.calls += 1
@@ -100,7 +100,7 @@ def _node(engine, prompts, credits=None, group_size=2, concurrent=2):
 
 
 def test_fake_engine_satisfies_the_protocol():
-    assert isinstance(FakeEngine(), GenerationEngine)
+    assert isinstance(FakeEngine(), GenerationBackend)
 
 
 def test_groups_are_generated_scored_and_sent():

@@ -30,12 +30,12 @@ def loop():
 
 def _engines(kind: str, model: str, rollout: RolloutConfig):
     if kind == "vllm":
-        from streamrl.rollout.vllm_engine import VLLMEngine
+        from streamrl.rollout.backends.vllm import VLLMBackend
 
-        return VLLMEngine(model, MODEL, rollout, seed=0)
-    from streamrl.rollout.hf_engine import HFEngine
+        return VLLMBackend(model, MODEL, rollout, seed=0)
+    from streamrl.rollout.backends.hf import HFBackend
 
-    return HFEngine(model, MODEL, rollout, seed=0)
+    return HFBackend(model, MODEL, rollout, seed=0)
 
 
 def _generate_all(loop, engine, n: int, max_tokens: int):

@@ -1,10 +1,10 @@
-"""The head sizes rollout/vllm_support.py allows on CPU are exactly those vLLM's CPU attention kernel serves."""
+"""The head sizes rollout/backends/vllm_support.py allows on CPU are exactly those the CPU attention kernel serves."""
 
 from __future__ import annotations
 
 import pytest
 
-from streamrl.rollout.vllm_support import CPU_HEAD_SIZES
+from streamrl.rollout.backends.vllm_support import CPU_HEAD_SIZES
 
 pytestmark = [pytest.mark.vllm]
 

@@ -24,8 +24,8 @@ import torch
 
 from streamrl.engine import messages
 from streamrl.engine.messages import Register
-from streamrl.engine.weight_layout import PackedBuckets
 from streamrl.engine.weights import WeightSender, WeightTransferError, plan_buckets
+from streamrl.engine.weights.layout import PackedBuckets
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 

@@ -32,10 +32,10 @@ def make_engine(model: str):
     from vllm import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
 
+    from streamrl.rollout.backends.vllm_worker import WORKER_EXTENSION
     from streamrl.rollout.lifeline import children_die_with_me
-    from streamrl.rollout.worker_ext import WORKER_EXTENSION
 
-    children_die_with_me()  # as VLLMEngine does: a killed node must not leave its engine core behind
+    children_die_with_me()  # as VLLMBackend does: a killed node must not leave its engine core behind
     args = AsyncEngineArgs(
         model=model,
         dtype="float32",
@@ -63,7 +63,7 @@ class Node:
         return final
 
     async def weights(self, req: dict) -> dict:
-        from streamrl.rollout.worker_ext import stage_and_swap_async_llm
+        from streamrl.rollout.backends.vllm_worker import stage_and_swap_async_llm
 
         ready = messages.decode_control(req["ready"])
         start = time.perf_counter()

@@ -10,8 +10,8 @@ and an attribute *read* (`ast.Load`) `X.f` counts as reading field `f` of sectio
 - `self` inside the section's own class (a property such as `RunConfig.path` reading `self.dir`);
 - the first parameter of a lambda in a value annotated `Callable[[<Section>], ...]` (rewards' registry);
 - `x or LedgerConfig()` counts as the section, as `x` alone would.
-Reads that only check a field do not count: `__post_init__` validation in engine/config.py, the
-cross-section rules (engine/config_rules.py) and preflight (ops/preflight.py). Exact about attribute
+Reads that only check a field do not count: `__post_init__` validation in engine/config/schema.py, the
+cross-section rules (engine/config/rules.py) and preflight (ops/preflight.py). Exact about attribute
 access; it cannot see a field read by `getattr` with a computed name or by unpacking a whole section
 (none does today: such a read would need a line in READ_ELSEWHERE with its reason).
 """
@@ -27,11 +27,11 @@ import msgspec
 from streamrl.engine.config import Config
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-CHECK_ONLY = {"engine/config_rules.py", "ops/preflight.py"}
+CHECK_ONLY = {"engine/config/rules.py", "ops/preflight.py"}
 READ_ELSEWHERE: dict[str, str] = {  # "section.field": where and how it is read, when no attribute read shows it
-    "ledger.heartbeat_ttl_s": "engine/ledger.py Ledger.heartbeat reads self.config.heartbeat_ttl_s; self.config is "
-    "the LedgerConfig that the base class LedgerBooks.__init__ (engine/ledger_books.py) keeps, which the walk "
-    "does not follow across classes"
+    "ledger.heartbeat_ttl_s": "engine/ledger/writer.py Ledger.heartbeat reads self.config.heartbeat_ttl_s; "
+    "self.config is the LedgerConfig that the base class LedgerBooks.__init__ (engine/ledger/books.py) keeps, "
+    "which the walk does not follow across classes"
 }
 
 

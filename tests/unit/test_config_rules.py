@@ -1,9 +1,9 @@
-"""Cross-section config rules (engine/config_rules.py): one place, called by the learner and by preflight."""
+"""Cross-section config rules (engine/config/rules.py): one place, called by the learner and by preflight."""
 
 import pytest
 
-from streamrl.engine import config_rules
 from streamrl.engine.config import ConfigError, build
+from streamrl.engine.config import rules as config_rules
 from streamrl.learner.main import check_config
 from streamrl.ops import preflight
 

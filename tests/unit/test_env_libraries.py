@@ -9,7 +9,7 @@ import json
 import pytest
 
 from streamrl.engine.config import Config, DataConfig, EnvConfig, ModelConfig, RewardConfig, RolloutConfig
-from streamrl.rollout.engine import Completion
+from streamrl.rollout.backends.protocol import Completion
 from streamrl.rollout.envs.episode import EpisodeRunner
 
 

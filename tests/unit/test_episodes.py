@@ -9,7 +9,7 @@ import time
 import pytest
 
 from streamrl.engine.config import Config, EnvConfig, ModelConfig, RolloutConfig
-from streamrl.rollout.engine import Completion
+from streamrl.rollout.backends.protocol import Completion
 from streamrl.rollout.envs.echo import EchoTarget
 from streamrl.rollout.envs.episode import EpisodeRunner
 

@@ -4,11 +4,11 @@ decode step compiled at warm-up is the only one; a longer prompt (a multi-turn e
 import torch
 
 from streamrl.engine.config import ModelConfig, RolloutConfig
-from streamrl.rollout.hf_engine import WIDTH_STEP, HFEngine
+from streamrl.rollout.backends.hf import WIDTH_STEP, HFBackend
 
 
 def test_static_batches_pad_every_prompt_to_the_runs_width_and_rows_to_max_batch(tiny_model):
-    engine = HFEngine(tiny_model, ModelConfig(), RolloutConfig(), static=True, max_batch=4, max_prompt_tokens=100)
+    engine = HFBackend(tiny_model, ModelConfig(), RolloutConfig(), static=True, max_batch=4, max_prompt_tokens=100)
     assert engine.width == 2 * WIDTH_STEP
     pad = engine.tokenizer.pad_token_id
     for rows in ([[5, 6, 7]], [[5] * 90, [6] * 3]):
@@ -18,5 +18,5 @@ def test_static_batches_pad_every_prompt_to_the_runs_width_and_rows_to_max_batch
         assert torch.all(input_ids[0, : -len(rows[0])] == pad)
     longer, _ = engine._left_pad([[5] * 130])
     assert longer.shape == (1, 3 * WIDTH_STEP)
-    dynamic = HFEngine(tiny_model, ModelConfig(), RolloutConfig(), static=False, max_prompt_tokens=100)
+    dynamic = HFBackend(tiny_model, ModelConfig(), RolloutConfig(), static=False, max_prompt_tokens=100)
     assert dynamic._left_pad([[5, 6, 7]])[0].shape == (1, 3)

@@ -3,7 +3,7 @@
 import pytest
 
 from streamrl.engine.ledger import Counts, is_stale, sample_ids
-from streamrl.engine.ledger_books import check_reason
+from streamrl.engine.ledger.books import check_reason
 from streamrl.engine.redis_server import redact
 
 

@@ -9,7 +9,7 @@ from transformers import LlamaConfig, Qwen2Config
 
 from streamrl.engine.config import ModelConfig, RolloutConfig
 from streamrl.engine.models import ModelLoadError
-from streamrl.rollout.vllm_support import head_size, support_problems
+from streamrl.rollout.backends.vllm_support import head_size, support_problems
 
 
 def test_head_size_is_head_dim_else_hidden_over_heads():
@@ -37,9 +37,9 @@ def test_cpu_head_sizes_and_max_len():
 
 
 def test_the_vllm_node_refuses_the_model_before_starting_an_engine(llama_head_dim_16):
-    from streamrl.rollout.vllm_engine import VLLMEngine
+    from streamrl.rollout.backends.vllm import VLLMBackend
 
     start = time.perf_counter()
     with pytest.raises(ModelLoadError, match=r"vLLM cannot serve .*llama-hd16: head_dim = 16, which vLLM's CPU"):
-        VLLMEngine(llama_head_dim_16, ModelConfig(path=llama_head_dim_16), RolloutConfig(), device="cpu")
+        VLLMBackend(llama_head_dim_16, ModelConfig(path=llama_head_dim_16), RolloutConfig(), device="cpu")
     assert time.perf_counter() - start < 10.0

@@ -86,12 +86,13 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 RECEIVER = """
 import sys, torch
 from streamrl.engine import messages, weights
+from streamrl.engine.weights import collective
 out = {}
 for n, line in enumerate(sys.stdin):
     ready = messages.decode_control(bytes.fromhex(line.strip()))
     got = {k: v.clone() for k, v in weights.receive(ready, "cpu", rank=1)}
     torch.save(got, sys.argv[1] + f".{n}")
-    print(len(weights._receiver_groups), flush=True)
+    print(len(collective._receiver_groups), flush=True)
 """
 
 

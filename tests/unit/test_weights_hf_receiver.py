@@ -9,7 +9,7 @@ import torch
 
 from streamrl.engine.models import tiny_config
 from streamrl.engine.weights import WeightSender, WeightTransferError, plan_buckets
-from streamrl.rollout.worker_ext import apply_to_hf_model
+from streamrl.rollout.backends.vllm_worker import apply_to_hf_model
 
 
 def _model(seed: int):

@@ -1,6 +1,6 @@
 """Rules across config sections, checked in one place before any process starts.
 
-Each field is validated alone when the config is built (engine/config.py); what no single field can
+Each field is validated alone when the config is built (engine/config/schema.py); what no single field can
 know lives here: a sample the learner could not pack, ranks with nothing to train, a mini-batch with
 no sample, a reference model that would never be used. `ops/preflight.py` reports these findings and
 `learner/main.py` refuses to start on an error, so neither can disagree with the other, and nothing
@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Literal, NamedTuple
 
-from streamrl.engine.config import Config, ConfigError
+from streamrl.engine.config.schema import Config, ConfigError
 
 ROLES = ("learner", "rollout")
 

@@ -29,7 +29,7 @@ from streamrl.engine.messages import WeightsReady
 from streamrl.engine.weights import Staged, Stager, WeightTransferError
 from streamrl.rollout import lifeline
 
-WORKER_EXTENSION = "streamrl.rollout.worker_ext.WeightReceiverExtension"
+WORKER_EXTENSION = "streamrl.rollout.backends.vllm_worker.WeightReceiverExtension"
 STATUS_POLL_S = 0.005
 
 # vLLM imports this module inside its engine core and workers. A forked one watches its parent

@@ -3,7 +3,7 @@
 Behavior logprobs (vLLM 0.32). vLLM's sampler can report four things (`logprobs_mode`):
 `raw_logprobs` is log-softmax of the logits *before* temperature; `processed_logprobs` is taken
 after temperature *and* top-k/top-p masking, i.e. renormalised over the kept tokens. Neither is
-always the temperature-scaled full distribution (see rollout/engine.py), so the mode is chosen per
+always the temperature-scaled full distribution (see rollout/backends/protocol.py), so the mode is chosen per
 config: without top-k/top-p, `processed_logprobs` = log_softmax(logits / T), exactly that; with
 top-k/top-p, `raw_logprobs` at temperature 1 (`check_sampling` rejects T != 1 there). Only the
 sampled token's logprob is requested (`logprobs=0`).
@@ -23,13 +23,13 @@ import uuid
 
 from streamrl.engine.config import ModelConfig, RolloutConfig
 from streamrl.engine.messages import WeightsReady
-from streamrl.rollout.engine import Completion, EngineClock, check_sampling
+from streamrl.rollout.backends.protocol import BackendClock, Completion, check_sampling
+from streamrl.rollout.backends.vllm_support import check_servable
 from streamrl.rollout.lifeline import children_die_with_me
-from streamrl.rollout.vllm_support import check_servable
 
 log = logging.getLogger(__name__)
 
-WORKER_EXTENSION = "streamrl.rollout.worker_ext.WeightReceiverExtension"
+WORKER_EXTENSION = "streamrl.rollout.backends.vllm_worker.WeightReceiverExtension"
 
 
 def logprobs_mode(cfg: RolloutConfig) -> str:
@@ -44,7 +44,7 @@ def engine_args(model_path: str, model: ModelConfig, rollout: RolloutConfig, see
         extra["kv_cache_memory_bytes"] = int(rollout.kv_cache_gib * (1 << 30))
     else:
         extra["gpu_memory_utilization"] = rollout.gpu_memory_utilization
-    if importlib.util.find_spec("streamrl.rollout.worker_ext") is not None:
+    if importlib.util.find_spec("streamrl.rollout.backends.vllm_worker") is not None:
         extra["worker_extension_cls"] = WORKER_EXTENSION
     return AsyncEngineArgs(
         model=model_path,
@@ -90,8 +90,8 @@ class _Collector:
         )
 
 
-class VLLMEngine:
-    """`GenerationEngine` over vLLM's AsyncLLM (engine core in its own process, which dies with this one)."""
+class VLLMBackend:
+    """`GenerationBackend` over vLLM's AsyncLLM (engine core in its own process, which dies with this one)."""
 
     def __init__(self, model_path: str, model: ModelConfig, rollout: RolloutConfig, seed: int = 0, device: str = "cpu"):
         check_sampling(rollout)
@@ -101,7 +101,7 @@ class VLLMEngine:
         self.rollout, self.max_model_len = rollout, model.max_model_len
         self.policy_version = 0
         self.tokens_generated = 0
-        self.clock = EngineClock()
+        self.clock = BackendClock()
         self.staging_bytes = 0
         self._ids = itertools.count()
         self._prefix = uuid.uuid4().hex[:8]
@@ -153,7 +153,7 @@ class VLLMEngine:
         The version is bumped once that returns: a token computed in the instant between resume
         and the bump is stamped with the old version, which only overstates its staleness.
         """
-        from streamrl.rollout.worker_ext import stage_and_swap_async_llm
+        from streamrl.rollout.backends.vllm_worker import stage_and_swap_async_llm
 
         done = await stage_and_swap_async_llm(self._engine, ready)
         self.policy_version = ready.version

@@ -20,8 +20,8 @@ from typing import Protocol
 import msgspec
 import redis
 
-from streamrl.engine import ledger_scripts as lua
 from streamrl.engine.config import LedgerConfig
+from streamrl.engine.ledger import scripts as lua
 from streamrl.engine.redis_server import redact
 
 log = logging.getLogger("streamrl.engine.ledger")

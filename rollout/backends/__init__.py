@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from streamrl.engine.config import Config
-from streamrl.rollout.engine import GenerationEngine, check_sampling
+from streamrl.rollout.backends.protocol import GenerationBackend, check_sampling
 
 
 def resolve_device(device: str) -> str:
@@ -15,23 +15,23 @@ def resolve_device(device: str) -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def build_engine(cfg: Config, device: str = "cpu") -> GenerationEngine:
+def build_backend(cfg: Config, device: str = "cpu") -> GenerationBackend:
     """The backend `cfg.rollout.backend` names, on the model `cfg.model` names (built-in tiny model when empty)."""
     from streamrl.engine.models import default_tiny_model
 
     model_path = cfg.model.path or str(default_tiny_model())
     check_sampling(cfg.rollout)
     if cfg.simulate.gen_s > 0:
-        from streamrl.rollout.sim_engine import SimEngine
+        from streamrl.rollout.backends.sim import SimBackend
 
-        return SimEngine(cfg, device)
+        return SimBackend(cfg, device)
     if cfg.rollout.backend == "vllm":
-        from streamrl.rollout.vllm_engine import VLLMEngine
+        from streamrl.rollout.backends.vllm import VLLMBackend
 
-        return VLLMEngine(model_path, cfg.model, cfg.rollout, seed=cfg.run.seed, device=device)
-    from streamrl.rollout.hf_engine import HFEngine
+        return VLLMBackend(model_path, cfg.model, cfg.rollout, seed=cfg.run.seed, device=device)
+    from streamrl.rollout.backends.hf import HFBackend
 
-    return HFEngine(
+    return HFBackend(
         model_path,
         cfg.model,
         cfg.rollout,

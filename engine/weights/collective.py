@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from streamrl.engine.messages import BucketSpec, WeightsReady
-from streamrl.engine.weight_groups import (
+from streamrl.engine.weights.groups import (
     ROOT,
     abort,
     broadcast_async,
@@ -38,7 +38,7 @@ from streamrl.engine.weight_groups import (
     wait_done,
     wait_key,
 )
-from streamrl.engine.weight_layout import (
+from streamrl.engine.weights.layout import (
     BufferPool,
     PackedBuckets,
     dtype_name,

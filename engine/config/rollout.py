@@ -6,7 +6,7 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
-from streamrl.engine.config_base import _doc, _Section
+from streamrl.engine.config.base import _doc, _Section
 
 
 class DataConfig(_Section):

@@ -16,9 +16,9 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
-from streamrl.engine.config_base import ConfigError, PosInt, _doc, _Section
-from streamrl.engine.config_learner import CheckpointConfig, LearnerConfig, LossConfig
-from streamrl.engine.config_rollout import (
+from streamrl.engine.config.base import ConfigError, PosInt, _doc, _Section
+from streamrl.engine.config.learner import CheckpointConfig, LearnerConfig, LossConfig
+from streamrl.engine.config.rollout import (
     DataConfig,
     EnvConfig,
     RewardConfig,

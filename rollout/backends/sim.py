@@ -16,12 +16,12 @@ import time
 from streamrl.engine.config import Config
 from streamrl.engine.messages import WeightsReady
 from streamrl.engine.weights import Stager
-from streamrl.rollout.engine import Completion, EngineClock
+from streamrl.rollout.backends.protocol import BackendClock, Completion
 
 SIM_TOKEN = 7
 
 
-class SimEngine:
+class SimBackend:
     def __init__(self, cfg: Config, device: str = "cpu"):
         sim = cfg.simulate
         self.mean_s = sim.gen_s / cfg.learner.groups_per_step
@@ -29,7 +29,7 @@ class SimEngine:
         self.rng = random.Random(cfg.run.seed)
         self.policy_version = 0
         self.tokens_generated = 0
-        self.clock = EngineClock()
+        self.clock = BackendClock()
         self.stager = Stager(device)
         self._lock: asyncio.Lock | None = None
 

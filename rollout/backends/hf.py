@@ -12,7 +12,7 @@ do), a batch waits up to `FILL_S` for requests to fill it, and `warm_up` compile
 node registers, so nothing compiles mid-run. (Seen on H200s with rows bucketed to powers of two: each
 change of batch size cost a new cache and graphs, and generation ran at 2.2k instead of ~30k tok/s.)
 Behavior logprobs are log_softmax(raw logits / T) at the sampled token — the same definition as the
-vLLM backend (rollout/engine.py).
+vLLM backend (rollout/backends/protocol.py).
 
 Weights: a new version is received into staging buffers while a batch runs (`weights.Stager`, in a
 thread of its own) and swapped into the model between batches, on the generation thread itself.
@@ -28,7 +28,7 @@ import time
 from streamrl.engine.config import ModelConfig, RolloutConfig
 from streamrl.engine.messages import WeightsReady
 from streamrl.engine.weights import Staged, Stager
-from streamrl.rollout.engine import Completion, EngineClock, check_sampling
+from streamrl.rollout.backends.protocol import BackendClock, Completion, check_sampling
 
 log = logging.getLogger("streamrl.rollout")
 
@@ -42,8 +42,8 @@ class _Request:
         self.future: asyncio.Future = asyncio.get_running_loop().create_future()
 
 
-class HFEngine:
-    """`GenerationEngine` over `transformers` generate; one batch at a time, in a worker thread."""
+class HFBackend:
+    """`GenerationBackend` over `transformers` generate; one batch at a time, in a worker thread."""
 
     def __init__(
         self,
@@ -72,7 +72,7 @@ class HFEngine:
         self.model = load_model(model_path, model.dtype, device, model.trust_remote_code)
         self.policy_version = 0
         self.tokens_generated = 0
-        self.clock = EngineClock()
+        self.clock = BackendClock()
         self.stager = Stager(device)
         self._queue: list[_Request] = []
         self._lock_and_loop: tuple[asyncio.Lock, asyncio.AbstractEventLoop] | None = None
@@ -212,7 +212,7 @@ class HFEngine:
             shape_start = time.perf_counter()
             await asyncio.get_running_loop().run_in_executor(self._thread, self._generate_batch, batch)
             log.info("warm-up: %d rows x %d prompt tokens in %.1f s", rows, width, time.perf_counter() - shape_start)
-        self.clock = EngineClock()  # warm-up is not generation
+        self.clock = BackendClock()  # warm-up is not generation
         return time.perf_counter() - start
 
     def score(self, prompt_ids: list[int], completion_ids: list[int]) -> list[float]:
@@ -236,7 +236,7 @@ class HFEngine:
         return time.perf_counter() - start
 
     def _swap(self, staged: Staged, ready: WeightsReady) -> None:
-        from streamrl.rollout.worker_ext import swap_into_hf_model
+        from streamrl.rollout.backends.vllm_worker import swap_into_hf_model
 
         start = time.perf_counter()
         try:

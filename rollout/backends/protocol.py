@@ -40,11 +40,11 @@ class Completion(msgspec.Struct, kw_only=True):
 
 
 @runtime_checkable
-class GenerationEngine(Protocol):
+class GenerationBackend(Protocol):
     """What the rollout node needs from a generation backend."""
 
     policy_version: int
-    clock: EngineClock  # where its time goes (reported in heartbeats)
+    clock: BackendClock  # where its time goes (reported in heartbeats)
 
     async def generate(self, prompt_ids: list[int], n: int, max_tokens: int) -> list[Completion]:
         """`n` samples of one prompt (one group), with behavior logprobs and per-token versions."""
@@ -70,7 +70,7 @@ def check_sampling(cfg: RolloutConfig) -> None:
         )
 
 
-class EngineClock:
+class BackendClock:
     """Where a generation engine's time goes: generating, paused for weight swaps, idle (the rest).
 
     `begin`/`end` bracket work (a request for vLLM, a batch for transformers); overlapping work counts

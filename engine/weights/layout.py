@@ -1,6 +1,6 @@
 """Weight bucket layout: which tensors go in which flat bucket, packing and unpacking.
 
-Pure tensor code (no process groups) so it is tested on its own; `engine/weights.py` moves the
+Pure tensor code (no process groups) so it is tested on its own; `engine/weights/collective.py` moves the
 buckets. A bucket holds tensors of one dtype, at most `bucket_bytes`, each at an element offset.
 """
 

@@ -32,7 +32,7 @@ from collections.abc import Sequence
 import redis
 
 from streamrl.engine.config import LedgerConfig
-from streamrl.engine.ledger_books import (
+from streamrl.engine.ledger.books import (
     DROP_REASONS,
     Counts,
     GeneratedSample,
