@@ -27,17 +27,18 @@ from torch import Tensor
 
 from streamrl.engine.auth import open_gate
 from streamrl.engine.config import Config, ConfigError
+from streamrl.engine.config.presets import completion_limit
 from streamrl.engine.control import ControlServer
 from streamrl.engine.ledger import LedgerUnavailableError, open_ledger
 from streamrl.engine.messages import Stop, Trajectory, Welcome
 from streamrl.engine.redis_server import redact
 from streamrl.engine.telemetry import MetricsSink
 from streamrl.engine.transport import REFUSALS, TrajectoryReceiver, bind_address
-from streamrl.learner.advantages import group_advantages
 from streamrl.learner.batching import StepBatch, pack_for_ranks, sequence_cost
 from streamrl.learner.intake import Intake, StallAlarm
 from streamrl.learner.nodes import NodeRegistry
 from streamrl.learner.publisher import Publisher
+from streamrl.learner.selection import Selection, select, warn_unfilled
 from streamrl.rewards.stats import batch_stats, warn_if_flat
 
 log = logging.getLogger("streamrl.learner")
@@ -98,6 +99,7 @@ class Orchestrator:
                 self.redis.stop()
             raise
         self.pending: list[list[Trajectory]] = []  # the step's groups until committed
+        self.selection = Selection()  # what the step trains of them (learner/selection.py)
         self._last_reap = 0.0
         self.ledger.announce_learner(self.incarnation, self.registry.addr, self.intake.addr)
         self.registry.start()
@@ -176,19 +178,26 @@ class Orchestrator:
 
     # ---- receive → admit → pack --------------------------------------------------------------
 
-    def next_batch(self, ranks: int) -> list[StepBatch]:
-        """The next step's groups, as each rank's micro-batches (balanced by tokens)."""
-        version = self.version_of()
-        self.pending = self.intake.collect(self.cfg.learner.groups_per_step, version, self.serve_nodes, self._hint)
-        advantages, _ = group_advantages([[t.reward for t in g] for g in self.pending], self.cfg.loss.advantage)
-        flat = [t for group in self.pending for t in group]
-        learner = self.cfg.learner
+    def next_batch(self, ranks: int, step: int = 0) -> list[StepBatch]:
+        """The next step's samples (learner/selection.py: overlong penalty, dynamic sampling, truncated
+        completions masked), as each rank's micro-batches (balanced by tokens)."""
+        version, learner = self.version_of(), self.cfg.learner
+
+        def take(n: int, holding: set[str]) -> list[list[Trajectory]]:
+            return self.intake.collect(n, version, self.serve_nodes, self._hint, holding=holding)
+
+        self.selection = select(take, self._drop, learner.groups_per_step, self.cfg.loss, completion_limit(self.cfg))
+        self.pending = self.selection.groups
+        warn_unfilled(step, self.selection, learner.groups_per_step, self.cfg.loss)
+        train = self.selection.train
         pad = learner.micro_batch_tokens // learner.pad_buckets if self.compiled and learner.pad_buckets else 0
-        per_rank = pack_for_ranks(
-            flat, [a for row in advantages for a in row], ranks, learner.micro_batch_tokens, pad_multiple=pad
-        )
-        loss_tokens = sum(t.model_tokens for t in flat)
-        return [StepBatch(mbs, version, loss_tokens) for mbs in per_rank]
+        per_rank = pack_for_ranks(train, self.selection.advantages, ranks, learner.micro_batch_tokens, pad_multiple=pad)
+        return [StepBatch(mbs, version, sum(t.model_tokens for t in train)) for mbs in per_rank]
+
+    def _drop(self, sample_ids: list[str], reason: str) -> None:
+        """Samples the step leaves out (zero_variance, truncated): resolved now, counted as samples_<reason>."""
+        self.ledger.drop(sample_ids, reason)
+        self.intake.counters.update({reason: len(sample_ids)})
 
     def _hint(self) -> str:
         nodes = len(self.publisher.nodes)
@@ -235,14 +244,19 @@ class Orchestrator:
 
     # ---- commit → push → report --------------------------------------------------------------
 
-    def commit(self, step: int, skipped: bool) -> None:
-        """The step's samples are trained (and the new version published), or dropped when the step
-        was skipped; either way they leave the learner's hands."""
-        ids = [t.sample_id for group in self.pending for t in group]
-        if skipped:
-            self.ledger.drop(ids, "nonfinite_step")
+    def commit(self, step: int, metrics: dict[str, float]) -> None:
+        """The step's samples are trained (and the new version published), or, when the step took no
+        update, dropped as `nonfinite_step` or `no_gradient`: no weights contain them and the version did
+        not move, so marking them trained would claim the next version learned from them. Either way
+        they leave the learner's hands, and the steps left are recorded for admission."""
+        ids = [t.sample_id for t in self.selection.train]
+        left = self.steps_left(step + 1)
+        if metrics["skipped"]:
+            reason = "nonfinite_step" if metrics.get("skipped_nonfinite") else "no_gradient"
+            self.ledger.skip_step(ids, reason, steps_left=left)
+            self.intake.counters.update({reason: len(ids)})
         else:
-            self.ledger.commit_step(ids, self.version_of(), step, steps_left=self.steps_left(step + 1))
+            self.ledger.commit_step(ids, self.version_of(), step, steps_left=left)
             self.intake.alarm.trained()
 
     def publish(self, weights: Mapping[str, Tensor]) -> float:
@@ -252,15 +266,16 @@ class Orchestrator:
     def report(self, step: int, trained_by: int, metrics: dict, timings: dict[str, float], started: float) -> None:
         """One metrics record and one console line for the step, whose samples `trained_by` (the version
         the step started from) trained; the step's groups are done with."""
-        flat = [t for group in self.pending for t in group]
+        flat, train = [t for group in self.pending for t in group], self.selection.train
         self.pending = []
         rewards = batch_stats([t.reward for t in flat], [t.group_id for t in flat])
-        warn_if_flat(rewards, step)
+        warn_if_flat(rewards, step, skipped=bool(metrics.get("skipped_no_gradient")))
         record = {
             **metrics,
             **rewards.as_metrics(),
-            **_batch_figures(flat, trained_by, time.monotonic() - started),
-            **self._time_figures(flat, timings),
+            **self.selection.metrics(self.cfg.learner.groups_per_step),
+            **_batch_figures(train, trained_by, time.monotonic() - started),
+            **self._time_figures(train, timings),
             **self._node_figures(),
             **{f"samples_{k}": v for k, v in self.intake.counters.items()},
             "gaps": self.intake.receiver.gaps,
@@ -279,7 +294,7 @@ class Orchestrator:
             record["reward/std"],
             record["loss"],
             record["tokens_per_s"],
-            record.get("mismatch_kl", float("nan")),
+            record.get("mismatch_kl", float("nan")),  # nan on the console only: absent from the record
             record["staleness_mean"],
             record["nodes"],
             100 * record["time/idle_fraction"],
@@ -367,7 +382,7 @@ class Orchestrator:
         mark it finished, after which anything still in flight is an error of the books."""
         try:
             if self.pending:  # a step cut short (a signal mid-step): its samples were never trained
-                self.ledger.drop([t.sample_id for g in self.pending for t in g], "preempted")
+                self.ledger.drop([t.sample_id for t in self.selection.train], "preempted")
             self.intake.drop_held("preempted")
             self.ledger.drop_received("preempted")  # e.g. a stopped node's last samples, taken in by no one
             for node_id, held in self.ledger.in_flight().held_by_gone_nodes.items():
@@ -390,6 +405,6 @@ def _batch_figures(flat: list[Trajectory], version: int, seconds: float) -> dict
         "samples": len(flat),
         "completion_tokens": tokens,
         "tokens_per_s": tokens / max(seconds, 1e-9),
-        "staleness_mean": sum(lags) / len(lags),
-        "staleness_max": max(lags),
+        "staleness_mean": sum(lags) / len(lags) if lags else 0.0,  # a step dynamic sampling left empty
+        "staleness_max": max(lags, default=0),
     }

@@ -9,7 +9,7 @@ import msgspec
 from rich.console import Console
 from rich.live import Live
 
-from streamrl.engine.config import Config, ConfigError
+from streamrl.engine.config import Config, ConfigError, presets
 from streamrl.engine.telemetry import MetricsTail, read_metrics
 from streamrl.ops.launcher import Launcher
 from streamrl.ops.live import live_table
@@ -62,6 +62,8 @@ def run_local(
     console.print(f"run [bold]{cfg.run.name}[/]: folder {launcher.run_dir}, logs in {launcher.run_dir / 'logs'}")
     if placement is not None:
         console.print(placement.describe(nodes))
+    if cfg.loss.preset:
+        console.print(presets.describe(cfg), markup=False)
     started, code, failure = time.monotonic(), 1, ""
     signal.signal(signal.SIGTERM, _interrupt)  # a SIGTERM stops the run as cleanly as Ctrl-C
     previous: dict = {}

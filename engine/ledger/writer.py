@@ -251,6 +251,24 @@ class Ledger(LedgerBooks):
         results = self._retry(attempt, "commit_step")
         return [r == 1 for r in results[0]] if trained_ids else []
 
+    def skip_step(self, dropped_ids: Sequence[str], reason: str, steps_left: int | None = None) -> list[bool]:
+        """Learner side, one round trip after a step that took no optimizer update: its samples are dropped as
+        `reason` (no weights contain them, and the version does not move) and, as `commit_step` records it,
+        how many steps are left, so admission does not count the step as still to come."""
+        target, now, key = "dropped:" + check_reason(reason), time.time(), self._call_id()
+
+        def attempt():
+            pipe = self.client.pipeline(transaction=False)
+            if dropped_ids:
+                args = [self.prefix, target, now, 1, *dropped_ids]
+                self._scripts["TRANSITION"](keys=[key], args=args, client=pipe)
+            if steps_left is not None:
+                pipe.hset(self.prefix + "meta", "steps_left", steps_left)
+            return _execute(pipe, self.run)
+
+        results = self._retry(attempt, "skip_step")
+        return [r == 1 for r in results[0]] if dropped_ids else []
+
     def drop(self, sample_ids: Sequence[str], reason: str) -> list[bool]:
         return [r == "" for r in self.transition(sample_ids, "dropped:" + check_reason(reason))]
 
