@@ -79,8 +79,8 @@ def describe(cfg: Config) -> str:
     """One line: the preset and each field it names, marked where an explicit setting overrode it."""
     if not cfg.loss.preset:
         return "loss.preset: none (every [loss] field as configured)"
-    parts = []
-    for field, value in values(cfg.loss.preset, cfg).items():
-        actual = getattr(cfg.loss, field)
+    parts, preset = [], values(cfg.loss.preset, cfg)
+    for field in FIELDS:
+        value, actual = preset[field], getattr(cfg.loss, field)
         parts.append(f"{field} = {actual!r}" + ("" if actual == value else f" (explicit; the preset's {value!r})"))
     return f"loss.preset = {cfg.loss.preset!r}: " + ", ".join(parts)
