@@ -10,7 +10,9 @@ from streamrl.engine.config.base import _doc, _Section
 
 
 class LossConfig(_Section):
-    """The small config the pure loss functions see (learner/losses.py; formulas in docs/ALGORITHMS.md).
+    """The small config the pure loss functions see (learner/losses.py; formulas in docs/ALGORITHMS.md), and
+    the recipes' rules for which samples a step trains (dynamic sampling, truncated completions, the overlong
+    penalty: learner/selection.py); `preset` sets a recipe's fields (engine/config/presets.py).
 
     The default correction is bounded, per token: truncated importance sampling, w = pi_prox / mu
     capped at 3, as the asynchronous anchors bound it (verl's fully-async recipes: token level, cap 2;
