@@ -98,8 +98,7 @@ class Orchestrator:
             if self.redis is not None:
                 self.redis.stop()
             raise
-        self.pending: list[list[Trajectory]] = []  # the step's groups until committed
-        self.selection = Selection()  # what the step trains of them (learner/selection.py)
+        self.selection = Selection()  # the step's groups and what it trains of them, until reported
         self._last_reap = 0.0
         self.ledger.announce_learner(self.incarnation, self.registry.addr, self.intake.addr)
         self.registry.start()
@@ -187,7 +186,6 @@ class Orchestrator:
             return self.intake.collect(n, version, self.serve_nodes, self._hint, holding=holding)
 
         self.selection = select(take, self._drop, learner.groups_per_step, self.cfg.loss, completion_limit(self.cfg))
-        self.pending = self.selection.groups
         warn_unfilled(step, self.selection, learner.groups_per_step, self.cfg.loss)
         train = self.selection.train
         pad = learner.micro_batch_tokens // learner.pad_buckets if self.compiled and learner.pad_buckets else 0
@@ -245,10 +243,9 @@ class Orchestrator:
     # ---- commit → push → report --------------------------------------------------------------
 
     def commit(self, step: int, metrics: dict[str, float]) -> None:
-        """The step's samples are trained (and the new version published), or, when the step took no
-        update, dropped as `nonfinite_step` or `no_gradient`: no weights contain them and the version did
-        not move, so marking them trained would claim the next version learned from them. Either way
-        they leave the learner's hands, and the steps left are recorded for admission."""
+        """The step's samples are trained (and the new version published), or, when the step took no update,
+        dropped as `nonfinite_step` or `no_gradient` (no weights contain them: `trained` would claim the next
+        version learned from them); and the steps left are recorded for admission."""
         ids = [t.sample_id for t in self.selection.train]
         left = self.steps_left(step + 1)
         if metrics["skipped"]:
@@ -266,15 +263,15 @@ class Orchestrator:
     def report(self, step: int, trained_by: int, metrics: dict, timings: dict[str, float], started: float) -> None:
         """One metrics record and one console line for the step, whose samples `trained_by` (the version
         the step started from) trained; the step's groups are done with."""
-        flat, train = [t for group in self.pending for t in group], self.selection.train
-        self.pending = []
+        selection, self.selection = self.selection, Selection()
+        flat, train = [t for group in selection.groups for t in group], selection.train
         rewards = batch_stats([t.reward for t in flat], [t.group_id for t in flat])
         warn_if_flat(rewards, step, skipped=bool(metrics.get("skipped_no_gradient")))
         record = {
             **metrics,
             **rewards.as_metrics(),
-            **self.selection.metrics(self.cfg.learner.groups_per_step),
-            **_batch_figures(train, trained_by, time.monotonic() - started),
+            **selection.metrics(self.cfg.learner.groups_per_step),
+            **selection.batch_figures(trained_by, time.monotonic() - started),
             **self._time_figures(train, timings),
             **self._node_figures(),
             **{f"samples_{k}": v for k, v in self.intake.counters.items()},
@@ -381,7 +378,7 @@ class Orchestrator:
         nodes that are gone hold (`node_lost`: nothing will deliver it); when the run reached its end,
         mark it finished, after which anything still in flight is an error of the books."""
         try:
-            if self.pending:  # a step cut short (a signal mid-step): its samples were never trained
+            if self.selection.train:  # a step cut short (a signal mid-step): its samples were never trained
                 self.ledger.drop([t.sample_id for t in self.selection.train], "preempted")
             self.intake.drop_held("preempted")
             self.ledger.drop_received("preempted")  # e.g. a stopped node's last samples, taken in by no one
@@ -395,16 +392,3 @@ class Orchestrator:
                 log.error("the ledger does not balance: %s", "; ".join(errors))
         except LedgerUnavailableError as e:
             log.error("the books could not be settled: %s", e)
-
-
-def _batch_figures(flat: list[Trajectory], version: int, seconds: float) -> dict[str, float]:
-    """Tokens, throughput and staleness of the step's samples against the `version` that trained them."""
-    tokens = sum(t.model_tokens for t in flat)
-    lags = [version - t.min_version for t in flat]
-    return {
-        "samples": len(flat),
-        "completion_tokens": tokens,
-        "tokens_per_s": tokens / max(seconds, 1e-9),
-        "staleness_mean": sum(lags) / len(lags) if lags else 0.0,  # a step dynamic sampling left empty
-        "staleness_max": max(lags, default=0),
-    }

@@ -96,6 +96,18 @@ class Selection:
             "reward/overlong_penalty_mean": (sum(penalties) - sum(raw)) / len(raw) if raw else 0.0,
         }
 
+    def batch_figures(self, version: int, seconds: float) -> dict[str, float]:
+        """Tokens, throughput and staleness of the samples trained, against the `version` that trained them."""
+        tokens = sum(t.model_tokens for t in self.train)
+        lags = [version - t.min_version for t in self.train]
+        return {
+            "samples": len(self.train),
+            "completion_tokens": tokens,
+            "tokens_per_s": tokens / max(seconds, 1e-9),
+            "staleness_mean": sum(lags) / max(len(lags), 1),  # 0 for a step dynamic sampling left empty
+            "staleness_max": max(lags, default=0),
+        }
+
 
 def select(take: Take, drop: Drop, n_groups: int, cfg: LossConfig, limit: int) -> Selection:
     """The step's samples (see the module doc): `take` whole groups in admission order, `drop` resolves
