@@ -51,3 +51,15 @@ def test_no_group_beyond_what_the_remaining_steps_train(redis_url, ledger_run):
     assert _take(ledger, 8, version=0) == 2  # one step left: its two groups, not (4 + 1) * 2
     ledger.commit_step([f"g{i}:0" for i in range(2)], version=1, step=1, steps_left=0)
     assert _take(ledger, 4, version=1, start=10) == 0  # the run is done: no more groups
+
+
+def test_a_step_without_an_update_drops_its_samples_keeps_the_version_and_counts_as_done(redis_url, ledger_run):
+    ledger = _ledger(redis_url, ledger_run, staleness=4, steps_left=2)
+    assert _take(ledger, 8, version=0) == 4  # two steps left: their four groups
+    assert ledger.skip_step(["g0:0", "g1:0"], "no_gradient", steps_left=1) == [True, True]
+    counts = ledger.counts()
+    assert counts.dropped_by_reason == {"no_gradient": 2} and counts.trained == 0
+    assert ledger.current_version() == 0  # no update, no version
+    # the skipped step is done: one step left, whose two groups are in flight; nothing more is admitted
+    assert _take(ledger, 4, version=0, start=10) == 0
+    _resolve_all(ledger, range(2, 4))

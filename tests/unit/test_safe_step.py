@@ -92,6 +92,16 @@ def test_an_all_zero_advantage_step_leaves_weights_optimizer_state_and_version_b
     assert "non-finite" not in caplog.text  # not a fault: counted, not warned
 
 
+def test_a_step_left_without_samples_takes_no_update(trainer):
+    """Dynamic sampling can leave a step empty (every group flat within the refill bound): no forward, no update."""
+    weights_before, version, counted = weights(trainer.model), trainer.version, trainer.no_gradient_updates
+    metrics = trainer.step([], global_token_count=0)
+    assert metrics["skipped"] == 1.0 and metrics["skipped_no_gradient"] == 1.0 and metrics["updates"] == 0.0
+    assert metrics["tokens"] == 0.0 and metrics["positions"] == 0.0 and "mismatch_kl" not in metrics
+    assert trainer.version == version and trainer.no_gradient_updates == counted + 1
+    assert all(torch.equal(weights_before[k], v) for k, v in weights(trainer.model).items())
+
+
 def test_warm_up_runs_the_step_shapes_and_leaves_weights_optimizer_and_version_alone(trainer):
     before, version = weights(trainer.model), trainer.version
     moments = {id(p): {k: v.clone() for k, v in state.items()} for p, state in trainer.optimizer.state.items()}
