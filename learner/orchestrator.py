@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import pathlib
 import time
 import uuid
@@ -269,7 +270,7 @@ class Orchestrator:
         warn_if_flat(rewards, step, skipped=bool(metrics.get("skipped_no_gradient")))
         record = {
             **metrics,
-            **rewards.as_metrics(),
+            **{k: v for k, v in rewards.as_metrics().items() if math.isfinite(v)},  # none for a step without samples
             **selection.metrics(self.cfg.learner.groups_per_step),
             **selection.batch_figures(trained_by, time.monotonic() - started),
             **self._time_figures(train, timings),
@@ -287,8 +288,8 @@ class Orchestrator:
             "step %d v%d reward %.3f±%.3f loss %.4f tokens/s %.0f mismatch_kl %.2e staleness %.2f nodes %d idle %.0f%%",
             step,
             self.version_of(),
-            record["reward/mean"],
-            record["reward/std"],
+            record.get("reward/mean", math.nan),
+            record.get("reward/std", math.nan),
             record["loss"],
             record["tokens_per_s"],
             record.get("mismatch_kl", float("nan")),  # nan on the console only: absent from the record

@@ -205,7 +205,9 @@ class Trainer:
 
     def _nothing_to_train(self, micro_batches: list[MicroBatch], start: float) -> dict[str, float]:
         """A step without a loss token on any rank (e.g. every sample masked out): no forward, no update."""
-        positions = parallel.reduce_metrics({"positions": float(sum(mb.num_tokens for mb in micro_batches))}, self.device)
+        positions = parallel.reduce_metrics(
+            {"positions": float(sum(mb.num_tokens for mb in micro_batches))}, self.device
+        )
         self.no_gradient_updates += 1
         metrics = summarize({})
         metrics.update(loss=0.0, grad_norm=0.0, normalizer=0.0, updates=0.0, skipped_nonfinite=0.0)

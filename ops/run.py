@@ -35,9 +35,9 @@ def fresh_name(cfg: Config, explicit: bool) -> Config:
 def summary(records: list[dict], wall_s: float) -> str:
     if not records:
         return f"no step finished in {wall_s:.0f} s"
-    k = max(1, len(records) // 4)
-    first = sum(r["reward/mean"] for r in records[:k]) / k
-    last = sum(r["reward/mean"] for r in records[-k:]) / k
+    scored = [r["reward/mean"] for r in records if "reward/mean" in r]  # a step left without samples has none
+    k = max(1, len(scored) // 4)
+    first, last = sum(scored[:k]) / k, sum(scored[-k:]) / k
     tokens = sum(r.get("completion_tokens", 0) for r in records)
     return (
         f"{len(records)} steps in {wall_s:.0f} s; mean reward {first:.3f} (first {k} steps) -> {last:.3f} "
