@@ -41,13 +41,16 @@ def weights(trainer: Trainer) -> dict:
     return {k: v.detach().clone() for k, v in parallel.full_state_dict(trainer.model).items()}
 
 
-def plain_model(path: str, state: dict | None = None):
+def plain_model(path: str):
     from transformers import AutoModelForCausalLM
 
-    lm = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa")
-    if state is not None:
-        lm.load_state_dict(state)
-    return lm.eval()
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa").eval()
+
+
+def holding(lm, state: dict):
+    """`lm` with `state` loaded (one model object per role, reloaded each step: no read from disk)."""
+    lm.load_state_dict(state)
+    return lm
 
 
 def sample_groups(sampler, tokenizer, rows: list[dict], version: int, step: int) -> list[Trajectory]:
@@ -111,14 +114,15 @@ def run(steps: int, staleness: int, seed: int) -> None:
     trainer = Trainer(parallel.wrap_model(plain_model(path).train(), learner, device), LossConfig(), learner, device)
     snapshots = {0: weights(trainer)}  # weights by version
     rows = demo_rows(steps * GROUPS, seed=seed)
+    sampler, prox, theta = plain_model(path), plain_model(path), plain_model(path)
     measured: dict = {}
     update = trainer._update
 
     def measuring_update(micro_batches, normalizer, extra):  # before update 2: compare pi_prox and pi_theta
         if measured.get("calls", 0) == 1:
-            prox = plain_model(path, measured["prox"])
-            theta = plain_model(path, weights(trainer))
-            measured.update(estimators(prox, theta, micro_batches))
+            measured.update(
+                estimators(holding(prox, measured["prox"]), holding(theta, weights(trainer)), micro_batches)
+            )
         measured["calls"] = measured.get("calls", 0) + 1
         return update(micro_batches, normalizer, extra)
 
@@ -127,8 +131,9 @@ def run(steps: int, staleness: int, seed: int) -> None:
     for step in range(1, steps + 1):
         start = trainer.version
         version = max(0, start - staleness)
-        sampler = plain_model(path, snapshots[version])
-        flat = sample_groups(sampler, tokenizer, rows[(step - 1) * GROUPS : step * GROUPS], version, step)
+        flat = sample_groups(
+            holding(sampler, snapshots[version]), tokenizer, rows[(step - 1) * GROUPS : step * GROUPS], version, step
+        )
         groups = [flat[g * GROUP_SIZE : (g + 1) * GROUP_SIZE] for g in range(GROUPS)]
         advantages, _ = group_advantages([[t.reward for t in group] for group in groups])
         measured.clear()
