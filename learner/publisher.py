@@ -30,8 +30,8 @@ from streamrl.engine.config import Config
 from streamrl.engine.messages import Stop
 from streamrl.engine.weights import Location, WeightTransferError, choose, here, new_sender, resolve_backend
 from streamrl.engine.weights.ipc import shared_empty
-from streamrl.engine.weights.staging import Sender
 from streamrl.engine.weights.layout import BufferPool, PackedBuckets, plan_buckets
+from streamrl.engine.weights.staging import Sender
 from streamrl.learner.nodes import NodeRegistry
 
 log = logging.getLogger("streamrl.learner")

@@ -137,8 +137,14 @@ def resolve_learner(learner: str, cfg: Config) -> str:
 def register(client: ControlClient, node_id: str, backend: str, device: str, timeout_s: float) -> Welcome:
     where = here(device)  # the learner picks the weights' path from it (its own GPU: CUDA IPC)
     welcome = client.request(
-        Register(node_id=node_id, host=where.host, device=device, backend=backend, boot_id=where.boot_id,
-                 gpu_uuid=where.gpu_uuid),  # fmt: skip
+        Register(
+            node_id=node_id,
+            host=where.host,
+            device=device,
+            backend=backend,
+            boot_id=where.boot_id,
+            gpu_uuid=where.gpu_uuid,
+        ),  # fmt: skip
         timeout_s=timeout_s,
         expect=(Welcome, Stop),
     )

@@ -53,16 +53,17 @@ def shared_empty(numel: int, dtype: torch.dtype, device: torch.device | None = N
     except BaseException:
         os.close(fd)
         raise
-    ptr = tensor.data_ptr()
-    with _memfds_lock:  # the key is new for every buffer: a reused fd number is never taken for an old one
-        _memfds[ptr] = SharedBucket(key=f"{path}#{secrets.token_hex(8)}", path=path)
-    weakref.finalize(tensor, _release_memfd, ptr, fd)
+    ptr, key = tensor.data_ptr(), f"{path}#{secrets.token_hex(8)}"
+    with _memfds_lock:  # the key is new for every buffer: a reused fd number or address is never an old one
+        _memfds[ptr] = SharedBucket(key=key, path=path)
+    weakref.finalize(tensor, _release_memfd, ptr, fd, key)
     return tensor
 
 
-def _release_memfd(ptr: int, fd: int) -> None:
+def _release_memfd(ptr: int, fd: int, key: str) -> None:
     with _memfds_lock:
-        _memfds.pop(ptr, None)
+        if ptr in _memfds and _memfds[ptr].key == key:  # not a newer buffer at the same address
+            del _memfds[ptr]
     os.close(fd)
 
 
@@ -98,7 +99,7 @@ class IpcSender:
         self.path = "cuda_ipc" if self.device.type == "cuda" else "shm"
         self.store = open_store(node_id, host, timeout_s)
         self._prefix = f"weights/{node_id}/shared-{secrets.token_hex(16)}/"  # travels over the control channel only
-        self._exports: dict[tuple[int, int], SharedBucket] = {}
+        self._exports: dict[int, tuple[weakref.ref, SharedBucket]] = {}  # id(buffer) -> (the buffer, export)
         self._event = self._stream = None
         self._closed = threading.Event()
 
@@ -125,12 +126,13 @@ class IpcSender:
         )  # fmt: skip
 
     def _export(self, flat: torch.Tensor) -> SharedBucket:
-        key = (flat.data_ptr(), flat.numel() * flat.element_size())
-        if key not in self._exports:  # each buffer is shared once, not per version
-            if len(self._exports) > 64:  # buffers of layouts long gone
-                self._exports.clear()
-            self._exports[key] = export(flat)
-        return self._exports[key]
+        """Each buffer is shared once, not per version. Known by the tensor object itself, never by its
+        address: a new buffer may be given a freed one's address, and must not be taken for it."""
+        known = self._exports.get(id(flat))
+        if known is None or known[0]() is not flat:
+            self._exports = {k: v for k, v in self._exports.items() if v[0]() is not None}  # buffers gone
+            known = self._exports[id(flat)] = (weakref.ref(flat), export(flat))
+        return known[1]
 
     def _record(self, packed_event: torch.cuda.Event | None) -> bytes:
         if self.device.type != "cuda":
@@ -152,7 +154,9 @@ class IpcSender:
         for rank in range(1, 1 + self.receivers):
             outcome = self._outcome(_copied_key(ready, rank), deadline)
             if outcome != COPIED:
-                raise WeightTransferError(self.node_id, "open" if outcome.startswith("cannot open") else "copy", outcome)
+                raise WeightTransferError(
+                    self.node_id, "open" if outcome.startswith("cannot open") else "copy", outcome
+                )
         return time.perf_counter() - start
 
     def _outcome(self, key: str, deadline: float) -> str:
@@ -245,11 +249,13 @@ def _open(shared: SharedBucket, spec: BucketSpec, device: torch.device) -> torch
     )  # fmt: skip
 
 
-def receive_shared(ready: WeightsReady, device: torch.device, rank: int, pool: BufferPool) -> list[torch.Tensor]:
+def receive_shared(
+    ready: WeightsReady, device: torch.device, rank: int, pool: BufferPool
+) -> tuple[list[torch.Tensor], float]:
     """Copy every bucket of `ready` from the learner's shared buffers into `pool`'s buffers on `device`
-    and confirm it; the flat copies. Raises `WeightTransferError` naming the phase: 'open' (the buffers
-    cannot be reached from here: another PID namespace or container), 'copy' (past the deadline, or
-    the learner gave up first)."""
+    and confirm it; the flat copies and the copy's device time (0 on CPU). Raises `WeightTransferError`
+    naming the phase: 'open' (the buffers cannot be reached from here: another PID namespace or
+    container), 'copy' (past the deadline, or the learner gave up first)."""
     peer, deadline = f"learner@{ready.store_host}:{ready.store_port}", time.monotonic() + ready.timeout_s
     store, key = _opened.store(ready), _copied_key(ready, rank)
     try:
@@ -260,27 +266,29 @@ def receive_shared(ready: WeightsReady, device: torch.device, rank: int, pool: B
         store.compare_set(key, "", why)
         raise WeightTransferError(peer, "open", why) from e
     flats = [pool.take(i, torch_dtype(b.dtype), b.numel, device) for i, b in enumerate(ready.buckets)]
+    copy_s = 0.0
     if device.type == "cuda":
-        _copy_on_stream(ready, flats, sources, device, deadline, pool)
+        copy_s = _copy_on_stream(ready, flats, sources, device, deadline, pool)
     else:
         for flat, source in zip(flats, sources):
             flat.copy_(source)
     if store.compare_set(key, "", COPIED).decode() != COPIED:
         raise WeightTransferError(peer, "copy", f"the learner gave up on version {ready.version} first "
                                   f"(weights.timeout_s = {ready.timeout_s:g}); the copy is thrown away")  # fmt: skip
-    return flats
+    return flats, copy_s
 
 
-def _copy_on_stream(ready, flats, sources, device, deadline: float, pool: BufferPool) -> None:
+def _copy_on_stream(ready, flats, sources, device, deadline: float, pool: BufferPool) -> float:
     """The copies on this process's own stream, behind the learner's packing (its interprocess event),
     polled to the deadline: a node never blocks on a learner that stopped."""
     stream = _opened.stream(device)
     with torch.cuda.stream(stream):
         if ready.packed_event:
             stream.wait_event(_opened.event(ready.packed_event, device))
+        start, done = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record(stream)
         for flat, source in zip(flats, sources):
             flat.copy_(source, non_blocking=True)
-        done = torch.cuda.Event()
         done.record(stream)
     while not done.query():
         if time.monotonic() > deadline:
@@ -290,6 +298,7 @@ def _copy_on_stream(ready, flats, sources, device, deadline: float, pool: Buffer
             raise WeightTransferError(f"learner@{ready.store_host}:{ready.store_port}", "copy",
                                       f"the copy did not finish within {ready.timeout_s:g} s")  # fmt: skip
         time.sleep(POLL_S)
+    return start.elapsed_time(done) / 1000
 
 
 __all__ = ["IpcSender", "export", "receive_shared", "shared_empty"]

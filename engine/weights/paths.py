@@ -23,12 +23,7 @@ import socket
 
 COLLECTIVE = ("gloo", "nccl")
 SHARED = ("shm", "cuda_ipc")
-WHY = {
-    "cuda_ipc": "CUDA IPC: the learner's GPU",
-    "shm": "shared memory: the learner's machine",
-    "nccl": "NCCL",
-    "gloo": "gloo",
-}
+NAMES = {"cuda_ipc": "CUDA IPC", "shm": "shared memory", "nccl": "NCCL", "gloo": "gloo"}  # as printed
 
 
 class WeightTransferError(RuntimeError):

@@ -36,7 +36,9 @@ class Sender(Protocol):
         self, version: int, packed: PackedBuckets, packed_event: torch.cuda.Event | None = None
     ) -> WeightsReady: ...
 
-    def send(self, packed: PackedBuckets, ready: WeightsReady, packed_event: torch.cuda.Event | None = None) -> float: ...
+    def send(
+        self, packed: PackedBuckets, ready: WeightsReady, packed_event: torch.cuda.Event | None = None
+    ) -> float: ...
 
     def close(self) -> None: ...
 
@@ -57,6 +59,7 @@ class Staged:
     seconds: float  # from the layout's arrival to the last byte
     nbytes: int
     path: str = ""  # how it came: ready.backend
+    copy_s: float = 0.0  # the shared CUDA path: the node's copy out of the learner's buffers, device time
 
 
 class Stager:
@@ -81,9 +84,10 @@ class Stager:
             raise WeightTransferError(peer, "staging", f"version {ready.version} arrived while the previous one "
                                       f"waited {ready.timeout_s:g} s for the engine to swap it in")  # fmt: skip
         self._free.clear()
+        copy_s = 0.0
         try:
             if ready.backend in SHARED:
-                flats = receive_shared(ready, self.device, self.rank, self._pool)
+                flats, copy_s = receive_shared(ready, self.device, self.rank, self._pool)
             else:
                 flats = receive_flat(ready, self.device, self.rank)
         except BaseException as e:
@@ -93,7 +97,7 @@ class Stager:
             raise
         named = [item for spec, flat in zip(ready.buckets, flats) for item in unpack_bucket(spec, flat)]
         self.nbytes = sum(f.numel() * f.element_size() for f in flats)
-        return Staged(ready.version, named, time.perf_counter() - start, self.nbytes, ready.backend)
+        return Staged(ready.version, named, time.perf_counter() - start, self.nbytes, ready.backend, copy_s)
 
     def release(self) -> None:
         """The staged version is live (or given up): the buffers take the next one."""
