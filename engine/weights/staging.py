@@ -73,6 +73,8 @@ class Stager:
 
     def __init__(self, device: torch.device | str, rank: int = 1):
         self.device, self.rank = torch.device(device), rank
+        if self.device.type == "cuda" and self.device.index is None:  # "cuda" != "cuda:0": buffers would not be reused
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self._free = threading.Event()
         self._free.set()
         self._pool = BufferPool()  # the shared paths' staging (a collective receives into its group's buffers)
