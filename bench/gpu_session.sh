@@ -59,7 +59,7 @@ if [[ " ${PARTS:-loop pipeline} " == *" ipc "* ]]; then
 fi
 
 if [[ " ${PARTS:-loop pipeline} " == *" standalone "* ]]; then  # the learner step alone on the GPU
-  timeout 90 python3 bench/learner_step.py --mode streamrl --compile --pad --vocab 512 \
+  timeout 75 python3 bench/learner_step.py --mode streamrl --compile --pad --vocab 512 \
     --longest 176 --budget 40960 --micro-batches 2 --samples 700 --head-logits-gib 24 --warmup 1 --steps 4 \
     >> "$F" 2>> "$OUT/errors.txt"
   tail -n 1 "$F"

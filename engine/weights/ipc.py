@@ -33,7 +33,7 @@ from streamrl.engine.weights.layout import BufferPool, PackedBuckets, torch_dtyp
 from streamrl.engine.weights.paths import WeightTransferError
 
 COPIED, GAVE_UP = "copied", "learner gave up"
-POLL_S = 0.0002  # the learner's wait for the node's confirmation: a copy is ~1 ms on a GPU
+POLL_S = (0.0002, 0.01)  # waits poll from 0.2 ms (a copy is ~1 ms on a GPU), doubling up to 10 ms (a dead peer)
 
 # ---- learner side -----------------------------------------------------------------------------
 
@@ -160,12 +160,14 @@ class IpcSender:
         return time.perf_counter() - start
 
     def _outcome(self, key: str, deadline: float) -> str:
+        pause = POLL_S[0]
         while not self._closed.is_set():
             if self.store.check([key]):
                 return self.store.get(key).decode()
             if time.monotonic() > deadline:
                 break
-            time.sleep(POLL_S)
+            time.sleep(pause)
+            pause = min(2 * pause, POLL_S[1])
         won = self.store.compare_set(key, "", GAVE_UP).decode()
         if won != GAVE_UP:
             return won  # the node's word came in the same instant
@@ -290,6 +292,7 @@ def _copy_on_stream(ready, flats, sources, device, deadline: float, pool: Buffer
         for flat, source in zip(flats, sources):
             flat.copy_(source, non_blocking=True)
         done.record(stream)
+    pause = POLL_S[0]
     while not done.query():
         if time.monotonic() > deadline:
             for flat in flats:  # the late copy may still land: these buffers are not handed out again
@@ -297,7 +300,8 @@ def _copy_on_stream(ready, flats, sources, device, deadline: float, pool: Buffer
             pool.clear()
             raise WeightTransferError(f"learner@{ready.store_host}:{ready.store_port}", "copy",
                                       f"the copy did not finish within {ready.timeout_s:g} s")  # fmt: skip
-        time.sleep(POLL_S)
+        time.sleep(pause)
+        pause = min(2 * pause, POLL_S[1])
     return start.elapsed_time(done) / 1000
 
 
