@@ -9,8 +9,9 @@ to their share. The formulas are first-order and were checked against measured p
   `learner.micro_batch_tokens` tokens, 2·(4·hidden + 4·intermediate) bytes per token and layer (one
   layer's with activation checkpointing, plus 2·hidden per layer) + the LM head's logits (kept up to
   `learner.head_logits_gib`, plus an 8192-token fp32 chunk and its gradient) + a reference model
-  (kl_coef > 0) + 1 GiB of CUDA context. Qwen2-0.5B body (512-token vocabulary) at 40960 tokens: 49.3
-  GiB estimated, 46.8 measured; Qwen2.5-3B, 152k vocabulary, 16384 tokens: 124 estimated, 117 measured.
+  (kl_coef > 0) + 1 GiB of CUDA context; on rank 0 two sets of packed weights for the push. The step
+  alone (bench/learner_step.py), Qwen2-0.5B body (512-token vocabulary) at 40960 tokens: 49.3 GiB
+  estimated, 46.8 measured; Qwen2.5-3B, 152k vocabulary, 16384 tokens: 124 estimated, 117 measured.
 - hf node: the model and one staging copy of it in the serving dtype + the static KV cache (every
   batch padded to `MAX_BATCH` rows of the prompt width plus `rollout.max_tokens`) + the logits
   `generate` keeps (fp32, one row per token, twice: kept, then stacked; 46 GiB for a 152k vocabulary at
@@ -90,8 +91,10 @@ def learner(cfg: Config, shape: Shape, tokens: int | None = None) -> Estimate:
     else:
         activations = tokens * per_layer * shape.layers
     kept = min(tokens * shape.vocab * 2, lc.head_logits_gib * GIB)
+    nbytes = 4 if cfg.model.dtype == "float32" else 2
     parts = {
         "weights, gradients, AdamW": (16 * p / lc.ranks + 2 * p) / GIB,
+        "weight push buffers": 2 * p * nbytes / GIB,  # two packed sets (learner/publisher.py), rank 0
         f"activations of learner.micro_batch_tokens = {tokens}": activations / GIB,
         "LM head": (kept + 2 * min(tokens, HEAD_CHUNK) * shape.vocab * 4) / GIB,
     }
