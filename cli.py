@@ -46,12 +46,12 @@ def _load(config: pathlib.Path | None, overrides: list[str] | None, debug: bool 
         raise typer.Exit(2) from None
 
 
-def _preflight(cfg, roles: list[str], debug: bool) -> None:
+def _preflight(cfg, roles: list[str], debug: bool, nodes: int = 1) -> None:
     """Stop with exit 2, one line per problem, when a role would fail on its inputs; before any
     process starts or any model loads (ops/preflight.py)."""
     from streamrl.ops.preflight import preflight, report
 
-    code = report(preflight(cfg, roles), debug)
+    code = report(preflight(cfg, roles, nodes), debug)
     if code:
         raise typer.Exit(code)
 
@@ -254,7 +254,7 @@ def run(
     sets += [f"run.steps={steps}"] if steps else []
     sets += [f"run.device={device!r}"] if device else []
     cfg = _load(config, sets, debug)
-    _preflight(cfg, ["learner", "rollout"], debug)
+    _preflight(cfg, ["learner", "rollout"], debug, nodes=rollout_nodes)
     # a run named by you keeps its folder; the default name gets a fresh one when taken
     raise typer.Exit(run_local(cfg, rollout_nodes, explicit_name=cfg.run.name != RunConfig().name, resume=resume))
 

@@ -1,11 +1,14 @@
 """A finished run's figures from its folder: the learner inside the loop, the weight push, the nodes, the books.
 
     python -m streamrl.bench.loop_figures RUN_FOLDER [--skip 5] [--standalone-mfu 0.40] [--raw-broadcast-ms 3.1]
+        [--raw-copy-ms 0.35]
 
 Prints one JSON line (`figure: loop`). In-loop MFU counts the learner's training time only (waiting for
 data is reported apart, as idle) and is taken over the steps after `--skip` (the first ones compile).
 Given the standalone figures measured in the same call, it also reports the ratios the GPU-loop issue
-asks for: in-loop MFU / standalone MFU, the push's hold / a raw NCCL broadcast of the same bytes.
+asks for: in-loop MFU / standalone MFU, the push's hold / a raw NCCL broadcast of the same bytes, and on
+one GPU (weights by CUDA IPC) the learner's blocking time per push (the longer of the push's hold on the
+host and its packing on the device: both delay the next step) / a device-to-device copy of the same bytes.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ def _node_figures(last: dict) -> dict:
     return {n: {k.rsplit("/", 1)[1]: round(v, 3) for k, v in last.items() if k.startswith(f"node/{n}/")} for n in nodes}
 
 
-def figures(run: pathlib.Path, skip: int, standalone_mfu: float, raw_ms: float) -> dict:
+def figures(run: pathlib.Path, skip: int, standalone_mfu: float, raw_ms: float, copy_ms: float = 0.0) -> dict:
     records = read_metrics(run / "metrics.jsonl")
     if not records:
         return {"figure": "loop", "run": str(run), "steps": 0}
@@ -61,6 +64,11 @@ def figures(run: pathlib.Path, skip: int, standalone_mfu: float, raw_ms: float) 
     if raw_ms and out["push_hold_ms"] is not None:
         out["push_hold_vs_raw_broadcast"] = round(out["push_hold_ms"] / raw_ms, 3)
         out["transfer_vs_raw_broadcast"] = round((out["transfer_ms"] or 0) / raw_ms, 3)
+    blocking = [1000 * max(r.get("time/push_s", 0), r.get("time/push_pack_device_s", 0)) for r in steady]
+    out["push_blocking_ms"] = _median(blocking)
+    if copy_ms and out["push_blocking_ms"] is not None:
+        out["push_blocking_vs_copy"] = round(out["push_blocking_ms"] / copy_ms, 3)
+        out["push_hold_vs_copy"] = round(out["push_hold_ms"] / copy_ms, 3)
     return out
 
 
@@ -70,8 +78,10 @@ def main() -> None:
     parser.add_argument("--skip", type=int, default=5, help="leading steps left out of the medians (compiling)")
     parser.add_argument("--standalone-mfu", type=float, default=0.0)
     parser.add_argument("--raw-broadcast-ms", type=float, default=0.0)
+    parser.add_argument("--raw-copy-ms", type=float, default=0.0, help="a device-to-device copy of the weights")
     args = parser.parse_args()
-    print(json.dumps(figures(args.run, args.skip, args.standalone_mfu, args.raw_broadcast_ms)), flush=True)
+    line = figures(args.run, args.skip, args.standalone_mfu, args.raw_broadcast_ms, args.raw_copy_ms)
+    print(json.dumps(line), flush=True)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Weight transfer: learner (GPU 0) -> receiver process (GPU 1), against a raw broadcast of the same bytes.
+"""Weight transfer: learner -> receiver process, against a raw broadcast (or copy) of the same bytes.
 
 For Qwen2-shaped bf16 state dicts (0.5B tied, 7B untied), it times the whole path streamrl runs
 after an optimizer step: plan, pack into flat buckets, broadcast over the node's own NCCL group,
@@ -10,8 +10,14 @@ TCPStore to the later of the two sides finishing (perf_counter is one monotonic 
 
     python bench/weight_transfer.py                      # GPU: nccl, cuda:0 -> cuda:1
     python bench/weight_transfer.py --device cpu --shapes tiny qwen2-0.5b   # gloo, CPU
+    python bench/weight_transfer.py --paths collective shared --device cpu  # gloo vs shared memory, one host
+    python bench/weight_transfer.py --paths shared --receiver-device cuda:0  # CUDA IPC, one GPU
 
-Prints one JSON line per (shape, bucket size), with `ratio` = transfer / raw.
+Prints one JSON line per (path, shape, bucket size), with `ratio` = transfer / raw. The shared paths
+(`engine/weights/ipc.py`) have no broadcast: their line says what the learner is held for (`pack_ms`:
+packing into the shared buffers, host; `pack_device_ms` on a GPU), the node's copy out of them
+(`copy_device_ms` on a GPU, `copy_ms` its wall time to the confirmation), and against them a plain
+`copy_` of the same bytes in one process (`raw_copy_ms`).
 """
 
 from __future__ import annotations
@@ -29,7 +35,18 @@ import msgspec
 import torch
 
 from streamrl.engine import messages
-from streamrl.engine.weights import WeightSender, broadcast_async, new_group, plan_buckets, receive, wait
+from streamrl.engine.weights import (
+    IpcSender,
+    Stager,
+    WeightSender,
+    broadcast_async,
+    new_group,
+    plan_buckets,
+    receive,
+    shared_empty,
+    wait,
+)
+from streamrl.engine.weights.layout import BufferPool, PackedBuckets
 
 SHAPES = {
     "tiny": dict(hidden=64, inter=128, layers=2, heads=2, kv_heads=1, head_dim=32, vocab=512, tied=True),
@@ -93,11 +110,14 @@ def receiver(args) -> None:
         torch.cuda.set_device(device)
     timeout = datetime.timedelta(seconds=args.timeout)
     store = torch.distributed.TCPStore("127.0.0.1", args.port, is_master=False, timeout=timeout)
-    raw_group, targets, raw_buf = None, None, None
+    raw_group, targets, raw_buf, stager = None, None, None, Stager(device)
     for n in range(1 << 30):
         cmd = msgspec.msgpack.decode(store.get(f"cmd/{n}"))
         if cmd["kind"] == "stop":
             return
+        if cmd["kind"] == "shared":
+            store.set(f"done/{n}", json.dumps(_receive_shared(stager, cmd, device)))
+            continue
         if cmd["kind"] == "raw":
             if raw_group is None:
                 raw_group = new_group(store, "raw/", 1, 2, args.backend, args.timeout, device)
@@ -125,6 +145,19 @@ def receiver(args) -> None:
             expect = cmd["check"]
             reply["wrong"] = [name for (name, _), v in zip(got, firsts) if expect.get(name, v) != v]
         store.set(f"done/{n}", json.dumps(reply))
+
+
+def _receive_shared(stager: Stager, cmd: dict, device: str) -> dict:
+    """One version from the learner's shared buffers into staging: the node's copy, timed."""
+    start = time.perf_counter()
+    staged = stager.receive(messages.decode_control(cmd["ready"]))
+    _sync(device)
+    reply = {"end": time.perf_counter(), "copy_s": time.perf_counter() - start, "copy_device_s": staged.copy_s}
+    if cmd.get("check"):
+        firsts = torch.stack([t.reshape(-1)[-1] for _, t in staged.named]).float().cpu().tolist()
+        reply["wrong"] = [name for (name, _), v in zip(staged.named, firsts) if cmd["check"].get(name, v) != v]
+    stager.release()
+    return reply
 
 
 # ---- learner side ---------------------------------------------------------------------------------
@@ -210,30 +243,86 @@ def bench_shape(args, bench: Bench, name: str) -> None:
     del sd, flat
 
 
+def _timed(fn, device: str) -> tuple[float, float]:
+    """(host seconds of the call, device seconds of what it queued; the host's on CPU), from an idle device."""
+    _sync(device)
+    events = [torch.cuda.Event(enable_timing=True) for _ in range(2)] if device.startswith("cuda") else None
+    if events:
+        events[0].record()
+    start = time.perf_counter()
+    fn()
+    host = time.perf_counter() - start
+    if events:
+        events[1].record()
+    _sync(device)
+    return host, (events[0].elapsed_time(events[1]) / 1e3 if events else time.perf_counter() - start)
+
+
+def _pack_foreach(packed: PackedBuckets, sd: dict) -> None:
+    """The packing as one `_foreach_copy_` into views of the buckets (against `torch.cat`, the default)."""
+    outs, ins = [], []
+    for i, spec in enumerate(packed.specs):
+        flat, end = packed._pool.take(i, torch.bfloat16, spec.numel, packed.device), 0
+        for ts in spec.tensors:
+            if ts.offset == end:
+                outs.append(flat[end : end + ts.numel])
+                ins.append(sd[ts.name].view(-1))
+                end += ts.numel
+    torch._foreach_copy_(outs, ins)
+
+
+def bench_shared(args, bench: Bench, sender: IpcSender, name: str) -> None:
+    """The shared path (`cuda_ipc` on one GPU, `shm` on CPU): the learner packs into one of two buffer
+    sets (as the publisher cycles them) and the node copies out of it, against a plain copy_ of the bytes."""
+    sd = qwen2_state_dict(SHAPES[name], torch.bfloat16, args.device)
+    tied = SHAPES[name]["tied"]
+    check = {k: _fill("model.embed_tokens.weight" if tied and k == "lm_head.weight" else k) for k in sd}
+    nbytes = sum(t.numel() * t.element_size() for k, t in sd.items() if not (tied and k == "lm_head.weight"))
+    src, dst = (torch.empty(nbytes // 2, dtype=torch.bfloat16, device=args.device) for _ in range(2))
+    for bucket_mb in args.bucket_mb:
+        specs, pools = plan_buckets(sd, int(bucket_mb * 2**20)), [BufferPool(allocate=shared_empty) for _ in range(2)]
+        rows, wrong = [], []
+        for i in range(args.warmup + args.iters):
+            last = i == args.warmup + args.iters - 1
+            raw = _timed(lambda: dst.copy_(src), args.device)
+            packed = PackedBuckets(specs, sd, args.device, pools[i % 2], check=i < 2)
+            pack = _timed(lambda packed=packed: [packed.get(j) for j in range(len(packed))], args.device)
+            foreach = _timed(lambda packed=packed: _pack_foreach(packed, sd), args.device)
+            ready = sender.prepare(i, packed)
+            start, n = bench.command(kind="shared", ready=messages.encode(ready), check=check if last else None)
+            sender.send(packed, ready)
+            reply = bench.done(n)
+            wrong = reply.get("wrong", wrong)
+            if i >= args.warmup:
+                rows.append((raw[1], *pack, *foreach, reply["copy_s"], reply["copy_device_s"],
+                             max(time.perf_counter(), reply["end"]) - start))  # fmt: skip
+        med = [statistics.median(col) * 1e3 for col in zip(*rows)]
+        raw_ms, pack_ms, pack_dev_ms, foreach_host_ms, foreach_ms, copy_ms, copy_dev_ms, transfer_ms = med
+        hold_ms = max(pack_ms, pack_dev_ms)  # the learner's stream is busy for the device time too
+        out = {"figure": "weight_transfer_shared", "path": sender.path, "shape": name, "bytes": nbytes,
+               "bucket_mb": bucket_mb, "buckets": len(specs), "raw_copy_ms": raw_ms, "pack_ms": pack_ms,
+               "pack_device_ms": pack_dev_ms, "pack_foreach_ms": foreach_host_ms, "pack_foreach_device_ms": foreach_ms,
+               "hold_ms": hold_ms,
+               "copy_ms": copy_ms, "copy_device_ms": copy_dev_ms, "transfer_ms": transfer_ms,
+               "hold_vs_copy": hold_ms / raw_ms, "node_copy_vs_copy": (copy_dev_ms or copy_ms) / raw_ms,
+               "bit_exact": not wrong, "iters": args.iters}  # fmt: skip
+        print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in out.items()}), flush=True)
+
+
 def learner(args) -> None:
     if args.device.startswith("cuda"):
         torch.cuda.set_device(args.device)
     sender = WeightSender("bench-node", backend=args.backend, device=args.device, timeout_s=args.timeout)
-    child = subprocess.Popen(
-        [
-            sys.executable,
-            __file__,
-            "--role",
-            "receiver",
-            "--port",
-            str(sender.port),
-            "--device",
-            args.receiver_device,
-            "--backend",
-            sender.backend,
-            "--timeout",
-            str(args.timeout),
-        ]
-    )
+    command = [sys.executable, __file__, "--role", "receiver", "--port", str(sender.port), "--device",
+               args.receiver_device, "--backend", sender.backend, "--timeout", str(args.timeout)]  # fmt: skip
+    child = subprocess.Popen(command)
     bench = Bench(args, sender)
     try:
         for name in args.shapes:
-            bench_shape(args, bench, name)
+            if "collective" in args.paths:
+                bench_shape(args, bench, name)
+            if "shared" in args.paths:
+                bench_shared(args, bench, IpcSender("bench-node", device=args.device, timeout_s=args.timeout), name)
         bench.command(kind="stop")
         child.wait(timeout=60)
     finally:
@@ -254,6 +343,7 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=5)
     parser.add_argument("--timeout", type=float, default=120.0)
     parser.add_argument("--port", type=int, default=0)
+    parser.add_argument("--paths", nargs="+", default=["collective"], choices=["collective", "shared"])
     args = parser.parse_args()
     if args.receiver_device is None:
         args.receiver_device = "cuda:1" if args.device.startswith("cuda") else args.device

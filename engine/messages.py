@@ -100,6 +100,10 @@ class Register(_Wire, tag="register"):
     host: str  # where the node runs (for logs and eviction messages)
     device: str = "cpu"
     backend: str = "vllm"
+    # Where exactly, so the learner can pick the weights' path (engine/weights/paths.py): same machine and
+    # same GPU as learner rank 0 means memory shared between the two processes, anything else a collective.
+    boot_id: str = ""  # the kernel's boot id: one machine, beyond a hostname that containers may share
+    gpu_uuid: str = ""  # the GPU's UUID when device is CUDA: one GPU, whatever CUDA_VISIBLE_DEVICES numbers it
 
 
 class Welcome(_Wire, tag="welcome"):
@@ -140,17 +144,38 @@ class BucketSpec(_Wire):
     tensors: list[TensorSpec]
 
 
+class SharedBucket(_Wire):
+    """Where one packed bucket lies in memory the learner shares with a node of its machine.
+
+    `key` names the buffer for the node's cache of opened buffers (each is opened once, and a new key
+    means a new buffer). Shared memory: `path` is a file the node maps (`/proc/<learner pid>/fd/<fd>` of
+    a memfd). CUDA IPC: `cuda` is torch's `_share_cuda_()` of the buffer's storage (device, handle, size,
+    offset, ref counter handle, ref counter offset, event handle, event sync required)."""
+
+    key: str
+    path: str = ""
+    cuda: tuple[int, bytes, int, int, bytes, int, bytes, bool] | None = None
+
+
 class WeightsReady(_Wire, tag="weights_ready"):
-    """Learner -> node: a new policy is about to be broadcast; join the group and receive it."""
+    """Learner -> node: a new policy is packed; receive it (a collective, or a copy from shared memory)."""
 
     version: int
-    store_host: str  # TCPStore rendezvous of this node's weight group
+    store_host: str  # TCPStore rendezvous of this node's weight group (shared paths: where the copy is confirmed)
     store_port: int
     group_prefix: str  # unique per transfer group, so a failed group is never reused
     world_size: int  # learner rank 0 + the node's receivers
     timeout_s: float
     buckets: list[BucketSpec]
-    backend: str = "gloo"  # "gloo" (CPU buffers) or "nccl" (buffers on the receiver's GPU)
+    # "gloo" (CPU buffers) or "nccl" (buffers on the receiver's GPU): a broadcast; "shm" (CPU) or "cuda_ipc"
+    # (the learner's GPU): the node copies each bucket from `shared`
+    backend: str = "gloo"
+    shared: list[SharedBucket] = []  # one per bucket, on the shared paths
+    packed_event: bytes = b""  # cuda_ipc: IPC handle of an event that completes once the buckets are packed
+
+    def __post_init__(self) -> None:
+        if self.backend in ("shm", "cuda_ipc") and len(self.shared) != len(self.buckets):
+            raise ValueError(f"{len(self.shared)} shared buffers for {len(self.buckets)} buckets ({self.backend})")
 
 
 class WeightsApplied(_Wire, tag="weights_applied"):

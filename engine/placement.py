@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 
 from streamrl.engine.config import Config, ConfigError
+from streamrl.engine.weights.paths import NAMES, planned
 
 
 @dataclasses.dataclass(frozen=True)
@@ -22,10 +23,18 @@ class Placement:
     def node_gpu(self, index: int) -> int:
         return self.nodes[index % len(self.nodes)]
 
-    def describe(self, nodes: int) -> str:
+    def describe(self, nodes: int, weights_backend: str = "auto") -> str:
+        """One line: each role's GPU, and the path each node's weights take (engine/weights/paths.py)."""
         ranks = ", ".join(f"rank {r} → GPU {g}" for r, g in enumerate(self.learner))
-        rollout = ", ".join(f"node-{i} → GPU {self.node_gpu(i)}" for i in range(nodes)) or "no nodes"
-        return f"placement: learner {ranks}; {rollout}"
+        rollout = ", ".join(
+            f"node-{i} → GPU {self.node_gpu(i)} ({self._path(i, weights_backend)})" for i in range(nodes)
+        )
+        return f"placement: learner {ranks}; {rollout or 'no nodes'}"
+
+    def _path(self, index: int, weights_backend: str) -> str:
+        path = planned(weights_backend, self.learner[0], self.node_gpu(index))
+        shared = "the learner's GPU; " if self.node_gpu(index) in self.learner else ""
+        return f"{shared}weights by {NAMES[path]}"
 
 
 def plan(cfg: Config, gpus: int, nodes: int = 1) -> Placement:

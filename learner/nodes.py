@@ -27,6 +27,7 @@ from streamrl.engine.auth import Identity, new_secret
 from streamrl.engine.control import ControlServer
 from streamrl.engine.messages import Goodbye, Heartbeat, Register, Stop, WeightsApplied, Welcome
 from streamrl.engine.transport import TransportError
+from streamrl.engine.weights.paths import Location
 
 log = logging.getLogger("streamrl.learner")
 
@@ -43,6 +44,7 @@ class NodeInfo:
     generate_s: float = 0.0  # the node's own clock: seconds generating, idle, and paused for swaps
     idle_s: float = 0.0
     swap_s: float = 0.0
+    where: Location | None = None  # machine and device, as it registered: picks its weights' path
 
 
 class NodeRegistry(threading.Thread):
@@ -128,7 +130,8 @@ class NodeRegistry(threading.Thread):
         now, identity = time.time(), Identity(key, new_secret())
         with self.lock:
             self.identities[msg.node_id] = identity
-            self.nodes[msg.node_id] = NodeInfo(peer, msg.host, now, now, key)
+            where = Location(host=msg.host, boot_id=msg.boot_id, device=msg.device, gpu_uuid=msg.gpu_uuid)
+            self.nodes[msg.node_id] = NodeInfo(peer, msg.host, now, now, key, where=where)
         welcome = self.welcome(msg.node_id)
         welcome.secret = identity.secret
         self.server.send(peer, welcome)
@@ -180,6 +183,11 @@ class NodeRegistry(threading.Thread):
             return self.applied[node_id].get_nowait()
         except queue.Empty:
             return None
+
+    def location(self, node_id: str) -> Location | None:
+        """Where the node said it runs (None once it left)."""
+        info = self.nodes.get(node_id)
+        return info.where if info is not None else None
 
     def forget(self, node_id: str) -> None:
         with self.lock:

@@ -214,7 +214,7 @@ class Orchestrator:
             if kind == "joined":
                 self.intake.forget_sender(node_id)  # a restarted node numbers its messages from 0
                 self.registry.reset(node_id)
-                self.publisher.add(node_id)
+                self.publisher.add(node_id, self.registry.location(node_id))
                 log.info("node %s joined (%d nodes)", node_id, len(self.publisher.nodes))
             else:
                 self._remove(node_id)

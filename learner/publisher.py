@@ -6,9 +6,13 @@ in the dtype the engines serve) into flat buckets of a staging set and returns. 
 the node posts its receives, the broadcast. A node that falls behind skips to the newest version;
 one whose transfer fails, or that does not confirm a version live within one deadline
 (`weights.timeout_s`) after its transfer, is evicted: told `Stop` and forgotten. The learner trains on.
+Each node's path is picked when it joins, from where it runs (engine/weights/paths.py): a broadcast
+(NCCL, gloo), or, on the learner's own machine or GPU, the node's copy from the shared buffers.
 
 A staging set stays allocated while a transfer reads it or while it is the newest; a set no link
-holds is reused by the next `publish`, so the learner keeps at most one set per version in flight.
+holds is reused by the next `publish`, so the learner keeps at most one set per version in flight. On
+the shared paths a transfer lasts until the node confirmed its copy: the learner never repacks a set a
+node is still reading (it packs the next version into another set meanwhile).
 """
 
 from __future__ import annotations
@@ -24,8 +28,10 @@ from torch import Tensor
 
 from streamrl.engine.config import Config
 from streamrl.engine.messages import Stop
-from streamrl.engine.weights import WeightSender, WeightTransferError, resolve_backend
+from streamrl.engine.weights import Location, WeightTransferError, choose, here, new_sender, resolve_backend
+from streamrl.engine.weights.ipc import shared_empty
 from streamrl.engine.weights.layout import BufferPool, PackedBuckets, plan_buckets
+from streamrl.engine.weights.staging import Sender
 from streamrl.learner.nodes import NodeRegistry
 
 log = logging.getLogger("streamrl.learner")
@@ -74,15 +80,16 @@ class NodeWeights:
     transfers: int = 0
     last_transfer_s: float = 0.0
     last_swap_s: float = 0.0  # the node's receive + swap, as it reported
+    path: str = ""  # how its weights go: nccl, gloo, cuda_ipc, shm
 
 
 class _Link(threading.Thread):
     """One node's sender thread: pushes the newest published version whenever the node is behind."""
 
-    def __init__(self, publisher: Publisher, node_id: str, sender: WeightSender):
+    def __init__(self, publisher: Publisher, node_id: str, sender: Sender):
         super().__init__(name=f"weights-{node_id}", daemon=True)
         self.publisher, self.node_id, self.sender = publisher, node_id, sender
-        self.state = NodeWeights()
+        self.state = NodeWeights(path=sender.path)
         self.error: WeightTransferError | None = None
         self.stopping = threading.Event()
 
@@ -100,7 +107,7 @@ class _Link(threading.Thread):
                 self.publisher.give_back(published)
 
     def _transfer(self, published: _Set) -> None:
-        ready = self.sender.prepare(published.version, published.packed.specs)
+        ready = self.sender.prepare(published.version, published.packed, published.event)
         try:
             self.publisher.registry.send(self.node_id, ready).result(timeout=self.sender.timeout_s)
         except Exception as e:
@@ -114,7 +121,8 @@ class _Link(threading.Thread):
 class Publisher:
     def __init__(self, cfg: Config, registry: NodeRegistry, device: torch.device):
         self.cfg, self.registry, self.device = cfg, registry, device
-        self.backend = resolve_backend(cfg.weights.backend, device)
+        self.backend = resolve_backend(cfg.weights.backend, device)  # where the buffers are: nccl → the GPU
+        self.here = here(str(device))
         self.links: dict[str, _Link] = {}
         self._sets: list[_Set] = []
         self._latest: _Set | None = None
@@ -142,7 +150,7 @@ class Publisher:
         specs, fresh = self._plan(weights)
         with self._cond:
             free = next((s for s in self._sets if s.readers == 0 and s is not self._latest), None)
-        pool = free.pool if free is not None else BufferPool()
+        pool = free.pool if free is not None else BufferPool(allocate=shared_empty)  # CPU buffers: shareable
         packed = PackedBuckets(specs, weights, self._buffer_device, pool, check=fresh)
         timer = _DeviceTimer(self._buffer_device)
         with torch.no_grad():
@@ -197,13 +205,14 @@ class Publisher:
 
     # ---- nodes --------------------------------------------------------------------------------
 
-    def add(self, node_id: str) -> None:
-        """A node joined (or re-joined: a fresh weight group); it is sent the newest version at once."""
+    def add(self, node_id: str, where: Location | None = None) -> None:
+        """A node joined (or re-joined: a fresh weight group); it is sent the newest version at once, on
+        the path its location `where` gives (a collective when unknown)."""
         self.remove(node_id)
         w = self.cfg.weights
-        sender = WeightSender(
-            node_id, host=w.store_host, backend=self.backend, device=self.device, timeout_s=w.timeout_s
-        )
+        path = choose(self.here, where, w.backend) if where is not None else self.backend
+        sender = new_sender(path, node_id, host=w.store_host, device=self.device, timeout_s=w.timeout_s)
+        log.info("node %s: weights by %s", node_id, path)
         link = self.links[node_id] = _Link(self, node_id, sender)
         link.start()
 

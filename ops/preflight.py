@@ -58,6 +58,7 @@ class _Context:
     hf_config: Any = None  # set by the model check when the config loads
     tokenizer: Any = None  # likewise
     columns: list[str] | None = None  # reward column keywords, set by the data check
+    nodes: int = 1  # rollout nodes `streamrl run` starts (the GPU placement)
 
 
 def _one_line(text: str) -> str:
@@ -192,8 +193,50 @@ def tensorboard_problem(enabled: bool = True) -> str:
 
 
 def check_gpu_placement(ctx: _Context) -> list[Problem]:
-    """The hook for GPU placement (devices per role, memory per engine); the GPU issue fills it in."""
-    return []
+    """`streamrl run` on GPUs: the placement can be honoured, and on a GPU shared by the learner and
+    rollout nodes (rollout.share_learner_gpus) both shares fit its memory (engine/memory.py estimates)."""
+    from streamrl.engine import memory
+    from streamrl.engine.config import ConfigError
+    from streamrl.engine.placement import plan, visible_gpus
+
+    cfg = ctx.cfg
+    gpus = visible_gpus() if cfg.run.device in ("auto", "cuda") else 0
+    if set(ROLES) - ctx.roles or ctx.hf_config is None or not gpus or not ctx.nodes:
+        return []
+    try:
+        placement = plan(cfg, gpus, ctx.nodes)
+    except ConfigError as e:
+        return [_problem("gpu", str(e))]
+    shape, out = memory.shape_of(ctx.hf_config), []
+    for gpu in sorted(set(placement.learner)):
+        nodes = [f"node-{i}" for i in range(ctx.nodes) if placement.node_gpu(i) == gpu]
+        if nodes:
+            out.append(_shared_gpu(cfg, shape, gpu, nodes, memory.device_gib(gpu)))
+    return out
+
+
+def _shared_gpu(cfg: Config, shape, gpu: int, nodes: list[str], total: float) -> Problem:
+    """One GPU shared by learner rank and `nodes`: an error naming the fields and the numbers when the
+    shares exceed its `total` GiB, else an info line with the split."""
+    from streamrl.engine import memory
+
+    learner, node = memory.learner(cfg, shape), memory.node(cfg, shape, total)
+    need = learner.gib + len(nodes) * node.gib
+    split = f"learner {learner}; {len(nodes)} x node {node}"
+    if need <= total:
+        return _problem("gpu", f"GPU {gpu} shared by the learner and {', '.join(nodes)}: {need:.1f} of {total:.1f} "
+                        f"GiB ({split})", level="info")  # fmt: skip
+    fits = memory.largest_tokens(cfg, shape, total - len(nodes) * node.gib)
+    fixes = [f"learner.micro_batch_tokens = {fits}" if fits else "",
+             "" if cfg.learner.activation_checkpointing else "learner.activation_checkpointing = true",
+             "a smaller rollout.gpu_memory_gib" if cfg.rollout.gpu_memory_gib else "",
+             "a GPU of their own for the nodes (rollout.gpus)"]  # fmt: skip
+    return _problem(
+        "gpu",
+        f"GPU {gpu} has {total:.1f} GiB but the learner and {', '.join(nodes)} sharing it need ≈ {need:.1f} GiB "
+        f"({split}); run.mode = 'sync' and 'async' both keep the learner and the nodes resident, so neither "
+        f"fits. Fix: {' or '.join(f for f in fixes if f)}",
+    )
 
 
 # (name, roles that need it, check); in order: later checks read what earlier ones loaded
@@ -208,12 +251,13 @@ CHECKS: list[tuple[str, frozenset[str], Callable[[_Context], list[Problem]]]] = 
 ]
 
 
-def preflight(cfg: Config, roles: Iterable[str] = ROLES) -> Preflight:
-    """Run every check the `roles` need (a subset of ROLES) and return what they found, with timings."""
+def preflight(cfg: Config, roles: Iterable[str] = ROLES, nodes: int = 1) -> Preflight:
+    """Run every check the `roles` need (a subset of ROLES) and return what they found, with timings;
+    `nodes`: the rollout nodes `streamrl run` starts (their GPUs are checked)."""
     roles = frozenset(roles)
     if not roles or roles - set(ROLES):
         raise ValueError(f"preflight roles {sorted(roles)}; give a non-empty subset of {list(ROLES)}")
-    ctx = _Context(cfg=cfg, roles=roles)
+    ctx = _Context(cfg=cfg, roles=roles, nodes=nodes)
     problems: list[Problem] = []
     seconds: dict[str, float] = {}
     for name, needed_by, check in CHECKS:

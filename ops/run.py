@@ -11,6 +11,7 @@ from rich.live import Live
 
 from streamrl.engine.config import Config, ConfigError, presets
 from streamrl.engine.telemetry import MetricsTail, read_metrics
+from streamrl.engine.weights.paths import NAMES, planned
 from streamrl.ops.launcher import Launcher
 from streamrl.ops.live import live_table
 from streamrl.ops.phases import Board
@@ -61,7 +62,10 @@ def run_local(
     board = Board(launcher, nodes)
     console.print(f"run [bold]{cfg.run.name}[/]: folder {launcher.run_dir}, logs in {launcher.run_dir / 'logs'}")
     if placement is not None:
-        console.print(placement.describe(nodes))
+        console.print(placement.describe(nodes, cfg.weights.backend))
+    elif nodes:
+        path = planned(cfg.weights.backend, None, None)
+        console.print(f"placement: every role on the CPU; weights by {NAMES[path]}")
     if cfg.loss.preset:
         console.print(presets.describe(cfg), markup=False)
     started, code, failure = time.monotonic(), 1, ""

@@ -35,6 +35,7 @@ from streamrl.engine.control import ControlClient
 from streamrl.engine.ledger import Ledger, LedgerError, LedgerUnavailableError
 from streamrl.engine.messages import Goodbye, Register, Stop, Trajectory, Welcome
 from streamrl.engine.transport import SendTimeoutError, TrajectorySender, TransportError
+from streamrl.engine.weights.paths import here
 from streamrl.rollout.control import ControlLoop, LedgerHeartbeat
 
 log = logging.getLogger("streamrl.rollout")
@@ -134,8 +135,16 @@ def resolve_learner(learner: str, cfg: Config) -> str:
 
 
 def register(client: ControlClient, node_id: str, backend: str, device: str, timeout_s: float) -> Welcome:
+    where = here(device)  # the learner picks the weights' path from it (its own GPU: CUDA IPC)
     welcome = client.request(
-        Register(node_id=node_id, host=socket.gethostname(), device=device, backend=backend),
+        Register(
+            node_id=node_id,
+            host=where.host,
+            device=device,
+            backend=backend,
+            boot_id=where.boot_id,
+            gpu_uuid=where.gpu_uuid,
+        ),  # fmt: skip
         timeout_s=timeout_s,
         expect=(Welcome, Stop),
     )

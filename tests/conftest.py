@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import pathlib
 
 # Before any vLLM import: in-process engines (~2 s start instead of ~14 s) and no torch.compile
 # on the first logprobs request (10-16 s). See FINDINGS.md.
@@ -358,3 +359,28 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.line(
             f"{len(_leftovers)} process(es) started by this session outlived it: the session fails", red=True
         )
+
+
+# ---- rollout nodes in processes of their own (the weight paths) ----
+
+
+@pytest.fixture
+def hf_nodes(tmp_path):
+    """`start(node_id, model, device)`: an `hf` node process (tests/integration/hf_node_worker.py, whose
+    `Nodes` and `wait_for` are `start.harness`), killed after the test."""
+    import importlib.util
+
+    path = pathlib.Path(__file__).parent / "integration" / "hf_node_worker.py"
+    spec = importlib.util.spec_from_file_location("hf_node_worker", path)
+    harness = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(harness)
+    started = []
+
+    def start(node_id: str, model: str, device: str = "cpu"):
+        started.append(harness.NodeProc(node_id, model, device, tmp_path / f"{node_id}.log"))
+        return started[-1]
+
+    start.harness = harness
+    yield start
+    for proc in started:
+        proc.close()

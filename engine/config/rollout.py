@@ -41,6 +41,15 @@ class RolloutConfig(_Section):
         float, _doc("KV cache size per vLLM engine in GiB (explicit: the CPU default reserves ~9 GiB).", gt=0.0)
     ] = 0.25
     gpu_memory_utilization: Annotated[float, _doc("vLLM's GPU memory share (CUDA only).", gt=0.0, le=1.0)] = 0.5
+    gpu_memory_gib: Annotated[
+        float,
+        _doc(
+            "GPU memory one node may take (weights, staging copy, KV or static cache), GiB; 0: estimated from "
+            "the model and these settings (hf) or gpu_memory_utilization (vLLM). On a GPU shared with the "
+            "learner, preflight checks both shares fit; the hf node is held to it, vLLM gets it as its share.",
+            ge=0.0,
+        ),
+    ] = 0.0
     enforce_eager: Annotated[bool, _doc("Skip CUDA graphs / compilation in vLLM (fast start).")] = True
     gpus: Annotated[
         list[int],

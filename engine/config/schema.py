@@ -173,9 +173,13 @@ class TransportConfig(_Section):
 
 
 class WeightsConfig(_Section):
-    backend: Annotated[Literal["auto", "gloo", "nccl"], _doc("Broadcast backend; auto: nccl on CUDA, else gloo.")] = (
-        "auto"
-    )
+    backend: Annotated[
+        Literal["auto", "gloo", "nccl"],
+        _doc(
+            "auto: each node's path from where it runs (CUDA IPC on the learner's GPU, shared memory on its "
+            "machine's CPU, else an NCCL or gloo broadcast); gloo or nccl: that broadcast for every node."
+        ),
+    ] = "auto"
     bucket_mb: Annotated[float, _doc("Flat bucket size in MiB.", gt=0.0)] = 256.0
     timeout_s: Annotated[
         float, _doc("Deadline of each phase (rendezvous, layout, bucket, apply); a node past it is evicted.", gt=0.0)

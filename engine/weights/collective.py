@@ -11,13 +11,12 @@ then does the learner broadcast, so it never spins on a peer that is not there. 
 has one deadline; past it `WeightTransferError` names the node and the phase, and the group is
 rebuilt under a new prefix next time (a group is unusable after one failed operation).
 
-The node receives while its engine keeps generating (`Stager`): the staged version is swapped in
-at the engine's next safe point, then the staging buffers are released for the next version.
+The node receives while its engine keeps generating (`staging.Stager`): the staged version is swapped
+in at the engine's next safe point, then the staging buffers are released for the next version.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import secrets
 import socket
 import threading
@@ -47,13 +46,12 @@ from streamrl.engine.weights.layout import (
     torch_dtype,
     unpack_bucket,
 )
+from streamrl.engine.weights.paths import WeightTransferError
 
 __all__ = [
     "ROOT",
     "BufferPool",
     "PackedBuckets",
-    "Staged",
-    "Stager",
     "WeightSender",
     "WeightTransferError",
     "broadcast_async",
@@ -62,19 +60,12 @@ __all__ = [
     "pack_bucket",
     "plan_buckets",
     "receive",
+    "receive_flat",
     "resolve_backend",
     "torch_dtype",
     "unpack_bucket",
     "wait",
 ]
-
-
-class WeightTransferError(RuntimeError):
-    """A transfer that failed or ran past its deadline; names the node (or peer) and the phase."""
-
-    def __init__(self, node_id: str, phase: str, cause: object):
-        self.node_id, self.phase, self.cause = node_id, phase, cause
-        super().__init__(f"weight transfer with node {node_id!r} failed in phase '{phase}': {cause}")
 
 
 def _posted_key(version: int) -> str:
@@ -104,13 +95,7 @@ class WeightSender:
         self.device = torch.device(device)
         self.backend = resolve_backend(backend, self.device)
         self.timeout_s = timeout_s
-        try:
-            self.store = dist.TCPStore(
-                host, port, is_master=True, wait_for_workers=False, timeout=_td(timeout_s),
-                master_listen_fd=_listen(host, port),
-            )  # fmt: skip
-        except Exception as e:
-            raise WeightTransferError(node_id, "rendezvous", f"cannot open a TCPStore on {host}:{port}: {e}") from e
+        self.store = open_store(node_id, host, timeout_s, port)
         self._group: dist.ProcessGroup | None = None
         self._prefixed: dist.Store | None = None
         self._prefix = ""
@@ -122,11 +107,19 @@ class WeightSender:
         return self.store.port
 
     @property
+    def path(self) -> str:
+        return self.backend
+
+    @property
     def buffer_device(self) -> torch.device:
         return self.device if self.backend == "nccl" else torch.device("cpu")
 
-    def prepare(self, version: int, buckets: list[BucketSpec]) -> WeightsReady:
-        """The `WeightsReady` for this node: same group prefix while the group works, a new one after a failure."""
+    def prepare(
+        self, version: int, buckets: list[BucketSpec] | PackedBuckets, packed_event: torch.cuda.Event | None = None
+    ) -> WeightsReady:
+        """The `WeightsReady` for this node: same group prefix while the group works, a new one after a
+        failure. `packed_event` is for `send` here (its broadcast stream waits for it)."""
+        buckets = buckets.specs if isinstance(buckets, PackedBuckets) else buckets
         if self._group is None:
             # unguessable: the prefix travels only over the control channel (CURVE beyond loopback), so a
             # stranger who reaches the store cannot join or disturb the group
@@ -269,54 +262,30 @@ def receive(ready: WeightsReady, device: torch.device | str, rank: int = 1) -> I
         raise WeightTransferError(peer, phase, f"{type(e).__name__}: {e}") from e
 
 
-@dataclasses.dataclass
-class Staged:
-    """A version received into staging buffers, not yet live in the engine."""
-
-    version: int
-    named: list[tuple[str, torch.Tensor]]  # views into the staging buffers
-    seconds: float  # from the layout's arrival to the last byte
-    nbytes: int
-
-
-class Stager:
-    """Receives versions into one set of staging buffers while the engine keeps generating.
-
-    `receive` blocks its caller (a thread of its own, never the engine's) until the version is
-    staged; the engine swaps it in at its next safe point and calls `release`, which frees the buffers
-    for the next version. A version that arrives while one is staged waits for that swap (at most the
-    transfer's deadline): staging memory stays at one copy of the weights (`nbytes`).
-    """
-
-    def __init__(self, device: torch.device | str, rank: int = 1):
-        self.device, self.rank = torch.device(device), rank
-        self._free = threading.Event()
-        self._free.set()
-        self.nbytes = 0
-
-    def receive(self, ready: WeightsReady) -> Staged:
-        start, peer = time.perf_counter(), f"learner@{ready.store_host}:{ready.store_port}"
-        deadline = time.monotonic() + ready.timeout_s
-        if not self._free.wait(ready.timeout_s):
-            raise WeightTransferError(peer, "staging", f"version {ready.version} arrived while the previous one "
-                                      f"waited {ready.timeout_s:g} s for the engine to swap it in")  # fmt: skip
-        self._free.clear()
+def receive_flat(ready: WeightsReady, device: torch.device, rank: int = 1) -> list[torch.Tensor]:
+    """Join the group, receive every bucket into the group's flat buffers (reused by its next transfer),
+    all by one deadline. Raises `WeightTransferError` naming the phase; the group is then dropped."""
+    peer, deadline, phase = f"learner@{ready.store_host}:{ready.store_port}", time.monotonic() + ready.timeout_s, ""
+    try:
         phase = "rendezvous"
-        try:
-            flats, works = _post(ready, self.device, self.rank)
-            phase = "transfer"
-            wait_done(works, deadline)
-        except Exception as e:
-            self._free.set()
-            _drop_group(ready, self.rank)
-            raise WeightTransferError(peer, phase, f"{type(e).__name__}: {e}") from e
-        named = [item for spec, flat in zip(ready.buckets, flats) for item in unpack_bucket(spec, flat)]
-        self.nbytes = sum(f.numel() * f.element_size() for f in flats)
-        return Staged(ready.version, named, time.perf_counter() - start, self.nbytes)
+        flats, works = _post(ready, device, rank)
+        phase = "transfer"
+        wait_done(works, deadline)
+        return flats
+    except Exception as e:
+        _drop_group(ready, rank)
+        raise WeightTransferError(peer, phase, f"{type(e).__name__}: {e}") from e
 
-    def release(self) -> None:
-        """The staged version is live (or given up): the buffers take the next one."""
-        self._free.set()
+
+def open_store(node_id: str, host: str, timeout_s: float, port: int = 0) -> dist.TCPStore:
+    """The learner's TCPStore for one node's transfers (rendezvous, confirmations), bound to `host` only."""
+    try:
+        return dist.TCPStore(
+            host, port, is_master=True, wait_for_workers=False, timeout=_td(timeout_s),
+            master_listen_fd=_listen(host, port),
+        )  # fmt: skip
+    except Exception as e:
+        raise WeightTransferError(node_id, "rendezvous", f"cannot open a TCPStore on {host}:{port}: {e}") from e
 
 
 def _listen(host: str, port: int) -> int:

@@ -7,7 +7,7 @@ buckets. A bucket holds tensors of one dtype, at most `bucket_bytes`, each at an
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 
 import torch
 
@@ -126,17 +126,22 @@ def unpack_bucket(spec: BucketSpec, flat: torch.Tensor) -> Iterator[tuple[str, t
 class BufferPool:
     """Flat buffers kept between transfers: a fresh 1 GB CPU buffer costs its page faults on every
     transfer (measured: 5x a raw broadcast on CPU without reuse). A buffer is reused by the next
-    transfer of the same layout, so views into it are valid until then."""
+    transfer of the same layout, so views into it are valid until then. `allocate(numel, dtype)` makes
+    the CPU buffers (`ipc.shared_empty`: in memory other processes can map); CUDA ones are plain."""
 
-    def __init__(self) -> None:
+    def __init__(self, allocate: Callable[[int, torch.dtype], torch.Tensor] | None = None) -> None:
         self._buffers: dict[int, torch.Tensor] = {}
         self._lock = threading.Lock()
+        self._allocate = allocate
 
     def take(self, index: int, dtype: torch.dtype, numel: int, device: torch.device) -> torch.Tensor:
         with self._lock:
             buf = self._buffers.get(index)
             if buf is None or buf.dtype != dtype or buf.numel() != numel or buf.device != device:
-                buf = self._buffers[index] = torch.empty(numel, dtype=dtype, device=device)
+                if self._allocate is not None and device.type == "cpu":
+                    buf = self._buffers[index] = self._allocate(numel, dtype)
+                else:
+                    buf = self._buffers[index] = torch.empty(numel, dtype=dtype, device=device)
             return buf
 
     def clear(self) -> None:

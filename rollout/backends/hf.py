@@ -64,6 +64,9 @@ class HFBackend:
         from streamrl.engine.models import load_model, load_tokenizer
 
         torch.manual_seed(seed)
+        if device.startswith("cuda") and rollout.gpu_memory_gib > 0:  # its share of a GPU it may share
+            total = torch.cuda.get_device_properties(torch.device(device)).total_memory
+            torch.cuda.set_per_process_memory_fraction(min(1.0, rollout.gpu_memory_gib * 2**30 / total), device)
         self.rollout, self.device, self.max_batch = rollout, device, max_batch
         self.max_model_len = model.max_model_len
         self.static = device.startswith("cuda") if static is None else static
@@ -245,10 +248,12 @@ class HFBackend:
         start = time.perf_counter()
         try:
             swap_into_hf_model(self.model, staged, f"learner@{ready.store_host}:{ready.store_port}")
-            if self.static:
+            if self.device.startswith("cuda"):
                 import torch
 
-                torch.cuda.synchronize(self.device)  # the copies are done before the next batch reads
+                # the copies are done before the next batch reads the weights, and before the staging
+                # buffers, released below, take the next version (on a stream of its own)
+                torch.cuda.synchronize(self.device)
             self.policy_version = staged.version
         finally:
             self.stager.release()

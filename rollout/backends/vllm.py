@@ -41,6 +41,11 @@ def engine_args(model_path: str, model: ModelConfig, rollout: RolloutConfig, see
         extra["kv_cache_memory_bytes"] = int(rollout.kv_cache_gib * (1 << 30))
     else:
         extra["gpu_memory_utilization"] = rollout.gpu_memory_utilization
+        if rollout.gpu_memory_gib > 0:  # its share in GiB, as vLLM takes it: a fraction of the whole GPU
+            import torch
+
+            total = torch.cuda.get_device_properties(torch.device(device)).total_memory
+            extra["gpu_memory_utilization"] = min(1.0, rollout.gpu_memory_gib * 2**30 / total)
     if importlib.util.find_spec("streamrl.rollout.backends.vllm_worker") is not None:
         extra["worker_extension_cls"] = WORKER_EXTENSION
     return AsyncEngineArgs(

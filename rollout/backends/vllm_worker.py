@@ -102,6 +102,8 @@ class WeightReceiverExtension:
         try:
             reload = getattr(self, "reload_weights", None) or self.model_runner.reload_weights
             reload(weights_iterator=staged.named)
+            if torch.device(self.device).type == "cuda":  # done reading staging before it takes the next version
+                torch.cuda.synchronize(self.device)
             return {
                 "version": staged.version,
                 "seconds": time.perf_counter() - start,

@@ -144,7 +144,10 @@ def _config(path: pathlib.Path, lines: list[str]) -> pathlib.Path:
 
 
 def _common(tmp_path: pathlib.Path, tiny_model: str, curve: bool = True, recv_timeout_s: float = 10.0) -> list[str]:
+    # weights.backend: the namespaces share this machine's boot id and /proc, so the learner would hand the nodes
+    # their weights by shared memory (engine/weights/paths.py); gloo keeps them on the network, as across hosts
     return [
+        "weights.backend = 'gloo'",
         f"run.dir = '{tmp_path}'", "run.name = 'netns'", f"run.steps = {STEPS}", "run.device = 'cpu'",
         f"model.path = '{tiny_model}'", "rollout.backend = 'hf'", "rollout.group_size = 4", "rollout.max_tokens = 16",
         "learner.groups_per_step = 2", "learner.lr = 1e-2", f"transport.curve = {str(curve).lower()}",

@@ -2,8 +2,10 @@
 
 Each node is `weights_node_worker.py`: AsyncLLM with `WeightReceiverExtension`, driven over a
 socketpair: it stages each version in its worker while the engine keeps generating, then swaps it in
-between engine steps. The learner side is one real `WeightSender` per node over its own gloo group,
-each in a thread, as the learner's publisher runs them.
+between engine steps. The learner side is one real sender per node, each in a thread, as the learner's
+publisher runs them: node a a `WeightSender` over its own gloo group, node b an `IpcSender` (the
+shared-memory path of a node on the learner's machine: its vLLM worker copies from the learner's memfd
+buckets), so every test below drives both paths.
 """
 
 from __future__ import annotations
@@ -24,8 +26,8 @@ import torch
 
 from streamrl.engine import messages
 from streamrl.engine.messages import Register
-from streamrl.engine.weights import WeightSender, WeightTransferError, plan_buckets
-from streamrl.engine.weights.layout import PackedBuckets
+from streamrl.engine.weights import IpcSender, WeightSender, WeightTransferError, plan_buckets, shared_empty
+from streamrl.engine.weights.layout import BufferPool, PackedBuckets
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -99,7 +101,7 @@ class Learner:
 
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
         self.initial = {name: p.detach().clone() for name, p in self.model.named_parameters()}
-        self.senders: dict[str, WeightSender] = {}
+        self.senders: dict[str, WeightSender | IpcSender] = {}
         self.nodes: dict[str, NodeProc] = {}
         self.applied: dict[str, int] = {}
         self.version = 0
@@ -108,7 +110,7 @@ class Learner:
         """Every node's transfer in a thread of its own (as the publisher runs them), then the confirmations."""
         self.version += int(new_version)
         state = self.model.state_dict()
-        packed = PackedBuckets(plan_buckets(state, int(0.05 * 2**20)), state, "cpu")
+        packed = PackedBuckets(plan_buckets(state, int(0.05 * 2**20)), state, "cpu", BufferPool(allocate=shared_empty))
         outcomes = {node_id: Outcome() for node_id in (nodes or list(self.senders))}
         threads = [threading.Thread(target=self._send, args=(n, packed, o, on_bucket)) for n, o in outcomes.items()]
         for t in threads:
@@ -130,19 +132,27 @@ class Learner:
 
     def _send(self, node_id: str, packed: PackedBuckets, outcome: Outcome, on_bucket) -> None:
         sender = self.senders[node_id]
-        ready = sender.prepare(self.version, packed.specs)
+        ready = sender.prepare(self.version, packed)
         self.nodes[node_id].conn.send_bytes(msgspec.msgpack.encode({"op": "weights", "ready": messages.encode(ready)}))
         try:
-            outcome.transfer_s = sender.send(packed, ready, on_bucket)
+            if isinstance(sender, IpcSender):  # no buckets on a wire: the node copies them itself, from now on
+                if on_bucket is not None:
+                    on_bucket(node_id, 0)
+                outcome.transfer_s = sender.send(packed, ready)
+            else:
+                outcome.transfer_s = sender.send(packed, ready, on_bucket)
         except WeightTransferError as e:
             outcome.error = e
 
-    def join(self, node: NodeProc) -> dict[str, Outcome]:
+    def join(self, node: NodeProc, shared: bool = False) -> dict[str, Outcome]:
         """A node's Register -> add it -> current weights before anything else."""
         register = messages.decode_control(node.recv(START_TIMEOUT_S))
         assert isinstance(register, Register) and register.node_id == node.node_id
         self.nodes[node.node_id] = node
-        self.senders[node.node_id] = WeightSender(node.node_id, backend="gloo", timeout_s=TIMEOUT_S)
+        if shared:
+            self.senders[node.node_id] = IpcSender(node.node_id, timeout_s=TIMEOUT_S)
+        else:
+            self.senders[node.node_id] = WeightSender(node.node_id, backend="gloo", timeout_s=TIMEOUT_S)
         return self.push(nodes=[node.node_id], new_version=False)
 
     def logprobs(self) -> list[list[float]]:
@@ -186,7 +196,7 @@ def cluster(tiny_model, tmp_path_factory):
     procs = [NodeProc(node_id, tiny_model, root / node_id) for node_id in ("a", "b")]
     try:
         for proc in procs:
-            results = learner.join(proc)
+            results = learner.join(proc, shared=proc.node_id == "b")
             assert results[proc.node_id].ok, (results[proc.node_id].error, results[proc.node_id].applied)
         yield learner, root
     finally:

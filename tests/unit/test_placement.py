@@ -13,7 +13,9 @@ def _cfg(*sets):
 def test_automatic_split_gives_the_learner_the_first_gpus_and_nodes_the_rest():
     p = plan(_cfg("learner.ranks=1"), gpus=2, nodes=2)
     assert p.learner == [0] and [p.node_gpu(i) for i in range(3)] == [1, 1, 1]
-    assert p.describe(2) == "placement: learner rank 0 → GPU 0; node-0 → GPU 1, node-1 → GPU 1"
+    assert p.describe(2) == (
+        "placement: learner rank 0 → GPU 0; node-0 → GPU 1 (weights by NCCL), node-1 → GPU 1 (weights by NCCL)"
+    )
     p = plan(_cfg("learner.ranks=2"), gpus=4, nodes=3)
     assert p.learner == [0, 1] and [p.node_gpu(i) for i in range(3)] == [2, 3, 2]
 
@@ -44,3 +46,15 @@ def test_sharing_is_allowed_when_asked():
     p = plan(_cfg("learner.ranks=2", "rollout.share_learner_gpus=true"), gpus=2, nodes=1)
     assert p.learner == [0, 1] and p.nodes == [0, 1]
     assert plan(_cfg("learner.ranks=2"), gpus=2, nodes=0).learner == [0, 1]  # learner alone: no nodes to place
+
+
+def test_the_placement_line_names_each_nodes_weights_path():
+    one = plan(_cfg("rollout.share_learner_gpus=true"), gpus=1, nodes=1)
+    assert (
+        one.describe(1) == "placement: learner rank 0 → GPU 0; node-0 → GPU 0 (the learner's GPU; weights by CUDA IPC)"
+    )
+    two = plan(_cfg("learner.ranks=2", "rollout.share_learner_gpus=true"), gpus=2, nodes=2)
+    # node-1 shares learner rank 1's GPU; its weights come from rank 0 (GPU 0): a broadcast between two GPUs
+    assert two.describe(2).endswith("node-0 → GPU 0 (the learner's GPU; weights by CUDA IPC), "
+                                    "node-1 → GPU 1 (the learner's GPU; weights by NCCL)")  # fmt: skip
+    assert "(the learner's GPU; weights by gloo)" in one.describe(1, weights_backend="gloo")

@@ -157,3 +157,68 @@ def test_tensorboard_on_but_not_installed_is_a_warning(tiny_model, monkeypatch):
         "written: pip install tensorboard, or set telemetry.tensorboard = false"
     )
     assert run_preflight(tiny_model, "telemetry.tensorboard=false", roles=["learner"]).problems == []
+
+
+@pytest.fixture
+def one_gpu(tiny_model, tmp_path, monkeypatch):
+    """A host with one GPU of `gib` GiB (faked: this CPU test never touches CUDA) and a model folder with
+    Qwen2-0.5B's body (config only: preflight reads no weights)."""
+    import shutil
+
+    from streamrl.engine import memory, placement
+    from streamrl.engine.models import SHAPES
+
+    folder = tmp_path / "qwen2-0.5b-shape"
+    shutil.copytree(tiny_model, folder)
+    config = {k: v for k, v in json.loads((folder / "config.json").read_text()).items() if k != "layer_types"}
+    (folder / "config.json").write_text(json.dumps({**config, **SHAPES["0.5b"]}))
+    monkeypatch.setattr(placement, "visible_gpus", lambda: 1)
+
+    def make(gib: float, *sets: str) -> pf.Preflight:
+        monkeypatch.setattr(memory, "device_gib", lambda gpu: gib)
+        base = [
+            f"model.path='{folder}'",
+            "run.device='cuda'",
+            "rollout.backend='hf'",
+            "rollout.share_learner_gpus=true",
+        ]
+        cfg = build(
+            {},
+            [
+                *base,
+                "learner.micro_batch_tokens=40960",
+                "rollout.max_tokens=160",
+                "data.max_prompt_tokens=64",
+                "model.dtype='bfloat16'",
+                *sets,
+            ],
+        )
+        start = time.perf_counter()
+        found = pf.preflight(cfg, pf.ROLES, nodes=1)
+        assert time.perf_counter() - start < PREFLIGHT_BUDGET_S
+        return found
+
+    return make
+
+
+def test_a_shared_gpu_too_small_for_both_shares_is_refused_naming_the_fields_and_numbers(one_gpu):
+    # learner: 0.36B params x 18 B = 6.0 GiB + push buffers 2 x 0.36B x 2 B = 1.3 + 40960 tokens x 24 layers x
+    # 2(4*896 + 4*4864) B = 42.2 + head 0.1 + context 1 = 50.6 GiB; node: weights 0.7 + staging 0.7 + static
+    # cache 0.7 + logits 0.2 + 1 = 3.1
+    message = only_error(one_gpu(24.0), "gpu")
+    assert message.startswith("GPU 0 has 24.0 GiB but the learner and node-0 sharing it need ≈ 53.7 GiB")
+    assert "activations of learner.micro_batch_tokens = 40960 42.2" in message
+    assert "static cache (256 rows x 224 tokens) 0.7" in message
+    assert "run.mode = 'sync' and 'async' both keep the learner and the nodes resident" in message
+    # 24 - 3.1 = 20.9 GiB for the learner: 8.3 fixed + 1.055 GiB per 1024 tokens -> 11 x 1024
+    assert "Fix: learner.micro_batch_tokens = 11264 or learner.activation_checkpointing = true" in message
+    # the node's share given explicitly counts as given
+    message = only_error(one_gpu(24.0, "rollout.gpu_memory_gib=20", "learner.micro_batch_tokens=8192"), "gpu")
+    assert "node ≈ 20.0 GiB (rollout.gpu_memory_gib 20.0)" in message and "a smaller rollout.gpu_memory_gib" in message
+
+
+def test_a_shared_gpu_that_fits_says_its_split(one_gpu):
+    found = one_gpu(139.8)
+    assert found.errors == []
+    (line,) = [str(p) for p in found.problems if p.check == "gpu"]
+    assert line.startswith("info: gpu: GPU 0 shared by the learner and node-0: 53.7 of 139.8 GiB (learner ≈ 50.6")

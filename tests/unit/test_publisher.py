@@ -1,8 +1,11 @@
-"""The learner's weight publisher over real gloo groups: nodes as threads with real `Stager`s.
+"""The learner's weight publisher over real gloo groups and real shared memory: nodes as threads with
+real `Stager`s.
 
 What it promises: `publish` holds the learner for the packing alone, whatever the nodes do; every
 node gets the newest version, in order, bit-exact; a node that never receives, or never confirms a
-version live, is evicted once, after one deadline, while the others keep receiving.
+version live, is evicted once, after one deadline, while the others keep receiving. The same on both
+paths (`shared`: the nodes named there say they run on the learner's machine, so they copy from shared
+memory; the others get a gloo broadcast).
 """
 
 from __future__ import annotations
@@ -12,11 +15,12 @@ import queue
 import threading
 import time
 
+import pytest
 import torch
 
 from streamrl.engine.config import build
 from streamrl.engine.messages import Stop, WeightsApplied, WeightsReady
-from streamrl.engine.weights import Stager
+from streamrl.engine.weights import Stager, here
 from streamrl.learner.publisher import Publisher
 
 TIMEOUT_S = 2.0
@@ -63,11 +67,14 @@ class _Nodes:
             return None
 
 
-def _publisher(nodes: _Nodes) -> Publisher:
-    cfg = build({}, ["weights.backend='gloo'", "weights.bucket_mb=0.01", f"weights.timeout_s={TIMEOUT_S}"])
+def _publisher(nodes: _Nodes, shared: tuple[str, ...] = ()) -> Publisher:
+    cfg = build({}, ["weights.bucket_mb=0.01", f"weights.timeout_s={TIMEOUT_S}"])
     publisher = Publisher(cfg, nodes, torch.device("cpu"))
-    for node_id in nodes.behaviours:
-        publisher.add(node_id)
+    for node_id in nodes.behaviours:  # a node of unknown location gets a collective (gloo on CPU)
+        publisher.add(node_id, here("cpu") if node_id in shared else None)
+    assert {n: s.path for n, s in publisher.states().items()} == {
+        n: "shm" if n in shared else "gloo" for n in nodes.behaviours
+    }
     return publisher
 
 
@@ -84,9 +91,10 @@ def _poll_until(publisher: Publisher, cond, timeout_s: float) -> list[str]:
     return evicted + publisher.poll()
 
 
-def test_publish_holds_only_for_packing_and_a_silent_node_is_evicted_after_one_deadline():
+@pytest.mark.parametrize("shared", [(), ("a", "dead")], ids=["gloo", "shm-and-gloo"])
+def test_publish_holds_only_for_packing_and_a_silent_node_is_evicted_after_one_deadline(shared):
     nodes = _Nodes({"a": "ok", "b": "ok", "dead": "silent"})
-    publisher = _publisher(nodes)
+    publisher = _publisher(nodes, shared)
     try:
         held = publisher.publish(1, _weights(1))
         assert held < 0.5  # packing 32 KB; the dead node's deadline is not the learner's
@@ -107,9 +115,10 @@ def test_publish_holds_only_for_packing_and_a_silent_node_is_evicted_after_one_d
         publisher.close()
 
 
-def test_a_busy_node_gets_the_newest_version_in_order_and_never_delays_publish():
+@pytest.mark.parametrize("shared", [(), ("busy",)], ids=["gloo", "shm"])
+def test_a_busy_node_gets_the_newest_version_in_order_and_never_delays_publish(shared):
     nodes = _Nodes({"busy": "slow"}, slow_s=0.5)
-    publisher = _publisher(nodes)
+    publisher = _publisher(nodes, shared)
     try:
         holds = []
         for version in range(1, 6):  # five versions while the node takes 0.5 s per receive
@@ -126,7 +135,7 @@ def test_a_busy_node_gets_the_newest_version_in_order_and_never_delays_publish()
 
 def test_a_node_that_never_confirms_a_version_live_is_evicted_after_one_deadline():
     nodes = _Nodes({"ok": "ok", "stuck": "stuck"})
-    publisher = _publisher(nodes)
+    publisher = _publisher(nodes, shared=("stuck",))
     try:
         publisher.publish(1, _weights(1))
         evicted = _poll_until(publisher, lambda: "stuck" not in publisher.links, TIMEOUT_S + 10)

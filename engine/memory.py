@@ -1,0 +1,150 @@
+"""How much GPU memory each role takes, estimated from the model's config before anything loads.
+
+Used by preflight (ops/preflight.py) to refuse, in seconds, a GPU shared by the learner and a rollout
+node (`rollout.share_learner_gpus`) whose two shares cannot fit, and by the nodes to hold themselves
+to their share. The formulas are first-order and were checked against measured peaks on an H200:
+
+- learner, per GPU: fp32 master weights, gradients and AdamW (16 bytes a parameter, sharded over the
+  ranks) + the bf16 compute copy (2 bytes a parameter, gathered) + activations of one micro-batch of
+  `learner.micro_batch_tokens` tokens, 2·(4·hidden + 4·intermediate) bytes per token and layer (one
+  layer's with activation checkpointing, plus 2·hidden per layer) + the LM head's logits (kept up to
+  `learner.head_logits_gib`, plus an 8192-token fp32 chunk and its gradient) + a reference model
+  (kl_coef > 0) + 1 GiB of CUDA context; on rank 0 two sets of packed weights for the push. The step
+  alone (bench/learner_step.py), Qwen2-0.5B body (512-token vocabulary) at 40960 tokens: 49.3 GiB
+  estimated, 46.8 measured; Qwen2.5-3B, 152k vocabulary, 16384 tokens: 124 estimated, 117 measured.
+- hf node: the model and one staging copy of it in the serving dtype + the static KV cache (every
+  batch padded to `MAX_BATCH` rows of the prompt width plus `rollout.max_tokens`) + the logits
+  `generate` keeps (fp32, one row per token, twice: kept, then stacked; 46 GiB for a 152k vocabulary at
+  160 new tokens) + 1 GiB of context and graphs.
+- vLLM node: `rollout.gpu_memory_utilization` of the GPU (what vLLM reserves), or `rollout.gpu_memory_gib`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from streamrl.engine.config import Config
+
+GIB = 1 << 30
+CONTEXT_GIB = 1.0  # a CUDA context, the allocator's slack, compiled graphs
+HEAD_CHUNK = 8192  # tokens of the LM head's fp32 working chunk (learner/logprobs.py)
+MAX_BATCH = 256  # the hf backend's rows per batch on CUDA (rollout/backends/hf.py)
+WIDTH_STEP = 64  # its prompt widths are padded to a multiple of this
+
+
+@dataclasses.dataclass
+class Estimate:
+    """A role's memory: named parts in GiB, in the order they are printed."""
+
+    parts: dict[str, float]
+
+    @property
+    def gib(self) -> float:
+        return sum(self.parts.values())
+
+    def __str__(self) -> str:
+        return f"≈ {self.gib:.1f} GiB (" + ", ".join(f"{k} {v:.1f}" for k, v in self.parts.items()) + ")"
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    params: int
+    hidden: int
+    intermediate: int
+    layers: int
+    kv_width: int  # key/value heads x head dim
+    vocab: int
+
+
+_counted: dict[str, int] = {}
+
+
+def _params(hf_config) -> int:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    key = hf_config.to_json_string()
+    if key not in _counted:
+        with torch.device("meta"):  # no memory, no weights read: the architecture's own parameter list
+            model = AutoModelForCausalLM.from_config(hf_config)
+        _counted[key] = sum(p.numel() for p in model.parameters())
+    return _counted[key]
+
+
+def shape_of(hf_config) -> Shape:
+    """The sizes the estimates need, from a transformers config (the parameters counted on the meta device)."""
+    text = getattr(hf_config, "text_config", None) or hf_config
+    hidden, heads = text.hidden_size, text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or hidden // heads
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    intermediate = getattr(text, "intermediate_size", None) or 4 * hidden
+    return Shape(_params(hf_config), hidden, intermediate, text.num_hidden_layers, kv_heads * head_dim, text.vocab_size)
+
+
+def learner(cfg: Config, shape: Shape, tokens: int | None = None) -> Estimate:
+    """One learner rank's GPU memory at `tokens` per micro-batch (default `learner.micro_batch_tokens`)."""
+    lc, p = cfg.learner, shape.params
+    tokens = tokens or lc.micro_batch_tokens
+    per_layer = 2 * (4 * shape.hidden + 4 * shape.intermediate)  # bytes per token and layer
+    if lc.activation_checkpointing:
+        activations = tokens * (2 * shape.hidden * shape.layers + per_layer)
+    else:
+        activations = tokens * per_layer * shape.layers
+    kept = min(tokens * shape.vocab * 2, lc.head_logits_gib * GIB)
+    nbytes = 4 if cfg.model.dtype == "float32" else 2
+    parts = {
+        "weights, gradients, AdamW": (16 * p / lc.ranks + 2 * p) / GIB,
+        "weight push buffers": 2 * p * nbytes / GIB,  # two packed sets (learner/publisher.py), rank 0
+        f"activations of learner.micro_batch_tokens = {tokens}": activations / GIB,
+        "LM head": (kept + 2 * min(tokens, HEAD_CHUNK) * shape.vocab * 4) / GIB,
+    }
+    if cfg.loss.kl_coef > 0:
+        parts["reference model"] = 2 * p / GIB
+    parts["CUDA context"] = CONTEXT_GIB
+    return Estimate(parts)
+
+
+def hf_node(cfg: Config, shape: Shape) -> Estimate:
+    """An hf rollout node's GPU memory (rollout/backends/hf.py on CUDA)."""
+    nbytes = 4 if cfg.model.dtype == "float32" else 2
+    width = -(-cfg.data.max_prompt_tokens // WIDTH_STEP) * WIDTH_STEP
+    positions = MAX_BATCH * (width + cfg.rollout.max_tokens)
+    return Estimate(
+        {
+            "weights": shape.params * nbytes / GIB,
+            "staging copy": shape.params * nbytes / GIB,
+            f"static cache ({MAX_BATCH} rows x {width + cfg.rollout.max_tokens} tokens)": (
+                positions * shape.layers * 2 * shape.kv_width * nbytes / GIB
+            ),
+            f"logits kept by generate (rollout.max_tokens = {cfg.rollout.max_tokens})": (
+                2 * MAX_BATCH * cfg.rollout.max_tokens * shape.vocab * 4 / GIB
+            ),
+            "CUDA context and graphs": CONTEXT_GIB,
+        }
+    )
+
+
+def node(cfg: Config, shape: Shape, device_gib: float) -> Estimate:
+    """What one node takes of a GPU of `device_gib`: `rollout.gpu_memory_gib` when set, else vLLM's
+    reservation or the hf estimate."""
+    if cfg.rollout.gpu_memory_gib > 0:
+        return Estimate({"rollout.gpu_memory_gib": cfg.rollout.gpu_memory_gib})
+    if cfg.rollout.backend == "vllm":
+        share = cfg.rollout.gpu_memory_utilization
+        return Estimate({f"rollout.gpu_memory_utilization = {share:g} of the GPU": share * device_gib})
+    return hf_node(cfg, shape)
+
+
+def largest_tokens(cfg: Config, shape: Shape, room_gib: float) -> int:
+    """The largest micro-batch (a multiple of 1024 tokens, at least 1024) whose learner fits `room_gib`; 0: none."""
+    best, tokens = 0, 1024
+    while tokens <= cfg.learner.micro_batch_tokens and learner(cfg, shape, tokens).gib <= room_gib:
+        best, tokens = tokens, tokens + 1024
+    return best
+
+
+def device_gib(gpu: int) -> float:
+    """Total memory of this host's GPU `gpu` (its index as this process sees them)."""
+    import torch
+
+    return torch.cuda.get_device_properties(gpu).total_memory / GIB

@@ -1,0 +1,250 @@
+"""An `hf` rollout node in a process of its own, and the learner's side of it, for the weight-path tests.
+
+The worker (`python hf_node_worker.py --model M --device D --fd N`) runs an `HFBackend` and is driven
+over an inherited socket in msgpack frames. It first says where it runs (`{"where": [host, boot_id,
+device, gpu_uuid]}`, what a node's `Register` carries); then
+`{"op": "weights", "ready": <WeightsReady>}` starts `update_weights` (stage while serving, swap between
+batches) and answers `{"applied": <WeightsApplied>, "copy_s": ...}` once the version is live;
+`{"op": "digest"}` -> `{"digest": {name: sha256 of the parameter's bytes}, "version"}`;
+`{"op": "generate", "prompt", "n", "max_tokens"}` -> `{"tokens", "versions"}`; `{"op": "stop"}`.
+
+`Nodes` (imported by the tests through the `hf_nodes` fixture) is the publisher's control-channel seam
+(`NodeRegistry`'s `send` / `take_applied`) over these processes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import concurrent.futures
+import hashlib
+import os
+import pathlib
+import queue
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from multiprocessing.connection import Connection
+
+import msgspec
+
+from streamrl.engine import messages
+from streamrl.engine.messages import Stop, WeightsApplied, WeightsReady
+
+WORKER = pathlib.Path(__file__)
+
+
+def digest(named) -> dict[str, str]:
+    """sha256 of each tensor's bytes: equal digests are bit-exact weights."""
+    import torch
+
+    def raw(t) -> bytes:
+        return t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+
+    return {name: hashlib.sha256(raw(t)).hexdigest() for name, t in named}
+
+
+# ---- the node process --------------------------------------------------------------------------
+
+
+def serve(model: str, device: str, fd: int) -> None:
+    import torch
+
+    from streamrl.engine.config import ModelConfig, RolloutConfig
+    from streamrl.engine.weights import here
+    from streamrl.rollout.backends.hf import HFBackend
+
+    conn, lock = Connection(fd), threading.Lock()
+    dtype = "bfloat16" if device.startswith("cuda") else "float32"
+    engine = HFBackend(model, ModelConfig(max_model_len=512, dtype=dtype), RolloutConfig(), device=device, static=False)
+    loop = asyncio.new_event_loop()
+    threading.Thread(target=loop.run_forever, daemon=True).start()
+
+    def reply(frame: dict) -> None:
+        with lock:
+            conn.send_bytes(msgspec.msgpack.encode(frame))
+
+    async def weights(ready: WeightsReady) -> None:
+        try:
+            seconds = await engine.update_weights(ready)
+            reply({"applied": messages.encode(WeightsApplied(node_id="", version=ready.version, seconds=seconds))})
+        except Exception as e:  # reported, as the node's control loop does
+            failed = WeightsApplied(node_id="", version=ready.version, seconds=0.0, error=f"{type(e).__name__}: {e}")
+            reply({"applied": messages.encode(failed)})
+
+    where = here(device)
+    reply({"where": [where.host, where.boot_id, where.device, where.gpu_uuid]})
+    while True:
+        req = msgspec.msgpack.decode(conn.recv_bytes())
+        if req["op"] == "stop":
+            break
+        if req["op"] == "weights":
+            asyncio.run_coroutine_threadsafe(weights(messages.decode_control(req["ready"])), loop)
+        elif req["op"] == "digest":
+            with torch.no_grad():
+                reply({"digest": digest(engine.model.state_dict().items()), "version": engine.policy_version})
+        elif req["op"] == "generate":
+            outs = asyncio.run_coroutine_threadsafe(engine.generate(req["prompt"], req["n"], req["max_tokens"]), loop)
+            completions = outs.result(timeout=120)
+            reply({"tokens": [c.token_ids for c in completions], "versions": [c.token_versions for c in completions]})
+    os._exit(0)
+
+
+# ---- the learner's side ------------------------------------------------------------------------
+
+
+class NodeProc:
+    def __init__(self, node_id: str, model: str, device: str, log: pathlib.Path):
+        from streamrl.engine.weights import Location
+
+        ours, theirs = socket.socketpair()
+        with open(log, "wb") as out:
+            self.proc = subprocess.Popen(
+                [sys.executable, str(WORKER), "--model", model, "--device", device, "--fd", str(theirs.fileno())],
+                pass_fds=[theirs.fileno()], stdout=out, stderr=subprocess.STDOUT,
+            )  # fmt: skip
+        theirs.close()
+        self.node_id, self.log, self.conn = node_id, log, Connection(ours.detach())
+        self.applied: queue.Queue[WeightsApplied] = queue.Queue()
+        self.replies: queue.Queue[dict] = queue.Queue()
+        self.lock = threading.Lock()
+        if not self.conn.poll(300):
+            raise TimeoutError(f"node {node_id} did not start: {log.read_text()[-2000:]}")
+        self.where = Location(*msgspec.msgpack.decode(self.conn.recv_bytes())["where"])
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        try:
+            while True:
+                frame = msgspec.msgpack.decode(self.conn.recv_bytes())
+                if "applied" in frame:
+                    applied = messages.decode_control(frame["applied"])
+                    self.applied.put(WeightsApplied(node_id=self.node_id, version=applied.version,
+                                                    seconds=applied.seconds, error=applied.error))  # fmt: skip
+                else:
+                    self.replies.put(frame)
+        except (EOFError, OSError):
+            return
+
+    def send(self, **req) -> None:
+        with self.lock:
+            self.conn.send_bytes(msgspec.msgpack.encode(req))
+
+    def request(self, timeout_s: float = 120.0, **req) -> dict:
+        self.send(**req)
+        return self.replies.get(timeout=timeout_s)
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(timeout=30)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.send(op="stop")
+                self.proc.wait(timeout=30)
+            except (OSError, subprocess.TimeoutExpired):
+                self.kill()
+        self.conn.close()
+
+
+class Nodes:
+    """The publisher's control channel over node processes; `on_ready(node_id, ready)` runs when a
+    `WeightsReady` has gone out to a node (the tests kill a node there)."""
+
+    def __init__(self, procs: dict[str, NodeProc], on_ready=None):
+        self.procs, self.on_ready = procs, on_ready
+        self.stopped: list[str] = []
+
+    def send(self, node_id, msg, then_forget=False):
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        try:
+            if isinstance(msg, WeightsReady):
+                self.procs[node_id].send(op="weights", ready=messages.encode(msg))
+                if self.on_ready is not None:
+                    self.on_ready(node_id, msg)
+            elif isinstance(msg, Stop):
+                self.stopped.append(node_id)
+            done.set_result(None)
+        except OSError as e:
+            done.set_exception(e)
+        return done
+
+    def take_applied(self, node_id):
+        try:
+            return self.procs[node_id].applied.get_nowait()
+        except queue.Empty:
+            return None
+
+
+def wait_for(cond, publisher, timeout_s: float) -> list[str]:
+    """Poll the publisher (confirmations in, deadlines checked) until `cond()`; the nodes it evicted."""
+    evicted, deadline = [], time.monotonic() + timeout_s
+    while not cond() and time.monotonic() < deadline:
+        evicted += publisher.poll()
+        time.sleep(0.01)
+    return evicted + publisher.poll()
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--fd", type=int, required=True)
+    opts = parser.parse_args()
+    serve(opts.model, opts.device, opts.fd)
+
+
+def kill_mid_copy_scenario(start, model_path: str, device: str, deadline_s: float) -> dict:
+    """Two nodes on `device` by the shared path, the real `Publisher` on the learner's side: version 1
+    reaches both bit-exact; node b is killed as soon as version 2's `WeightsReady` reached it (before or
+    during its copy), while the learner keeps publishing a version every 0.2 s. What happened, for the
+    test to judge: paths, digests, holds, eviction time."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from streamrl.engine.config import build
+    from streamrl.learner.publisher import Publisher
+
+    a, b = start("a", model_path, device), start("b", model_path, device)
+    killed: dict[str, float] = {}
+
+    def on_ready(node_id: str, ready: WeightsReady) -> None:
+        if node_id == "b" and ready.version == 2:
+            b.kill()
+            killed["at"] = time.monotonic()
+
+    nodes = Nodes({"a": a, "b": b}, on_ready)
+    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(device)
+    cfg = build({}, ["weights.bucket_mb=0.05", f"weights.timeout_s={deadline_s}"])
+    publisher = Publisher(cfg, nodes, torch.device(device))
+    out: dict = {"holds": [], "evicted": []}
+    try:
+        publisher.add("a", a.where), publisher.add("b", b.where)
+        out["paths"] = {n: s.path for n, s in publisher.states().items()}
+        publisher.publish(1, model.state_dict())
+        wait_for(lambda: all(s.applied == 1 for s in publisher.states().values()), publisher, 120)
+        out["v1"] = [digest(model.state_dict().items()), a.request(op="digest"), b.request(op="digest")]
+        version = 1
+        while "b" in publisher.links and version < 200:
+            version += 1
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(0.01)
+            out["holds"].append(publisher.publish(version, model.state_dict()))
+            out["evicted"] += wait_for(lambda: False, publisher, 0.2)
+        out["evicted_after_s"] = time.monotonic() - killed["at"]
+        out["versions_meanwhile"] = version - 2
+        out["stopped"] = nodes.stopped
+        wait_for(lambda: publisher.states()["a"].applied == version, publisher, 60)
+        out["last"] = [version, digest(model.state_dict().items()), a.request(op="digest")]
+        out["a_applied"] = publisher.states()["a"].applied
+        out["model"], out["a"] = model, a
+        return out
+    finally:
+        publisher.close()

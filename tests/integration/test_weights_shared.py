@@ -1,0 +1,29 @@
+"""Weights by shared memory into `hf` nodes on the learner's machine: real node processes, the real
+`Publisher`, the same protocol as the collective paths (`WeightsReady` → staged → swapped → applied).
+
+Every version lands bit-exact; a node killed as its copy starts is evicted after one deadline
+(`weights.timeout_s`), told to stop, while the learner keeps publishing (each hold the packing alone)
+and the other node keeps taking every version. tests/gpu/test_weights_ipc_gpu.py runs the same on
+one GPU over CUDA IPC.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+DEADLINE_S = 3.0
+
+
+def test_a_node_killed_mid_copy_is_evicted_after_one_deadline_and_the_learner_keeps_publishing(tiny_model, hf_nodes):
+    got = hf_nodes.harness.kill_mid_copy_scenario(hf_nodes, tiny_model, "cpu", DEADLINE_S)
+    assert got["paths"] == {"a": "shm", "b": "shm"}  # both registered from the learner's machine
+    learner, a, b = got["v1"]
+    assert a["version"] == b["version"] == 1 and a["digest"] == learner and b["digest"] == learner  # bit-exact
+    assert got["evicted"] == ["b"] and got["stopped"] == ["b"]
+    # one deadline from the kill (and a poll), not one per bucket or phase; the learner went on meanwhile
+    assert DEADLINE_S * 0.8 < got["evicted_after_s"] < DEADLINE_S + 2.0, got["evicted_after_s"]
+    assert got["versions_meanwhile"] >= 5 and max(got["holds"]) < 0.5, got["holds"]
+    version, learner, a = got["last"]
+    assert got["a_applied"] == version and a == {"digest": learner, "version": version}

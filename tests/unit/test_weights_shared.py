@@ -1,0 +1,82 @@
+"""The shared-memory path (engine/weights/ipc.py) between an `IpcSender` and a `Stager`, in one process
+(the node maps the learner's memfd by its /proc path, as a process of the same machine does).
+
+What it promises: every version arrives bit-exact, including into new buffers at a freed one's
+address; a node that cannot open the buffers fails at once (phase 'open', not the deadline), naming
+the fix; whichever side claims a version's confirmation first decides, so a copy that ends after the
+learner gave up is thrown away.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from streamrl.engine import messages
+from streamrl.engine.weights import IpcSender, Stager, WeightTransferError, plan_buckets, shared_empty
+from streamrl.engine.weights.ipc import export
+from streamrl.engine.weights.layout import BufferPool, PackedBuckets
+
+
+def _state(version: int) -> dict[str, torch.Tensor]:
+    embed = torch.arange(600, dtype=torch.float32).reshape(30, 20) + version
+    return {"embed": embed, "norm": torch.full((20,), float(version)), "head": embed, "half": embed[:2].bfloat16()}
+
+
+def _push(sender: IpcSender, stager: Stager, version: int, pool: BufferPool) -> dict[str, torch.Tensor]:
+    state = _state(version)
+    packed = PackedBuckets(plan_buckets(state, 1024), state, "cpu", pool)
+    ready = messages.decode_control(messages.encode(sender.prepare(version, packed)))  # as it crosses the wire
+    got: dict = {}
+    node = threading.Thread(target=lambda: got.update(staged=stager.receive(ready)))
+    node.start()
+    sender.send(packed, ready)
+    node.join(10)
+    staged = got["staged"]
+    named = {name: t.clone() for name, t in staged.named}
+    stager.release()
+    assert staged.version == version and staged.path == "shm"
+    return named
+
+
+def test_versions_arrive_bit_exact_also_into_new_buffers_at_a_freed_ones_address():
+    sender, stager = IpcSender("n", timeout_s=5.0), Stager("cpu")
+    for version in range(1, 5):  # a new pool each time: freed buffers' addresses come back
+        got = _push(sender, stager, version, BufferPool(allocate=shared_empty))
+        for name, t in _state(version).items():
+            assert got[name].dtype == t.dtype and torch.equal(got[name], t), (version, name)
+    keys, addresses = set(), set()
+    for _ in range(3):
+        buf = shared_empty(1000, torch.float32)
+        keys.add(export(buf).key), addresses.add(buf.data_ptr())
+        del buf
+    assert len(keys) == 3  # one key per buffer, even where an address came back (len(addresses) < 3)
+
+
+def test_a_node_that_cannot_open_the_buffers_fails_at_once_naming_the_fix():
+    sender, stager = IpcSender("far", timeout_s=30.0), Stager("cpu")
+    state = _state(1)
+    packed = PackedBuckets(plan_buckets(state, 1 << 20), state, "cpu", BufferPool(allocate=shared_empty))
+    ready = sender.prepare(1, packed)
+    ready.shared[0].path, ready.shared[0].key = "/proc/1/fd/999999", "elsewhere"  # another PID namespace
+    with pytest.raises(WeightTransferError, match="'open'.*weights.backend = 'gloo'"):
+        stager.receive(ready)
+    start = time.monotonic()
+    with pytest.raises(WeightTransferError, match="'open'.*cannot open the learner's shm buffers") as info:
+        sender.send(packed, ready)
+    assert info.value.node_id == "far" and time.monotonic() - start < 1.0  # its word, not the 30 s deadline
+
+
+def test_a_copy_that_ends_after_the_learner_gave_up_is_thrown_away():
+    sender, stager = IpcSender("late", timeout_s=0.3), Stager("cpu")
+    state = _state(1)
+    packed = PackedBuckets(plan_buckets(state, 1 << 20), state, "cpu", BufferPool(allocate=shared_empty))
+    ready = sender.prepare(1, packed)
+    with pytest.raises(WeightTransferError, match="'copy'.*no confirmation within 0.3 s"):
+        sender.send(packed, ready)  # the node never came: the learner claims the version's key
+    with pytest.raises(WeightTransferError, match="gave up on version 1 first"):
+        stager.receive(ready)  # the node comes late: its copy must not go live
+    assert _push(sender, stager, 2, BufferPool(allocate=shared_empty))["norm"][0] == 2.0  # and the next one does
