@@ -194,7 +194,7 @@ class Orchestrator:
         return [StepBatch(mbs, version, sum(t.model_tokens for t in train)) for mbs in per_rank]
 
     def _drop(self, sample_ids: list[str], reason: str) -> None:
-        """Samples the step leaves out (zero_variance, truncated): resolved now, counted as samples_<reason>."""
+        """Samples the step leaves out (zero_variance, truncated): resolved, counted as samples_<reason>."""
         self.ledger.drop(sample_ids, reason)
         self.intake.counters.update({reason: len(sample_ids)})
 
@@ -247,15 +247,15 @@ class Orchestrator:
         """The step's samples are trained (and the new version published), or, when the step took no update,
         dropped as `nonfinite_step` or `no_gradient` (no weights contain them: `trained` would claim the next
         version learned from them); and the steps left are recorded for admission."""
-        ids = [t.sample_id for t in self.selection.train]
-        left = self.steps_left(step + 1)
+        ids, left = [t.sample_id for t in self.selection.train], self.steps_left(step + 1)
+        dropped = {"truncated": self.selection.masked}  # in the advantages' baseline, never in the loss
         if metrics["skipped"]:
-            reason = "nonfinite_step" if metrics.get("skipped_nonfinite") else "no_gradient"
-            self.ledger.skip_step(ids, reason, steps_left=left)
-            self.intake.counters.update({reason: len(ids)})
+            dropped["nonfinite_step" if metrics.get("skipped_nonfinite") else "no_gradient"] = ids
+            self.ledger.skip_step(dropped, steps_left=left)
         else:
-            self.ledger.commit_step(ids, self.version_of(), step, steps_left=left)
+            self.ledger.commit_step(ids, self.version_of(), step, steps_left=left, dropped=dropped)
             self.intake.alarm.trained()
+        self.intake.counters.update({reason: len(held) for reason, held in dropped.items() if held})
 
     def publish(self, weights: Mapping[str, Tensor]) -> float:
         """Hand the new version to the publisher (nodes get it in the background); the seconds it held us."""
@@ -379,8 +379,8 @@ class Orchestrator:
         nodes that are gone hold (`node_lost`: nothing will deliver it); when the run reached its end,
         mark it finished, after which anything still in flight is an error of the books."""
         try:
-            if self.selection.train:  # a step cut short (a signal mid-step): its samples were never trained
-                self.ledger.drop([t.sample_id for t in self.selection.train], "preempted")
+            if self.selection.groups:  # a step cut short (a signal mid-step): its samples were never trained
+                self.ledger.drop([t.sample_id for g in self.selection.groups for t in g], "preempted")
             self.intake.drop_held("preempted")
             self.ledger.drop_received("preempted")  # e.g. a stopped node's last samples, taken in by no one
             for node_id, held in self.ledger.in_flight().held_by_gone_nodes.items():

@@ -13,9 +13,10 @@ For each step (`select`), in order:
    members differ only by the overlong penalty is kept: its advantages are not zero.
 3. **Advantages** over each kept group, every member included.
 4. **Truncated completions masked** (`loss.mask_truncated`): a completion cut by a length limit stays in its
-   group's baseline, then leaves the batch (ledger: `truncated`). Leaving the batch is the same loss as a
-   zero loss mask (no loss token, not in the normaliser, no KL or entropy term, as TRL masks it) without
-   its forward.
+   group's baseline, then leaves the batch (`Selection.masked`; the orchestrator drops them as `truncated`
+   when it commits the step, with the rest of their groups, so no credit returns before the step is done).
+   Leaving the batch is the same loss as a zero loss mask (no loss token, not in the normaliser, no KL or
+   entropy term, as TRL masks it) without its forward.
 
 The ledger's accounting needs nothing new. A dropped group's samples are resolved, so its credit returns
 and a node may admit a group in its place: the admission bound (at most what the remaining steps train,
@@ -24,6 +25,9 @@ Groups are taken in admission order (`Intake.collect`, skipping the groups this 
 replacement is the oldest group admitted after the step's own: it was admitted to train a step later, and
 trains now, never staler than the ledger allowed. In sync mode the freed credits are taken with the
 learner's current weights (the version has not moved), so replacements are on-policy as the mode promises.
+One cost: when a step stops refilling (it has its groups, or reached the bound), groups that nodes admitted
+for the credits of its last drops wait for the next step; after the run's last step they are surplus (at
+most a step's groups), resolved as `preempted` when the run ends.
 """
 
 from __future__ import annotations
@@ -77,10 +81,10 @@ class Selection:
     rewards: list[list[float]] = field(default_factory=list)  # their shaped rewards
     train: list[Trajectory] = field(default_factory=list)  # packed: kept groups less masked members
     advantages: list[float] = field(default_factory=list)  # one per `train` sample
+    masked: list[str] = field(default_factory=list)  # truncated completions kept out of the loss (sample ids)
     examined: int = 0  # groups looked at for this step (kept, dropped, replaced)
     zero_variance: int = 0  # of those, with zero variance (dropped when dynamic sampling is on)
     refilled: int = 0  # replacement groups taken
-    truncated: int = 0  # samples masked as truncated (left the batch)
     unfilled: bool = False  # the refill bound was reached before the step had its groups
 
     def metrics(self, wanted: int) -> dict[str, float]:
@@ -92,7 +96,7 @@ class Selection:
             "filter/refilled_groups": float(self.refilled),
             "filter/groups": float(len(self.groups)),
             "filter/unfilled": float(self.unfilled or len(self.groups) < wanted),
-            "filter/truncated_masked": float(self.truncated),
+            "filter/truncated_masked": float(len(self.masked)),
             "reward/overlong_penalty_mean": (sum(penalties) - sum(raw)) / len(raw) if raw else 0.0,
         }
 
@@ -132,23 +136,19 @@ def select(take: Take, drop: Drop, n_groups: int, cfg: LossConfig, limit: int) -
         want = min(missing, budget - out.refilled)
         out.refilled += max(want, 0)
         out.unfilled = missing > 0
-    _mask_and_advantages(out, drop, cfg)
+    _mask_and_advantages(out, cfg)
     return out
 
 
-def _mask_and_advantages(out: Selection, drop: Drop, cfg: LossConfig) -> None:
+def _mask_and_advantages(out: Selection, cfg: LossConfig) -> None:
     advantages, _ = group_advantages(out.rewards, cfg.advantage)
-    masked = []
     for group, row in zip(out.groups, advantages):
         for trajectory, advantage in zip(group, row):
             if cfg.mask_truncated and is_truncated(trajectory):
-                masked.append(trajectory.sample_id)
+                out.masked.append(trajectory.sample_id)
             else:
                 out.train.append(trajectory)
                 out.advantages.append(advantage)
-    if masked:
-        drop(masked, "truncated")
-    out.truncated = len(masked)
 
 
 def warn_unfilled(step: int, selection: Selection, n_groups: int, cfg: LossConfig) -> None:

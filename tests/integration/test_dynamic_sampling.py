@@ -72,7 +72,7 @@ def run_steps(redis_url, run, mode, rewards, loss: LossConfig, steps=STEPS):
             if selection.train:
                 ledger.commit_step([t.sample_id for t in selection.train], version + 1, step, steps_left=steps - step)
             else:  # nothing to train: the learner takes no update, the version stays (learner/train_step.py)
-                ledger.skip_step([], "no_gradient", steps_left=steps - step)
+                ledger.skip_step({"no_gradient": []}, steps_left=steps - step)
     finally:
         node.stop.set()
         node.join(10)

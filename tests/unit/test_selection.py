@@ -110,9 +110,10 @@ def test_a_masked_truncated_completion_counts_in_its_baseline_and_contributes_no
     g = group("a", [1.0, 0.0, 0.0, 0.0], finish=["length", "stop", "stop", "stop"])
     source = Source([g])
     out = select(source.take, source.drop, 1, LossConfig(mask_truncated=True), limit=32)
-    assert [t.sample_id for t in out.train] == ["a:1", "a:2", "a:3"] and out.truncated == 1
+    assert [t.sample_id for t in out.train] == ["a:1", "a:2", "a:3"] and out.masked == ["a:0"]
     assert out.advantages == pytest.approx([-0.5, -0.5, -0.5], abs=1e-5)  # the baseline kept the cut one
-    assert source.dropped == [("truncated", ["a:0"])]
+    assert source.dropped == []  # dropped as truncated when the step commits, with the rest of its group
+    assert out.metrics(1)["filter/truncated_masked"] == 1.0
     # its tokens are in no micro-batch: no loss term and not in the normaliser (3 samples x 3 tokens)
     (mb,) = pack(out.train, out.advantages, token_budget=64)
     assert mb.sample_ids == ["a:1", "a:2", "a:3"] and mb.loss_tokens == 9
