@@ -292,6 +292,7 @@ BENCHMARKS = (
     "ledger_ops",
     "rewards_pool",
     "checkpoint",
+    "ppo_kl",
 )
 
 

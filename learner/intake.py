@@ -110,11 +110,17 @@ class Intake:
         return self.receiver.addr
 
     def collect(
-        self, n_groups: int, version: int, between: Callable[[], None], waiting_hint: Callable[[], str]
+        self,
+        n_groups: int,
+        version: int,
+        between: Callable[[], None],
+        waiting_hint: Callable[[], str],
+        holding: set[str] = frozenset(),
     ) -> list[list[Trajectory]]:
         """Block until `n_groups` whole groups of samples fresh at `version` are here; return them,
         oldest first. `between` runs between receives (node service); `waiting_hint` says what is
-        waited for when the wait is long."""
+        waited for when the wait is long; `holding`: groups this step took already (a refill after
+        dynamic sampling dropped some), which the admission order passes over."""
         waiting_since = last_warn = time.monotonic()
         while True:
             self.alarm.check(waiting_hint)  # also between steps that train nothing (skipped steps)
@@ -123,7 +129,7 @@ class Intake:
             if batch:
                 self._admit(batch, version)
                 waiting_since = last_warn = time.monotonic()
-            ready = self._take_ready(n_groups, version)
+            ready = self._take_ready(n_groups, version, holding)
             if ready is not None:
                 return ready
             if time.monotonic() - last_warn > WAITING_WARN_S:
@@ -160,7 +166,7 @@ class Intake:
             else:
                 group.resolved += 1
 
-    def _take_ready(self, n_groups: int, version: int) -> list[list[Trajectory]] | None:
+    def _take_ready(self, n_groups: int, version: int, holding: set[str]) -> list[list[Trajectory]] | None:
         now = time.monotonic()
         ready_ids = [
             g for g, group in self.groups.items() if group.complete or now - group.first_seen > GROUP_PATIENCE_S
@@ -173,7 +179,7 @@ class Intake:
                 del self.groups[group_id]
         if len(usable) < n_groups:
             return None
-        chosen = self._in_admission_order(usable, n_groups, now)
+        chosen = self._in_admission_order(usable, n_groups, now, holding)
         return None if chosen is None else [self.groups.pop(g).fresh for g in chosen]
 
     @staticmethod
@@ -181,7 +187,9 @@ class Intake:
         """Members still coming: a node sends a group's samples one after another."""
         return not group.complete and now - group.first_seen < ARRIVAL_GRACE_S
 
-    def _in_admission_order(self, usable: list[str], n_groups: int, now: float) -> list[str] | None:
+    def _in_admission_order(
+        self, usable: list[str], n_groups: int, now: float, holding: set[str] = frozenset()
+    ) -> list[str] | None:
         """The step's groups, oldest admitted first (None: wait for them).
 
         Admission counted on that order (a group waits as many steps as there were groups before it), so a
@@ -190,7 +198,7 @@ class Intake:
         being generated, or its members are arriving), at most `order_patience_s` (a node that died holding
         it is reaped by then); a group partly here for longer is not waited for (its node died mid-send:
         the group patience covers it). What is ready among the oldest goes first, then the oldest weights."""
-        oldest = self.ledger.oldest_open_groups(n_groups)
+        oldest = [g for g in self.ledger.oldest_open_groups(n_groups + len(holding)) if g not in holding]
         ready = set(usable)
         in_flight = [g for g in oldest if g not in self.groups or self._arriving(self.groups[g], now)]
         if in_flight:

@@ -9,6 +9,12 @@ are differentiable: the entropy's gradient (the entropy bonus, `loss.entropy_coe
 same backward pass over the logits when the loss uses it, by the torch row math (compiled on CUDA:
 the Triton backward has no entropy term); a loss that uses only the logprob never pays for it.
 
+The distribution is the one the rollout engines sample from: logits / temperature, and with top-k/top-p
+the softmax over the kept tokens only (engine/sampling.py), so pi_theta and the behaviour logprobs mu are
+of one distribution; the kept set is a per-row floor on the scaled logits, found in forward (one sort per
+chunk with top-p) and kept for backward. The Triton kernels have no floor: with top-k/top-p the torch
+row math runs (compiled on CUDA).
+
 `PolicyModel` wraps a HF causal LM so that the module FSDP2 shards at the root is the one whose
 forward runs the head: its hooks gather the embedding/head parameters around the whole pass.
 On CUDA, packed sequences go to a variable-length attention kernel (`streamrl_varlen`, attention.py),
@@ -20,16 +26,23 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from streamrl.engine.sampling import filtered, filters, keep_floor
 
-def _head_forward(logits: Tensor, targets: Tensor, inv_temp: float) -> tuple[Tensor, Tensor, Tensor]:
+
+def _head_forward(
+    logits: Tensor, targets: Tensor, inv_temp: float, floor: Tensor | None = None
+) -> tuple[Tensor, Tensor, Tensor]:
     """(logprob of target, entropy, log-sum-exp) per row of [c, V] logits, all fp32.
 
     One max, then two sums that share exp(z - max) (entropy = lse - E_p[z]): the fused kernel reads
-    each row twice. (A logsumexp followed by a separate entropy sum read it three times.)
+    each row twice. (A logsumexp followed by a separate entropy sum read it three times.) With `floor`
+    ([c], top-k/top-p sampling) the distribution is the one sampled from: the tokens below the floor are
+    out of it, the rest renormalised (engine/sampling.py).
     """
     z = logits.float() * inv_temp
-    peak = z.amax(-1, keepdim=True)
-    e = torch.exp(z - peak)
+    kept = z if floor is None else filtered(z, floor)
+    peak = kept.amax(-1, keepdim=True)
+    e = torch.exp(kept - peak)
     total = e.sum(-1)
     lse = peak.squeeze(1) + torch.log(total)
     logprobs = z.gather(1, targets[:, None]).squeeze(1) - lse
@@ -37,19 +50,30 @@ def _head_forward(logits: Tensor, targets: Tensor, inv_temp: float) -> tuple[Ten
     return logprobs, entropy, lse
 
 
-def _head_backward(logits: Tensor, targets: Tensor, lse: Tensor, grad: Tensor, inv_temp: float) -> Tensor:
-    """d loss / d logits = g * (onehot(target) - softmax) / temperature, in the logits' dtype.
+def _head_backward(
+    logits: Tensor, targets: Tensor, lse: Tensor, grad: Tensor, inv_temp: float, floor: Tensor | None = None
+) -> Tensor:
+    """d loss / d logits = g * (onehot(target) - softmax) / temperature, in the logits' dtype (the softmax
+    over the kept tokens with `floor`: the filter itself is piecewise constant, so it has no gradient).
 
     The one-hot is a comparison, not a scatter: a scatter split the fused kernel in two, with an
     fp32 [c, V] intermediate written and read back between them.
     """
     z = logits.float() * inv_temp
+    kept = z if floor is None else filtered(z, floor)
     onehot = (torch.arange(z.shape[1], device=z.device)[None, :] == targets[:, None]).to(z.dtype)
-    return ((onehot - torch.exp(z - lse[:, None])) * (grad * inv_temp)[:, None]).to(logits.dtype)
+    return ((onehot - torch.exp(kept - lse[:, None])) * (grad * inv_temp)[:, None]).to(logits.dtype)
 
 
 def _head_backward_entropy(
-    logits: Tensor, targets: Tensor, lse: Tensor, entropy: Tensor, grad: Tensor, grad_entropy: Tensor, inv_temp: float
+    logits: Tensor,
+    targets: Tensor,
+    lse: Tensor,
+    entropy: Tensor,
+    grad: Tensor,
+    grad_entropy: Tensor,
+    inv_temp: float,
+    floor: Tensor | None = None,
 ) -> Tensor:
     """d loss / d logits with the entropy's term: g * (onehot - p) / T + g_H * dH/dz / T.
 
@@ -57,7 +81,7 @@ def _head_backward_entropy(
     from the saved [c] lse and entropy, no [c, V] tensor beyond the logits themselves.
     """
     z = logits.float() * inv_temp
-    p = torch.exp(z - lse[:, None])
+    p = torch.exp((z if floor is None else filtered(z, floor)) - lse[:, None])
     onehot = (torch.arange(z.shape[1], device=z.device)[None, :] == targets[:, None]).to(z.dtype)
     mean_z = (lse - entropy)[:, None]
     d = (onehot - p) * grad[:, None] - p * (z - mean_z) * grad_entropy[:, None]
@@ -68,13 +92,13 @@ _COMPILED: dict = {}
 TRITON_HEAD = True  # False: the torch.compile'd row math on CUDA (the bench's before)
 
 
-def _kernels(device: torch.device):
-    """The row math on CUDA: head_kernels' Triton kernels (one read of each row forward), else the
-    functions above fused by torch.compile (one kernel per chunk each way, two reads forward); eager
-    elsewhere."""
+def _kernels(device: torch.device, filtering: bool = False):
+    """The row math on CUDA: head_kernels' Triton kernels (one read of each row forward; they have no
+    top-k/top-p floor), else the functions above fused by torch.compile (one kernel per chunk each way,
+    two reads forward); eager elsewhere."""
     if device.type != "cuda":
         return _head_forward, _head_backward
-    if TRITON_HEAD:
+    if TRITON_HEAD and not filtering:
         try:
             from streamrl.learner.head_kernels import head_backward, head_forward
         except ImportError:  # no triton: the compiled path
@@ -98,30 +122,48 @@ def _entropy_kernel(device: torch.device):
 
 class _ChunkedLogprobs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden: Tensor, weight: Tensor, targets: Tensor, chunk: int, inv_temp: float, keep: bool):
+    def forward(
+        ctx, hidden: Tensor, weight: Tensor, targets: Tensor, chunk: int, inv_temp: float, keep: bool, sampling
+    ):
+        """sampling: (top_k, top_p) of the rollout engines; (0, 1.0) for plain temperature sampling."""
         n = hidden.shape[0]
-        forward, _ = _kernels(hidden.device)
+        filtering = filters(*sampling)
+        forward, _ = _kernels(hidden.device, filtering)
         logprobs, entropy, lse = (hidden.new_empty(n, dtype=torch.float32) for _ in range(3))
+        floors = hidden.new_empty(n if filtering else 0, dtype=torch.float32)  # kept for backward: no re-sort
         kept = []
         for s in range(0, n, chunk):
             logits = hidden[s : s + chunk] @ weight.t()
+            extra = ()
+            if filtering:
+                floors[s : s + chunk] = keep_floor(logits.float() * inv_temp, *sampling)
+                extra = (floors[s : s + chunk],)
             logprobs[s : s + chunk], entropy[s : s + chunk], lse[s : s + chunk] = forward(
-                logits, targets[s : s + chunk], inv_temp
+                logits, targets[s : s + chunk], inv_temp, *extra
             )
             if keep:
                 kept.append(logits)
-        ctx.save_for_backward(hidden, weight, targets, lse, entropy, *kept)
-        ctx.chunk, ctx.inv_temp = chunk, inv_temp
+        ctx.save_for_backward(hidden, weight, targets, lse, entropy, floors, *kept)
+        ctx.chunk, ctx.inv_temp, ctx.filtering = chunk, inv_temp, filtering
         ctx.set_materialize_grads(False)  # an output the loss does not use gets None: no entropy term then
         return logprobs, entropy
 
     @staticmethod
     def backward(ctx, grad_logprobs: Tensor | None, grad_entropy: Tensor | None):
-        hidden, weight, targets, lse, entropy, *kept = ctx.saved_tensors
+        hidden, weight, targets, lse, entropy, floors, *kept = ctx.saved_tensors
         chunk = ctx.chunk
         if grad_logprobs is None:
             grad_logprobs = torch.zeros_like(lse)
-        rows = _backward_rows(hidden.device, targets, lse, entropy, grad_logprobs, grad_entropy, ctx.inv_temp)
+        rows = _backward_rows(
+            hidden.device,
+            targets,
+            lse,
+            entropy,
+            grad_logprobs,
+            grad_entropy,
+            ctx.inv_temp,
+            floors if ctx.filtering else None,
+        )
         grad_hidden = torch.empty_like(hidden)
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
         for i, s in enumerate(range(0, hidden.shape[0], chunk)):
@@ -130,19 +172,23 @@ class _ChunkedLogprobs(torch.autograd.Function):
             d_logits = rows(logits, slice(s, s + chunk))
             torch.mm(d_logits, weight, out=grad_hidden[s : s + chunk])  # rows of grad_hidden: no copy
             grad_weight = _accumulate(grad_weight, d_logits.t(), h)
-        return grad_hidden, grad_weight.to(weight.dtype), None, None, None, None
+        return grad_hidden, grad_weight.to(weight.dtype), None, None, None, None, None
 
 
-def _backward_rows(device, targets, lse, entropy, grad, grad_entropy, inv_temp: float):
+def _backward_rows(device, targets, lse, entropy, grad, grad_entropy, inv_temp: float, floors: Tensor | None):
     """A function (logits of one chunk, its row slice) -> d loss / d logits: the fast kernel for the
     logprob alone, the entropy-aware row math when the entropy has a gradient too."""
     grad = grad.float()
+
+    def floor(rows: slice) -> tuple:
+        return () if floors is None else (floors[rows],)
+
     if grad_entropy is None:
-        _, backward = _kernels(device)
-        return lambda logits, rows: backward(logits, targets[rows], lse[rows], grad[rows], inv_temp)
+        _, backward = _kernels(device, floors is not None)
+        return lambda logits, rows: backward(logits, targets[rows], lse[rows], grad[rows], inv_temp, *floor(rows))
     backward, grad_entropy = _entropy_kernel(device), grad_entropy.float()
     return lambda logits, rows: backward(
-        logits, targets[rows], lse[rows], entropy[rows], grad[rows], grad_entropy[rows], inv_temp
+        logits, targets[rows], lse[rows], entropy[rows], grad[rows], grad_entropy[rows], inv_temp, *floor(rows)
     )
 
 
@@ -175,13 +221,19 @@ def chunked_logprobs(
     chunk: int = 1024,
     temperature: float = 1.0,
     keep_logits_bytes: int = DEFAULT_KEEP_LOGITS_BYTES,
+    top_k: int = 0,
+    top_p: float = 1.0,
 ) -> tuple[Tensor, Tensor]:
     """(log softmax(hidden @ weight.T / temperature)[target], entropy), both [T] fp32; hidden [T, H].
 
+    With top_k / top_p, of the distribution sampled from (engine/sampling.py): the softmax and the entropy
+    over the kept tokens. A target outside them (the weights moved since the sample was drawn) gets its
+    logit against the kept tokens' log-sum-exp: finite, below every kept token's, with the gradient of a
+    kept one, where its processed probability is 0 (an importance ratio of 0, and -inf through every sum).
     The logits are kept for backward when T x vocab of them fit `keep_logits_bytes` (0: always recompute).
     """
     keep = hidden.shape[0] * weight.shape[0] * hidden.element_size() <= keep_logits_bytes
-    return _ChunkedLogprobs.apply(hidden, weight, targets, chunk, 1.0 / temperature, keep)
+    return _ChunkedLogprobs.apply(hidden, weight, targets, chunk, 1.0 / temperature, keep, (top_k, top_p))
 
 
 class PolicyModel(nn.Module):
@@ -193,9 +245,13 @@ class PolicyModel(nn.Module):
         chunk: int = 0,
         temperature: float = 1.0,
         keep_logits_bytes: int = DEFAULT_KEEP_LOGITS_BYTES,
+        top_k: int = 0,
+        top_p: float = 1.0,
     ):
+        """temperature, top_k, top_p: the rollout engines' sampling (rollout.*), whose distribution the
+        logprobs are of."""
         super().__init__()
-        self.lm, self.temperature = lm, temperature
+        self.lm, self.temperature, self.top_k, self.top_p = lm, temperature, top_k, top_p
         head = lm.get_output_embeddings().weight
         # 0: the widest chunk that fits 32-bit indexing on CUDA; 1024 on CPU, where the eager row math
         # materialises several fp32 [chunk, vocab] temporaries
@@ -221,4 +277,6 @@ class PolicyModel(nn.Module):
             self.chunk,
             self.temperature,
             self.keep_logits_bytes,
+            self.top_k,
+            self.top_p,
         )

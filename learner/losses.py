@@ -42,7 +42,10 @@ Sequence-level quantities are summed over `seq_ids` inside one call, so a sequen
 across micro-batches (batching.py never splits one).
 
 Statistics come back as sums (and max/min) so they reduce exactly across micro-batches and ranks;
-`summarize` turns the reduced sums into means.
+`summarize` turns the reduced sums into means. Two diagnostics: `ppo_kl` is KL(pi_prox || pi_theta), k3
+weighted by pi_prox / mu (how far the step's updates moved the policy; `_ppo_kl`); `mismatch_kl` is k3 of
+pi_prox against mu on the tokens sampled by the weights the learner holds (the kernel mismatch alone),
+absent when a step has none, with `mismatch_samples` the samples it was measured on.
 """
 
 from __future__ import annotations
@@ -213,7 +216,8 @@ def policy_loss(
         normalizer = local_normalizer(mask, seq_ids, cfg)
     loss = (loss_per_token * agg).sum() / torch.as_tensor(normalizer, dtype=torch.float32).clamp(min=1.0)
     mismatch = k3(proximal, behavior, cfg.log_ratio_clamp)
-    stats = _stats(mask, keep, was_clipped, weight, old - logprobs.detach(), mismatch, same_version)
+    stats = _stats(mask, keep, was_clipped, weight, mismatch, same_version, seq_ids)
+    stats.update(_ppo_kl(logprobs.detach(), proximal, behavior, mask, cfg.log_ratio_clamp))
     stats["loss_sum"] = (loss_per_token.detach() * agg).sum()
     if entropy is not None:
         stats["entropy_sum"] = (entropy.detach() * mask).sum()
@@ -235,14 +239,27 @@ def _check_inputs(cfg: LossConfig, logprobs: Tensor, ref_logprobs: Tensor | None
         )
 
 
+def _ppo_kl(logprobs: Tensor, proximal: Tensor, behavior: Tensor, mask: Tensor, clamp: float) -> dict[str, Tensor]:
+    """KL(pi_prox || pi_theta), how far the step's updates have moved the policy, as sums.
+
+    Per token k3 = r - 1 - log r with r = pi_theta / pi_prox (>= 0; 0 on a step's first update), weighted
+    by pi_prox / mu and self-normalised: the tokens were sampled from mu, not pi_prox, so an unweighted mean
+    over-counts the tokens pi_prox finds unlikely (the k1 mean of log(pi_prox / pi_theta) this replaces
+    read 1.65 at staleness 4 where the exact KL was 0.01-0.03). The weight is the raw per-token ratio (only
+    the log-ratio clamp), whatever `importance` does to the loss."""
+    m = mask.to(torch.float32)
+    w = torch.exp((proximal - behavior).clamp(-clamp, clamp)) * m
+    return {"ppo_kl_sum": (w * k3(logprobs, proximal, clamp)).sum(), "ppo_kl_weight": w.sum()}
+
+
 def _stats(
     mask: Tensor,
     keep: Tensor,
     was_clipped: Tensor,
     weight: Tensor,
-    neg_log_ratio: Tensor,
     mismatch: Tensor,
     same_version: Tensor | None,
+    seq_ids: Tensor | None,
 ) -> dict[str, Tensor]:
     m = mask.to(torch.float32)
     kept = mask & keep
@@ -250,7 +267,6 @@ def _stats(
     return {
         "tokens": m.sum(),
         "clipped_sum": (was_clipped & kept).sum().to(torch.float32),
-        "ppo_kl_sum": (neg_log_ratio * m).sum(),
         "is_weight_sum": (weight * kept).sum(),
         # no `if kept.any()` and no host-made inf tensor: each is a host sync per micro-batch on CUDA
         "is_weight_max": torch.where(kept, weight, -math.inf).max(),
@@ -259,6 +275,7 @@ def _stats(
         "mismatch_kl_sum": (mismatch * at_version).sum(),
         "behavior_kl_sum": (mismatch * m).sum(),
         "mismatch_tokens": at_version.sum().to(torch.float32),
+        "mismatch_samples": (sequence_lengths(at_version, seq_ids) > 0).sum().to(torch.float32),
     }
 
 
@@ -269,19 +286,17 @@ def summarize(stats: dict[str, float]) -> dict[str, float]:
     out = {
         "tokens": stats.get("tokens", 0.0),
         "clip_fraction": stats.get("clipped_sum", 0.0) / kept,
-        "ppo_kl": stats.get("ppo_kl_sum", 0.0) / tokens,
+        "ppo_kl": stats.get("ppo_kl_sum", 0.0) / stats["ppo_kl_weight"] if stats.get("ppo_kl_weight", 0.0) > 0 else 0.0,
         "is_weight_mean": stats.get("is_weight_sum", 0.0) / kept,
         "is_masked_fraction": stats.get("is_masked_sum", 0.0) / tokens,
-        # Trainer-inference mismatch is only defined on tokens sampled by the weights the learner
-        # holds; a step with none (every sample a version behind) has no measurement, not a zero.
-        "mismatch_kl": (
-            stats.get("mismatch_kl_sum", 0.0) / stats["mismatch_tokens"]
-            if stats.get("mismatch_tokens", 0.0) > 0
-            else float("nan")
-        ),
         # The whole off-policy gap (staleness + mismatch): k3 between pi_prox and the behavior policy.
         "behavior_kl": stats.get("behavior_kl_sum", 0.0) / tokens,
+        "mismatch_samples": stats.get("mismatch_samples", 0.0),
     }
+    # Trainer-inference mismatch is only defined on tokens sampled by the weights the learner holds; a step
+    # with none (every sample a version behind) has no measurement: the key is absent, not a zero or a NaN.
+    if stats.get("mismatch_tokens", 0.0) > 0:
+        out["mismatch_kl"] = stats.get("mismatch_kl_sum", 0.0) / stats["mismatch_tokens"]
     for key in ("is_weight_max", "is_weight_min"):
         if key in stats:  # +-inf when no token was kept: reported as 0 so metric sinks stay valid JSON
             out[key] = stats[key] if math.isfinite(stats[key]) else 0.0

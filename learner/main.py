@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from streamrl.engine.config import Config, ConfigError
+from streamrl.engine.config import Config, ConfigError, presets
 from streamrl.engine.config import rules as config_rules
 from streamrl.engine.ledger import LedgerUnavailableError
 from streamrl.engine.models import default_tiny_model, load_model
@@ -40,11 +40,14 @@ def run_learner(cfg: Config, resume: str = "") -> int:
     device = parallel.init_distributed()
     rank0 = parallel.is_rank0()
     setup_logging(cfg.run.path, f"learner-rank{parallel.rank()}", console=rank0, level=cfg.telemetry.log_level)
+    if rank0:
+        log.info("%s", presets.describe(cfg))  # every field a recipe set, and which an explicit setting overrode
     torch.manual_seed(cfg.run.seed)
     model_path = cfg.model.path or str(default_tiny_model())
     compute = getattr(torch, cfg.model.dtype)  # the learner's compute dtype = what the engines serve
     model = load_model(model_path, "float32", "cpu", cfg.model.trust_remote_code)  # fp32 master weights
-    policy = parallel.wrap_model(model, cfg.learner, device, temperature=cfg.rollout.temperature, compute_dtype=compute)
+    sampling = dict(temperature=cfg.rollout.temperature, top_k=cfg.rollout.top_k, top_p=cfg.rollout.top_p)
+    policy = parallel.wrap_model(model, cfg.learner, device, compute_dtype=compute, **sampling)
     reference = build_reference(cfg, device, compute, policy)  # None unless loss.kl_coef > 0
     trainer = _trainer(cfg, policy, device, reference)
     keeper = checkpoint.Keeper(cfg.checkpoint, cfg.run.path, policy.lm, trainer, model_path, cfg.run.steps)
@@ -59,14 +62,14 @@ def run_learner(cfg: Config, resume: str = "") -> int:
             log.info("learner compiled ahead of step 1 in %.1f s", trainer.warm_up())
         for step in range(first, cfg.run.steps + 1):
             clock = _Laps()
-            per_rank = orchestrator.next_batch(parallel.world_size()) if rank0 else None  # receive → admit
+            per_rank = orchestrator.next_batch(parallel.world_size(), step) if rank0 else None  # receive → admit
             clock.lap("wait_s")
             batch = parallel.scatter_step(per_rank, device)
             metrics = trainer.step(batch.micro_batches, batch.loss_tokens)  # step
             clock.lap("train_s")
             skipped = bool(metrics["skipped"])
             if rank0:
-                orchestrator.commit(step, skipped)  # commit
+                orchestrator.commit(step, metrics)  # commit
             clock.lap("commit_s")
             weights = push_weights() if not skipped else None  # on the device
             if rank0 and weights is not None:

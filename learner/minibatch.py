@@ -1,4 +1,4 @@
-"""A rank's micro-batches as the mini-batches of mini-batch PPO (`learner.updates_per_batch`).
+"""A rank's micro-batches as the mini-batches of mini-batch PPO (`learner.mini_batches`).
 
 Each mini-batch is a list of micro-batches holding whole sequences (sequence-level weights, GSPO and
 sequence aggregation sum over `seq_ids` within one micro-batch), balanced by positions:

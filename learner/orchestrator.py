@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import pathlib
 import time
 import uuid
@@ -27,17 +28,18 @@ from torch import Tensor
 
 from streamrl.engine.auth import open_gate
 from streamrl.engine.config import Config, ConfigError
+from streamrl.engine.config.presets import completion_limit
 from streamrl.engine.control import ControlServer
 from streamrl.engine.ledger import LedgerUnavailableError, open_ledger
 from streamrl.engine.messages import Stop, Trajectory, Welcome
 from streamrl.engine.redis_server import redact
 from streamrl.engine.telemetry import MetricsSink
 from streamrl.engine.transport import REFUSALS, TrajectoryReceiver, bind_address
-from streamrl.learner.advantages import group_advantages
 from streamrl.learner.batching import StepBatch, pack_for_ranks, sequence_cost
 from streamrl.learner.intake import Intake, StallAlarm
 from streamrl.learner.nodes import NodeRegistry
 from streamrl.learner.publisher import Publisher
+from streamrl.learner.selection import Selection, select, warn_unfilled
 from streamrl.rewards.stats import batch_stats, warn_if_flat
 
 log = logging.getLogger("streamrl.learner")
@@ -97,7 +99,7 @@ class Orchestrator:
             if self.redis is not None:
                 self.redis.stop()
             raise
-        self.pending: list[list[Trajectory]] = []  # the step's groups until committed
+        self.selection = Selection()  # the step's groups and what it trains of them, until reported
         self._last_reap = 0.0
         self.ledger.announce_learner(self.incarnation, self.registry.addr, self.intake.addr)
         self.registry.start()
@@ -176,19 +178,25 @@ class Orchestrator:
 
     # ---- receive → admit → pack --------------------------------------------------------------
 
-    def next_batch(self, ranks: int) -> list[StepBatch]:
-        """The next step's groups, as each rank's micro-batches (balanced by tokens)."""
-        version = self.version_of()
-        self.pending = self.intake.collect(self.cfg.learner.groups_per_step, version, self.serve_nodes, self._hint)
-        advantages, _ = group_advantages([[t.reward for t in g] for g in self.pending], self.cfg.loss.advantage)
-        flat = [t for group in self.pending for t in group]
-        learner = self.cfg.learner
+    def next_batch(self, ranks: int, step: int = 0) -> list[StepBatch]:
+        """The next step's samples (learner/selection.py: overlong penalty, dynamic sampling, truncated
+        completions masked), as each rank's micro-batches (balanced by tokens)."""
+        version, learner = self.version_of(), self.cfg.learner
+
+        def take(n: int, holding: set[str]) -> list[list[Trajectory]]:
+            return self.intake.collect(n, version, self.serve_nodes, self._hint, holding=holding)
+
+        self.selection = select(take, self._drop, learner.groups_per_step, self.cfg.loss, completion_limit(self.cfg))
+        warn_unfilled(step, self.selection, learner.groups_per_step, self.cfg.loss)
+        train = self.selection.train
         pad = learner.micro_batch_tokens // learner.pad_buckets if self.compiled and learner.pad_buckets else 0
-        per_rank = pack_for_ranks(
-            flat, [a for row in advantages for a in row], ranks, learner.micro_batch_tokens, pad_multiple=pad
-        )
-        loss_tokens = sum(t.model_tokens for t in flat)
-        return [StepBatch(mbs, version, loss_tokens) for mbs in per_rank]
+        per_rank = pack_for_ranks(train, self.selection.advantages, ranks, learner.micro_batch_tokens, pad_multiple=pad)
+        return [StepBatch(mbs, version, sum(t.model_tokens for t in train)) for mbs in per_rank]
+
+    def _drop(self, sample_ids: list[str], reason: str) -> None:
+        """Samples the step leaves out (zero_variance, truncated): resolved, counted as samples_<reason>."""
+        self.ledger.drop(sample_ids, reason)
+        self.intake.counters.update({reason: len(sample_ids)})
 
     def _hint(self) -> str:
         nodes = len(self.publisher.nodes)
@@ -235,15 +243,19 @@ class Orchestrator:
 
     # ---- commit → push → report --------------------------------------------------------------
 
-    def commit(self, step: int, skipped: bool) -> None:
-        """The step's samples are trained (and the new version published), or dropped when the step
-        was skipped; either way they leave the learner's hands."""
-        ids = [t.sample_id for group in self.pending for t in group]
-        if skipped:
-            self.ledger.drop(ids, "nonfinite_step")
+    def commit(self, step: int, metrics: dict[str, float]) -> None:
+        """The step's samples are trained (and the new version published), or, when the step took no update,
+        dropped as `nonfinite_step` or `no_gradient` (no weights contain them: `trained` would claim the next
+        version learned from them); and the steps left are recorded for admission."""
+        ids, left = [t.sample_id for t in self.selection.train], self.steps_left(step + 1)
+        dropped = {"truncated": self.selection.masked}  # in the advantages' baseline, never in the loss
+        if metrics["skipped"]:
+            dropped["nonfinite_step" if metrics.get("skipped_nonfinite") else "no_gradient"] = ids
+            self.ledger.skip_step(dropped, steps_left=left)
         else:
-            self.ledger.commit_step(ids, self.version_of(), step, steps_left=self.steps_left(step + 1))
+            self.ledger.commit_step(ids, self.version_of(), step, steps_left=left, dropped=dropped)
             self.intake.alarm.trained()
+        self.intake.counters.update({reason: len(held) for reason, held in dropped.items() if held})
 
     def publish(self, weights: Mapping[str, Tensor]) -> float:
         """Hand the new version to the publisher (nodes get it in the background); the seconds it held us."""
@@ -252,15 +264,16 @@ class Orchestrator:
     def report(self, step: int, trained_by: int, metrics: dict, timings: dict[str, float], started: float) -> None:
         """One metrics record and one console line for the step, whose samples `trained_by` (the version
         the step started from) trained; the step's groups are done with."""
-        flat = [t for group in self.pending for t in group]
-        self.pending = []
+        selection, self.selection = self.selection, Selection()
+        flat, train = [t for group in selection.groups for t in group], selection.train
         rewards = batch_stats([t.reward for t in flat], [t.group_id for t in flat])
-        warn_if_flat(rewards, step)
+        warn_if_flat(rewards, step, skipped=bool(metrics.get("skipped_no_gradient")))
         record = {
             **metrics,
-            **rewards.as_metrics(),
-            **_batch_figures(flat, trained_by, time.monotonic() - started),
-            **self._time_figures(flat, timings),
+            **{k: v for k, v in rewards.as_metrics().items() if math.isfinite(v)},  # none for a step without samples
+            **selection.metrics(self.cfg.learner.groups_per_step),
+            **selection.batch_figures(trained_by, time.monotonic() - started),
+            **self._time_figures(train, timings),
             **self._node_figures(),
             **{f"samples_{k}": v for k, v in self.intake.counters.items()},
             "gaps": self.intake.receiver.gaps,
@@ -275,11 +288,11 @@ class Orchestrator:
             "step %d v%d reward %.3f±%.3f loss %.4f tokens/s %.0f mismatch_kl %.2e staleness %.2f nodes %d idle %.0f%%",
             step,
             self.version_of(),
-            record["reward/mean"],
-            record["reward/std"],
+            record.get("reward/mean", math.nan),
+            record.get("reward/std", math.nan),
             record["loss"],
             record["tokens_per_s"],
-            record.get("mismatch_kl", float("nan")),
+            record.get("mismatch_kl", float("nan")),  # nan on the console only: absent from the record
             record["staleness_mean"],
             record["nodes"],
             100 * record["time/idle_fraction"],
@@ -366,8 +379,8 @@ class Orchestrator:
         nodes that are gone hold (`node_lost`: nothing will deliver it); when the run reached its end,
         mark it finished, after which anything still in flight is an error of the books."""
         try:
-            if self.pending:  # a step cut short (a signal mid-step): its samples were never trained
-                self.ledger.drop([t.sample_id for g in self.pending for t in g], "preempted")
+            if self.selection.groups:  # a step cut short (a signal mid-step): its samples were never trained
+                self.ledger.drop([t.sample_id for g in self.selection.groups for t in g], "preempted")
             self.intake.drop_held("preempted")
             self.ledger.drop_received("preempted")  # e.g. a stopped node's last samples, taken in by no one
             for node_id, held in self.ledger.in_flight().held_by_gone_nodes.items():
@@ -380,16 +393,3 @@ class Orchestrator:
                 log.error("the ledger does not balance: %s", "; ".join(errors))
         except LedgerUnavailableError as e:
             log.error("the books could not be settled: %s", e)
-
-
-def _batch_figures(flat: list[Trajectory], version: int, seconds: float) -> dict[str, float]:
-    """Tokens, throughput and staleness of the step's samples against the `version` that trained them."""
-    tokens = sum(t.model_tokens for t in flat)
-    lags = [version - t.min_version for t in flat]
-    return {
-        "samples": len(flat),
-        "completion_tokens": tokens,
-        "tokens_per_s": tokens / max(seconds, 1e-9),
-        "staleness_mean": sum(lags) / len(lags),
-        "staleness_max": max(lags),
-    }

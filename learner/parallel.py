@@ -95,6 +95,8 @@ def wrap_model(
     temperature: float = 1.0,
     chunk: int = 0,
     compute_dtype: torch.dtype | None = None,
+    top_k: int = 0,
+    top_p: float = 1.0,
 ) -> PolicyModel:
     """Shard a HF causal LM with FSDP2 over all ranks: decoder layers in units of `cfg.fsdp_unit_params`
     parameters, the rest (or, for a model under one unit, everything) at the root.
@@ -105,7 +107,8 @@ def wrap_model(
     or "auto" on CUDA. Fewer, larger
     units mean fewer hooks and collectives per micro-batch: a 0.5B model on H200s stepped at 34.4%
     MFU as one unit vs 32.8% as 24 layer units (1 GPU), 35.0% vs 25.3% per GPU (2 GPUs); layer
-    units pay off when the gathered model would not fit (bench/RESULTS.md).
+    units pay off when the gathered model would not fit (bench/RESULTS.md). temperature, top_k, top_p:
+    the rollout engines' sampling, whose distribution the policy's logprobs are of (engine/sampling.py).
     """
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
@@ -132,7 +135,12 @@ def wrap_model(
         else MixedPrecisionPolicy()
     )
     policy = PolicyModel(
-        model, chunk=chunk, temperature=temperature, keep_logits_bytes=int(cfg.head_logits_gib * 2**30)
+        model,
+        chunk=chunk,
+        temperature=temperature,
+        keep_logits_bytes=int(cfg.head_logits_gib * 2**30),
+        top_k=top_k,
+        top_p=top_p,
     )
     reshard = dist.get_world_size() > 1  # one rank: nothing to save by freeing the gathered weights
     for unit in layer_units([sum(p.numel() for p in layer.parameters()) for layer in layers], cfg.fsdp_unit_params):

@@ -3,9 +3,10 @@
 Loaded from `loss.reference_path` (empty: `model.path`, the weights the run starts from; a resumed run
 still measures KL to those, not to its checkpoint), sharded over the ranks like the policy
 (`parallel.wrap_model`, the same units and compute dtype), in eval mode with no gradient and no
-optimizer. Its logprobs are taken at the rollout temperature, as the policy's, in the no-grad pass
-before a step's first update (train_step.py). Anything that would stop it from being built (a path
-that does not load, another vocabulary) is refused here, at start, naming the fields: never mid-run.
+optimizer. Its logprobs are of the rollout's sampling distribution (temperature, top-k/top-p), as the
+policy's, taken in the no-grad pass before a step's first update (train_step.py). Anything that would
+stop it from being built (a path that does not load, another vocabulary) is refused here, at start,
+naming the fields: never mid-run.
 """
 
 from __future__ import annotations
@@ -45,7 +46,8 @@ def build_reference(
         raise ConfigError(f"{why} has a vocabulary of {vocab} tokens, the policy {policy_vocab}; {fix}")
     # activation checkpointing saves nothing without a backward
     learner = msgspec.structs.replace(cfg.learner, activation_checkpointing=False)
-    ref = parallel.wrap_model(lm, learner, device, temperature=cfg.rollout.temperature, compute_dtype=compute_dtype)
+    sampling = dict(temperature=cfg.rollout.temperature, top_k=cfg.rollout.top_k, top_p=cfg.rollout.top_p)
+    ref = parallel.wrap_model(lm, learner, device, compute_dtype=compute_dtype, **sampling)
     ref.requires_grad_(False)
     return ref.eval()
 

@@ -24,6 +24,7 @@ class SimulatedTrainer(Trainer):
         time.sleep(max(0.0, self.rng.gauss(self.simulate.train_s, self.simulate.train_sd)))
         self.version += 1
         tokens = float(sum(mb.num_loss_tokens for mb in micro_batches))
-        return {"loss": 0.0, "skipped": 0.0, "skipped_steps": 0.0, "grad_norm": 0.0, "tokens": tokens,
+        return {"loss": 0.0, "skipped": 0.0, "skipped_steps": 0.0, "skipped_nonfinite": 0.0, "skipped_no_gradient": 0.0,
+                "grad_norm": 0.0, "tokens": tokens,
                 "positions": float(sum(mb.num_tokens for mb in micro_batches)), "version": float(self.version),
                 "step_seconds": time.perf_counter() - start}  # fmt: skip

@@ -1,20 +1,24 @@
-"""One learner step over packed micro-batches: `learner.updates_per_batch` safe optimizer updates.
+"""One learner step over packed micro-batches: `learner.mini_batches` x `learner.epochs` safe optimizer updates.
 
 micro-batches -> mini-batches (whole sequences, balanced by positions; minibatch.py) -> [no-grad pass:
-proximal logprobs (more than one update) and the reference's (kl_coef > 0)] -> per update: forward
-(logprobs + entropy, chunked over the vocabulary) -> loss (divided by the update's global normaliser)
--> backward -> clip -> optimizer update.
+proximal logprobs (more than one update) and the reference's (kl_coef > 0)] -> per epoch, per mini-batch:
+forward (logprobs + entropy, chunked over the vocabulary) -> loss (divided by the mini-batch's global
+normaliser) -> backward -> clip -> optimizer update.
 
 Mini-batch PPO as decoupled PPO (Hilton et al. 2022): pi_prox is the weights the step starts from,
-computed once, so the clip acts on updates 2..N (on the first, pi_theta = pi_prox); with one update it
-is pi_theta detached, exactly, and the extra forward is saved. The policy version moves once per step,
-not per update: one version per pushed set of weights, which is what a sample's staleness counts.
+computed once, so the clip acts on updates 2..N of every epoch (on the very first, pi_theta = pi_prox);
+with one update it is pi_theta detached, exactly, and the extra forward is saved. The policy version
+moves once per step, not per update: one version per pushed set of weights, which is what a sample's
+staleness counts.
 
-A non-finite gradient norm skips that update: gradients are zeroed, the skip is counted and logged
-with the offending parameter names, and neither the weights nor the optimizer state move. The skip
-is decided on the device: the fused AdamW kernel reads a `found_inf` flag and leaves parameters,
-moments and step counts alone when it is set. So the host never waits for backward to end before it
-queues the optimizer, and each update's one host sync comes after it, when its metrics are read.
+An update is skipped, leaving weights, optimizer state (AdamW's moments and step counts) and the version
+untouched, when its gradient norm is not finite (counted and logged with the offending parameter names),
+or when it is exactly zero: a loss with no non-zero advantage (and no KL or entropy term) has no
+gradient, and an AdamW step on zeros would still move the weights by momentum and weight decay. The skip
+is decided on the device: the fused AdamW kernel reads a `found_inf` flag and leaves parameters, moments
+and step counts alone when it is set. So the host never waits for backward to end before it queues the
+optimizer, and each update's one host sync comes after it, when its metrics are read. A step with no
+update applied does not move the version (nothing is pushed); its samples are the orchestrator's to drop.
 """
 
 from __future__ import annotations
@@ -85,7 +89,8 @@ class Trainer:
             self.optimizer, lambda s: min(1.0, (s + 1) / warmup) if warmup else 1.0
         )
         self.version = 0
-        self.skipped_steps = 0
+        self.skipped_steps = 0  # updates skipped for a non-finite gradient (kept in checkpoints)
+        self.no_gradient_updates = 0  # updates skipped for a zero gradient, since this process started
         self.last_nonfinite: list[str] = []  # parameters named by the last skipped step
 
     def global_normalizer(self, micro_batches: list[MicroBatch], global_token_count: float | None) -> float:
@@ -135,13 +140,16 @@ class Trainer:
         loss.backward()
         return stats
 
-    def _before_updates(self, minis: list[list[MicroBatch]]) -> list[list[tuple[Tensor | None, Tensor | None]]]:
+    def _before_updates(
+        self, minis: list[list[MicroBatch]], passes: int = 1
+    ) -> list[list[tuple[Tensor | None, Tensor | None]]]:
         """(proximal, reference) logprobs of every micro-batch, from no-grad forwards before the first update.
 
         pi_prox is the weights the step starts from, needed only when there is more than one update (with
-        one, pi_theta detached is pi_prox exactly, and the forward is saved). Fillers run too: every rank
-        must take part in the same number of forwards (each all-gathers its sharded units)."""
-        proximal, kl = len(minis) > 1, self.loss_cfg.kl_coef > 0
+        one, pi_theta detached is pi_prox exactly, and the forward is saved); every pass uses the same.
+        Fillers run too: every rank must take part in the same number of forwards (each all-gathers its
+        sharded units)."""
+        proximal, kl = len(minis) * passes > 1, self.loss_cfg.kl_coef > 0
         if not (proximal or kl):
             return [[(None, None)] * len(mini) for mini in minis]
         if kl and self.ref_model is None:
@@ -162,21 +170,28 @@ class Trainer:
         return out
 
     def step(self, micro_batches: list[MicroBatch], global_token_count: float | None = None) -> dict[str, float]:
-        """Train on this rank's micro-batches: `updates_per_batch` optimizer updates, one per mini-batch.
+        """Train on this rank's micro-batches: `epochs` passes of one optimizer update per mini-batch.
 
         Metrics are reduced over ranks (the same dict on every rank): the step's, and with more than one
         update each update's under `update/<k>/`. The policy version moves once, when any update was taken.
         """
         start = time.perf_counter()
         micro_batches = [mb.to(self.device) for mb in micro_batches]
-        minis = split_updates(micro_batches, self.cfg.updates_per_batch)
+        minis = split_updates(micro_batches, self.cfg.mini_batches)
         normalizers, rounds = self._plan(minis, global_token_count)
-        if len(minis) > 1:  # an update with no loss token on any rank would move the weights by momentum alone
-            kept = [u for u, n in enumerate(normalizers) if n > 0] or [0]
-            minis, normalizers = [minis[u] for u in kept], [normalizers[u] for u in kept]
+        # a mini-batch with no loss token on any rank has no gradient: no update (the normalisers are global,
+        # so every rank keeps the same ones)
+        kept = [u for u, n in enumerate(normalizers) if n > 0]
+        if not kept:
+            return self._nothing_to_train(micro_batches, start)
+        minis, normalizers = [minis[u] for u in kept], [normalizers[u] for u in kept]
         minis = [mini + [_filler(self.device) for _ in range(rounds - len(mini))] for mini in minis]
-        before = self._before_updates(minis)
-        results = [self._update(mini, n, extra) for mini, n, extra in zip(minis, normalizers, before)]
+        before = self._before_updates(minis, passes=self.cfg.epochs)
+        results = [
+            self._update(mini, n, extra)
+            for _ in range(self.cfg.epochs)
+            for mini, n, extra in zip(minis, normalizers, before)
+        ]
         applied = sum(1 for r in results if r.applied)
         if applied:
             self.scheduler.step()
@@ -184,16 +199,29 @@ class Trainer:
         local = {f"{u}/{k}": v for u, r in enumerate(results) for k, v in r.sums.items()}
         local["positions"] = float(sum(mb.num_tokens for mb in micro_batches))
         reduced = parallel.reduce_metrics(local, self.device)
-        metrics = _update_metrics(reduced, results)
-        metrics.update(
-            positions=reduced["positions"],
-            skipped=float(not applied),
-            skipped_steps=float(self.skipped_steps),
-            version=float(self.version),
-            lr=self.scheduler.get_last_lr()[0],
-            step_seconds=time.perf_counter() - start,
+        metrics = _update_metrics(reduced, results, passes=self.cfg.epochs)
+        metrics.update(positions=reduced["positions"], step_seconds=time.perf_counter() - start)
+        return {**metrics, **self._counters(applied)}
+
+    def _nothing_to_train(self, micro_batches: list[MicroBatch], start: float) -> dict[str, float]:
+        """A step without a loss token on any rank (e.g. every sample masked out): no forward, no update."""
+        positions = parallel.reduce_metrics(
+            {"positions": float(sum(mb.num_tokens for mb in micro_batches))}, self.device
         )
-        return metrics
+        self.no_gradient_updates += 1
+        metrics = summarize({})
+        metrics.update(loss=0.0, grad_norm=0.0, normalizer=0.0, updates=0.0, skipped_nonfinite=0.0)
+        metrics.update(skipped_no_gradient=1.0, positions=positions["positions"])
+        return {**metrics, "step_seconds": time.perf_counter() - start, **self._counters(0)}
+
+    def _counters(self, applied: int) -> dict[str, float]:
+        return {
+            "skipped": float(not applied),
+            "skipped_steps": float(self.skipped_steps),
+            "no_gradient_updates": float(self.no_gradient_updates),
+            "version": float(self.version),
+            "lr": self.scheduler.get_last_lr()[0],
+        }
 
     def warm_up(self) -> float:
         """Compile ahead of the first step; the seconds it took.
@@ -229,18 +257,22 @@ class Trainer:
             for key, value in self._forward_backward(mb, normalizer, proximal, ref).items():
                 sums[key] = _combine(key, sums.get(key), value.detach())
         grad_norm = self._clip()
-        self.optimizer.found_inf = (~torch.isfinite(grad_norm)).float()  # the fused kernel skips on it
+        # the fused kernel skips on it: a non-finite gradient, or none at all (AdamW would move the weights by
+        # momentum and weight decay alone)
+        self.optimizer.found_inf = ((~torch.isfinite(grad_norm)) | (grad_norm == 0)).float()
         self.optimizer.step()
         if self.gather_ahead:
             parallel.gather_for_next_forward(self.model)
         sums["grad_norm"] = grad_norm
         values = _to_host(sums)  # the update's host sync: everything above is queued by now
         norm = values.pop("grad_norm")
-        bad = [] if math.isfinite(norm) else self._nonfinite_names()
-        if bad:
-            self._skip(bad, norm)
+        skipped = "nonfinite" if not math.isfinite(norm) else "no_gradient" if norm == 0 else ""
+        if skipped == "nonfinite":
+            self._skip(self._nonfinite_names(), norm)
+        elif skipped:
+            self.no_gradient_updates += 1
         self.optimizer.zero_grad(set_to_none=True)
-        return _Update(sums=values, grad_norm=norm, normalizer=normalizer, applied=not bad)
+        return _Update(sums=values, grad_norm=norm, normalizer=normalizer, skipped=skipped)
 
     def _clip(self) -> Tensor:
         """The global gradient norm (a device tensor); gradients clipped to max_grad_norm when it is finite.
@@ -284,13 +316,18 @@ class _Update:
     sums: dict[str, float]  # this rank's statistics as sums (losses.policy_loss), not yet reduced
     grad_norm: float  # global
     normalizer: float  # global
-    applied: bool  # False: non-finite gradient, the optimizer left everything as it was
+    skipped: str  # "nonfinite" or "no_gradient": the optimizer left everything as it was; "" when applied
+
+    @property
+    def applied(self) -> bool:
+        return not self.skipped
 
 
-def _update_metrics(reduced: dict[str, float], results: list[_Update]) -> dict[str, float]:
+def _update_metrics(reduced: dict[str, float], results: list[_Update], passes: int = 1) -> dict[str, float]:
     """The step's metrics from every update's reduced sums; each update's too, under update/<k>/, when more
-    than one was taken. The step's loss is over all its loss tokens (or sequences); its grad_norm is the
-    largest update's (a non-finite one if any)."""
+    than one was taken. The step's loss is over all its updates' loss tokens (or sequences); its grad_norm is
+    the largest update's (a non-finite one if any); its `tokens` and `mismatch_samples` count the batch once
+    (the first pass), however many passes saw it."""
     per_update = [
         {k.partition("/")[2]: v for k, v in reduced.items() if k.startswith(f"{u}/")} for u in range(len(results))
     ]
@@ -301,11 +338,16 @@ def _update_metrics(reduced: dict[str, float], results: list[_Update]) -> dict[s
     norms = [r.grad_norm for r in results]
     normalizers = [r.normalizer for r in results]
     metrics = summarize(total)
+    first_pass = per_update[: len(results) // passes]
+    for key in ("tokens", "mismatch_samples"):
+        metrics[key] = sum(sums.get(key, 0.0) for sums in first_pass)
     metrics.update(
         loss=total.get("loss_sum", 0.0) / max(sum(normalizers), 1.0),
         grad_norm=next((n for n in norms if not math.isfinite(n)), max(norms)),
         normalizer=sum(normalizers),
         updates=float(sum(r.applied for r in results)),
+        skipped_nonfinite=float(sum(r.skipped == "nonfinite" for r in results)),
+        skipped_no_gradient=float(sum(r.skipped == "no_gradient" for r in results)),
     )
     if len(results) > 1:
         for u, (sums, result) in enumerate(zip(per_update, results), start=1):

@@ -57,6 +57,9 @@ def _figures(records: list[dict[str, Any]]) -> list[tuple[str, str]]:
         ("tokens/s (trained)", fmt("tokens_per_s", ".0f")),
         ("staleness mean / max", f"{fmt('staleness_mean', '.2f')} / {fmt('staleness_max', '.0f')}"),
         ("mismatch_kl / behavior_kl", f"{fmt('mismatch_kl', '.2e')} / {fmt('behavior_kl', '.2e')}"),
-        ("skipped steps", fmt("skipped_steps", ".0f")),
+        (
+            "skipped updates",
+            f"{fmt('skipped_steps', '.0f')} non-finite, {fmt('no_gradient_updates', '.0f')} no gradient",
+        ),
         ("weights push (s)", fmt("weights_s", ".2f")),
     ]

@@ -71,17 +71,10 @@ def _problem(check: str, message: str, level: str = "error", detail: str = "") -
 
 def check_config(ctx: _Context) -> list[Problem]:
     """Cross-section mistakes the typed config cannot see field by field: engine/config/rules.py, the rules
-    the learner itself refuses to start on; plus the rollout's sampling rules."""
+    the learner itself refuses to start on."""
     cfg = ctx.cfg
     found = config_rules.check(cfg, ctx.roles)
     out = [_problem("config", f.message, level=f.level) for f in found]
-    if "rollout" in ctx.roles:
-        from streamrl.rollout.backends.protocol import check_sampling
-
-        try:
-            check_sampling(cfg.rollout)
-        except ValueError as e:
-            out.append(_problem("config", str(e)))
     return out
 
 

@@ -9,7 +9,7 @@ import msgspec
 from rich.console import Console
 from rich.live import Live
 
-from streamrl.engine.config import Config, ConfigError
+from streamrl.engine.config import Config, ConfigError, presets
 from streamrl.engine.telemetry import MetricsTail, read_metrics
 from streamrl.engine.weights.paths import NAMES, planned
 from streamrl.ops.launcher import Launcher
@@ -36,9 +36,9 @@ def fresh_name(cfg: Config, explicit: bool) -> Config:
 def summary(records: list[dict], wall_s: float) -> str:
     if not records:
         return f"no step finished in {wall_s:.0f} s"
-    k = max(1, len(records) // 4)
-    first = sum(r["reward/mean"] for r in records[:k]) / k
-    last = sum(r["reward/mean"] for r in records[-k:]) / k
+    scored = [r["reward/mean"] for r in records if "reward/mean" in r]  # a step left without samples has none
+    k = max(1, len(scored) // 4)
+    first, last = sum(scored[:k]) / k, sum(scored[-k:]) / k
     tokens = sum(r.get("completion_tokens", 0) for r in records)
     return (
         f"{len(records)} steps in {wall_s:.0f} s; mean reward {first:.3f} (first {k} steps) -> {last:.3f} "
@@ -66,6 +66,8 @@ def run_local(
     elif nodes:
         path = planned(cfg.weights.backend, None, None)
         console.print(f"placement: every role on the CPU; weights by {NAMES[path]}")
+    if cfg.loss.preset:
+        console.print(presets.describe(cfg), markup=False)
     started, code, failure = time.monotonic(), 1, ""
     signal.signal(signal.SIGTERM, _interrupt)  # a SIGTERM stops the run as cleanly as Ctrl-C
     previous: dict = {}

@@ -65,16 +65,24 @@ def batch_stats(rewards: Sequence[float | None], group_ids: Sequence[str]) -> Re
     )
 
 
-def warn_if_flat(stats: RewardStats, step: int) -> bool:
-    """Log a warning when the step has no reward variance in any group; True when it warned."""
+def warn_if_flat(stats: RewardStats, step: int, skipped: bool = False) -> bool:
+    """Log a warning when the step has no reward variance in any group; True when it warned. `skipped`: the
+    learner took no optimizer update for it (no gradient), which the warning then says."""
     if not stats.flat:
         return False
+    outcome = (
+        "the step was skipped (no optimizer update; its samples dropped as no_gradient)"
+        if skipped
+        else "the step learns nothing from its rewards"
+    )
     log.warning(
         "step %d: all %d groups have zero reward variance (every reward = %.4g in its group), so every "
-        "advantage is 0 and the step learns nothing. Check that the reward can tell completions apart, "
-        "or raise rollout.group_size / temperature",
+        "advantage is 0 and %s. Check that the reward can tell completions apart, raise "
+        "rollout.group_size / temperature, or set loss.dynamic_sampling = true (loss.preset = 'dapo') to "
+        "replace such groups with new ones",
         step,
         stats.groups,
         stats.mean,
+        outcome,
     )
     return True

@@ -174,13 +174,11 @@ class _Inputs:
     def __init__(self, cfg: Config, node_id: str):
         from streamrl.engine.models import default_tiny_model, load_tokenizer
         from streamrl.rewards import build_scorer
-        from streamrl.rollout.backends.protocol import check_sampling
         from streamrl.rollout.sources import PromptSource
 
         self.tokenizer = load_tokenizer(cfg.model.path or str(default_tiny_model()), cfg.model.trust_remote_code)
         seed = cfg.run.seed + sum(node_id.encode()) % 997  # nodes draw prompts in different orders
         self.source = PromptSource(cfg.data, self.tokenizer, seed=seed)
-        check_sampling(cfg.rollout)
         self.scorer = build_scorer(cfg.reward, answer_column=cfg.data.answer_column)
 
 

@@ -10,7 +10,9 @@ from streamrl.engine.config.base import _doc, _Section
 
 
 class LossConfig(_Section):
-    """The small config the pure loss functions see (learner/losses.py; formulas in docs/ALGORITHMS.md).
+    """The small config the pure loss functions see (learner/losses.py; formulas in docs/ALGORITHMS.md), and
+    the recipes' rules for which samples a step trains (dynamic sampling, truncated completions, the overlong
+    penalty: learner/selection.py); `preset` sets a recipe's fields (engine/config/presets.py).
 
     The default correction is bounded, per token: truncated importance sampling, w = pi_prox / mu
     capped at 3, as the asynchronous anchors bound it (verl's fully-async recipes: token level, cap 2;
@@ -92,6 +94,58 @@ class LossConfig(_Section):
     advantage: Annotated[
         Literal["group_mean", "group_std", "leave_one_out"], _doc("Group-relative advantage estimator.")
     ] = "group_std"
+    preset: Annotated[
+        Literal["", "grpo", "dapo", "dr_grpo", "gspo"],
+        _doc(
+            "A recipe: sets the [loss] fields it names (engine/config/presets.py; the table with the verl and "
+            "TRL settings in docs/ALGORITHMS.md) where this file or --set does not give them: an explicit field "
+            "wins. Applied when the config is built; the learner logs every field it set. Empty: no preset."
+        ),
+    ] = ""
+    dynamic_sampling: Annotated[
+        bool,
+        _doc(
+            "Drop groups with zero reward variance before batching (ledger: dropped:zero_variance) and take "
+            "newly admitted groups in their place, so a step keeps learner.groups_per_step groups (verl "
+            "filter_groups, AReaL dynamic_sampling)."
+        ),
+    ] = False
+    zero_variance_std: Annotated[
+        float,
+        _doc(
+            "A group has zero variance when the population std of its rewards (after the overlong penalty) is "
+            "at most this; 0: when they are all equal (within 1e-6, as the advantages judge it).",
+            ge=0.0,
+        ),
+    ] = 0.0
+    refill_limit: Annotated[
+        int,
+        _doc(
+            "dynamic_sampling: replacement groups one step may take, in steps' worth (x learner.groups_per_step); "
+            "a step that cannot fill within them trains the groups it has and logs it (0: never replace).",
+            ge=0,
+        ),
+    ] = 3
+    mask_truncated: Annotated[
+        bool,
+        _doc(
+            "Completions cut by a length limit (finish_reason length; an episode's max_total_tokens or "
+            "max_model_len) get no loss: they still count in their group's advantages, then leave the batch "
+            "(ledger: dropped:truncated). TRL mask_truncated_completions."
+        ),
+    ] = False
+    overlong_buffer: Annotated[
+        int,
+        _doc(
+            "DAPO's soft overlong penalty: a completion longer than L - overlong_buffer tokens (L: "
+            "rollout.max_tokens, or env.max_total_tokens for episodes) loses overlong_penalty x (excess / "
+            "overlong_buffer) of reward, up to overlong_penalty at L; 0 disables.",
+            ge=0,
+        ),
+    ] = 0
+    overlong_penalty: Annotated[
+        float, _doc("The soft overlong penalty's largest value (DAPO: 1.0), reached at the length limit.", ge=0.0)
+    ] = 1.0
 
     def __post_init__(self) -> None:
         if 0.0 < self.dual_clip <= 1.0:
@@ -110,12 +164,21 @@ class LearnerConfig(_Section):
     warmup_steps: Annotated[int, _doc("Linear LR warm-up, in learner steps (batches, not updates).", ge=0)] = 0
     max_grad_norm: Annotated[float, _doc("Gradient clipping norm (on by default; inf disables).", gt=0.0)] = 1.0
     groups_per_step: Annotated[int, _doc("Prompt groups consumed per learner step (one batch).", ge=1)] = 4
-    updates_per_batch: Annotated[
+    mini_batches: Annotated[
         int,
         _doc(
-            "Optimizer updates per batch (mini-batch PPO): the batch is split into this many mini-batches of "
-            "whole samples, balanced by tokens; the clip acts against the weights the batch started from. "
-            "The policy version moves once per batch.",
+            "Mini-batches per batch (mini-batch PPO): the batch is split into this many mini-batches of whole "
+            "samples, balanced by tokens, and the optimizer updates once on each. Updates per step: "
+            "mini_batches x epochs; the clip acts against the weights the batch started from; the policy "
+            "version moves once per batch. (Was updates_per_batch.)",
+            ge=1,
+        ),
+    ] = 1
+    epochs: Annotated[
+        int,
+        _doc(
+            "Passes over a batch's mini-batches (verl ppo_epochs, TRL num_iterations), every pass against the "
+            "same proximal policy, the weights the batch started from.",
             ge=1,
         ),
     ] = 1

@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Literal, NamedTuple
 
+from streamrl.engine.config.presets import completion_limit
 from streamrl.engine.config.schema import Config, ConfigError
 
 ROLES = ("learner", "rollout")
@@ -93,11 +94,23 @@ def _learner(cfg: Config) -> list[Finding]:
             f"learner.ranks = {learner.ranks} exceeds the samples of a step "
             f"(learner.groups_per_step x rollout.group_size = {samples}): some ranks would idle"
         )
-    if learner.updates_per_batch > samples:
+    if learner.mini_batches > samples:
         errors.append(
-            f"learner.updates_per_batch = {learner.updates_per_batch} exceeds the samples of a step "
+            f"learner.mini_batches = {learner.mini_batches} exceeds the samples of a step "
             f"(learner.groups_per_step x rollout.group_size = {samples}): a mini-batch holds whole samples, "
             f"so some updates would have none; lower it to at most {samples} or raise learner.groups_per_step"
+        )
+    limit = completion_limit(cfg)
+    if loss.overlong_buffer > limit:
+        errors.append(
+            f"loss.overlong_buffer = {loss.overlong_buffer} exceeds the longest completion ({limit} tokens: "
+            f"{'env.max_total_tokens' if cfg.env.name else 'rollout.max_tokens'}), so every completion would be "
+            "penalised; lower it (DAPO uses a fifth of the limit) or set it to 0"
+        )
+    if loss.ratio_level == "sequence" and learner.mini_batches * learner.epochs == 1:
+        warnings.append(
+            "loss.ratio_level = 'sequence' (GSPO) with one update per step: the ratio is exactly 1 there, so "
+            "GSPO's sequence clip never acts; raise learner.mini_batches (GSPO's paper: 4) or learner.epochs"
         )
     if loss.reference_path and loss.kl_coef == 0:
         warnings.append(

@@ -16,6 +16,7 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
+from streamrl.engine.config import presets
 from streamrl.engine.config.base import ConfigError, PosInt, _doc, _Section
 from streamrl.engine.config.learner import CheckpointConfig, LearnerConfig, LossConfig
 from streamrl.engine.config.rollout import (
@@ -287,13 +288,32 @@ def _choices(path: str) -> str:
     return ", ".join(map(repr, typing.get_args(hint))) if typing.get_origin(hint) is Literal else ""
 
 
+# Fields that were renamed: a config that still sets one is refused with the new name (never silently ignored).
+RENAMED = {
+    ("learner", "updates_per_batch"): "learner.mini_batches (optimizer updates per pass over the batch; "
+    "learner.epochs sets the passes, so a step takes mini_batches x epochs updates)"
+}
+
+
+def _refuse_renamed(data: dict[str, Any]) -> None:
+    for (section, field), new in RENAMED.items():
+        if isinstance(data.get(section), dict) and field in data[section]:
+            raise ConfigError(f"config field `{section}.{field}` was renamed: use {new}")
+
+
 def build(data: dict[str, Any], overrides: list[str] = ()) -> Config:
-    """Validate a raw dict (from TOML) plus overrides into a `Config`; raise `ConfigError` naming the field."""
+    """Validate a raw dict (from TOML) plus overrides into a `Config`; raise `ConfigError` naming the field.
+    `loss.preset` fills the [loss] fields the data does not give (engine/config/presets.py)."""
     data = msgspec.convert(data, dict)  # a copy the overrides may change
     for override in overrides:
         apply_override(data, override)
+    _refuse_renamed(data)
     try:
-        return msgspec.convert(data, Config)
+        cfg = msgspec.convert(data, Config)
+        if cfg.loss.preset:
+            data = presets.apply(data, cfg)
+            cfg = msgspec.convert(data, Config)
+        return cfg
     except msgspec.ValidationError as e:
         raise ConfigError(_describe(e, data)) from None
 

@@ -26,7 +26,19 @@ from streamrl.engine.redis_server import redact
 
 log = logging.getLogger("streamrl.engine.ledger")
 
-DROP_REASONS = ("stale", "node_lost", "reward_error", "overlong", "duplicate", "preempted", "rolled_back")
+DROP_REASONS = (
+    "stale",
+    "node_lost",
+    "reward_error",
+    "overlong",
+    "duplicate",
+    "preempted",
+    "rolled_back",
+    "zero_variance",  # dynamic sampling: a group with no reward variance, replaced (learner/selection.py)
+    "truncated",  # loss.mask_truncated: a completion cut by a length limit, kept out of the loss
+    "no_gradient",  # in a step whose loss had no gradient: no update, no version (learner/train_step.py)
+    "nonfinite_step",  # in a step whose every update had a non-finite gradient
+)
 
 _REASON = re.compile(r"^[a-z][a-z0-9_]*$")
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 import json
 import pathlib
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import redis
 
@@ -231,25 +231,55 @@ class Ledger(LedgerBooks):
         return [s for s in samples if s.sample_id not in gone]
 
     def commit_step(
-        self, trained_ids: Sequence[str], version: int, step: int, steps_left: int | None = None
+        self,
+        trained_ids: Sequence[str],
+        version: int,
+        step: int,
+        steps_left: int | None = None,
+        dropped: Mapping[str, Sequence[str]] | None = None,
     ) -> list[bool]:
         """Learner side, one round trip after an optimizer step: mark the batch trained (staleness
-        measured against the version that trained it), then publish the new `version` (and how many
-        steps are left, for admission)."""
+        measured against the version that trained it), then publish the new `version`; with it how many
+        steps are left (for admission) and the step's samples that left the batch (`dropped`: reason ->
+        ids, e.g. truncated completions kept out of the loss)."""
         record, now, keys = json.dumps({"step": step, "time": time.time()}), time.time(), self._call_id()
 
         def attempt():
             pipe = self.client.pipeline(transaction=False)
+            self._end_step(pipe, keys, now, steps_left, dropped or {})
             if trained_ids:
                 args = [self.prefix, "trained", now, 1, *trained_ids]
                 self._scripts["TRANSITION"](keys=[keys + ":t"], args=args, client=pipe)
             self._scripts["PUBLISH_VERSION"](keys=[keys + ":v"], args=[self.prefix, version, record], client=pipe)
-            if steps_left is not None:
-                pipe.hset(self.prefix + "meta", "steps_left", steps_left)
             return _execute(pipe, self.run)
 
         results = self._retry(attempt, "commit_step")
-        return [r == 1 for r in results[0]] if trained_ids else []
+        at = (steps_left is not None) + sum(1 for ids in (dropped or {}).values() if ids)
+        return [r == 1 for r in results[at]] if trained_ids else []
+
+    def skip_step(self, dropped: Mapping[str, Sequence[str]], steps_left: int | None = None) -> None:
+        """Learner side, one round trip after a step that took no optimizer update: its samples are dropped
+        (`dropped`: reason -> ids, e.g. no_gradient; no weights contain them and the version does not move)
+        and, as `commit_step` records it, how many steps are left, so admission does not count the step as
+        still to come."""
+        now, keys = time.time(), self._call_id()
+
+        def attempt():
+            pipe = self.client.pipeline(transaction=False)
+            self._end_step(pipe, keys, now, steps_left, dropped)
+            return _execute(pipe, self.run)
+
+        self._retry(attempt, "skip_step")
+
+    def _end_step(self, pipe, keys: str, now: float, steps_left: int | None, dropped: Mapping[str, Sequence[str]]):
+        """Queue a step's end on `pipe`: the steps left first, then the drops. In that order a credit the drops
+        return (a group resolved whole) is weighed against the steps now left, never the step just done."""
+        if steps_left is not None:
+            pipe.hset(self.prefix + "meta", "steps_left", steps_left)
+        for reason, ids in dropped.items():
+            if ids:
+                args = [self.prefix, "dropped:" + check_reason(reason), now, 1, *ids]
+                self._scripts["TRANSITION"](keys=[f"{keys}:d:{reason}"], args=args, client=pipe)
 
     def drop(self, sample_ids: Sequence[str], reason: str) -> list[bool]:
         return [r == "" for r in self.transition(sample_ids, "dropped:" + check_reason(reason))]

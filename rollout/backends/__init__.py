@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from streamrl.engine.config import Config
-from streamrl.rollout.backends.protocol import GenerationBackend, check_sampling
+from streamrl.rollout.backends.protocol import GenerationBackend
 
 
 def resolve_device(device: str) -> str:
@@ -20,7 +20,6 @@ def build_backend(cfg: Config, device: str = "cpu") -> GenerationBackend:
     from streamrl.engine.models import default_tiny_model
 
     model_path = cfg.model.path or str(default_tiny_model())
-    check_sampling(cfg.rollout)
     if cfg.simulate.gen_s > 0:
         from streamrl.rollout.backends.sim import SimBackend
 

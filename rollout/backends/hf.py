@@ -11,8 +11,9 @@ always `rollout.max_tokens` (a decode step at this size is latency-bound: 16 row
 do), a batch waits up to `FILL_S` for requests to fill it, and `warm_up` compiles that shape before the
 node registers, so nothing compiles mid-run. (Seen on H200s with rows bucketed to powers of two: each
 change of batch size cost a new cache and graphs, and generation ran at 2.2k instead of ~30k tok/s.)
-Behavior logprobs are log_softmax(raw logits / T) at the sampled token — the same definition as the
-vLLM backend (rollout/backends/protocol.py).
+Behavior logprobs are those of the distribution generate sampled from: the log-softmax of its processed
+scores (logits / T, top-k and top-p filtered, as `output_scores` returns them) at the sampled token — the
+same definition as the vLLM backend's (rollout/backends/protocol.py).
 
 Weights: a new version is received into staging buffers while a batch runs (`weights.Stager`, in a
 thread of its own) and swapped into the model between batches, on the generation thread itself.
@@ -28,7 +29,7 @@ import time
 from streamrl.engine.config import ModelConfig, RolloutConfig
 from streamrl.engine.messages import WeightsReady
 from streamrl.engine.weights import Staged, Stager
-from streamrl.rollout.backends.protocol import BackendClock, Completion, check_sampling
+from streamrl.rollout.backends.protocol import BackendClock, Completion
 
 log = logging.getLogger("streamrl.rollout")
 
@@ -62,7 +63,6 @@ class HFBackend:
 
         from streamrl.engine.models import load_model, load_tokenizer
 
-        check_sampling(rollout)
         torch.manual_seed(seed)
         if device.startswith("cuda") and rollout.gpu_memory_gib > 0:  # its share of a GPU it may share
             total = torch.cuda.get_device_properties(torch.device(device)).total_memory
@@ -159,15 +159,15 @@ class HFBackend:
                     temperature=self.rollout.temperature,
                     top_p=self.rollout.top_p,
                     top_k=self.rollout.top_k,
-                    output_logits=True,
+                    output_scores=True,  # processed: what the sampler drew from
                     return_dict_in_generate=True,
                     pad_token_id=self.tokenizer.pad_token_id,
                     eos_token_id=self.tokenizer.eos_token_id,
                     cache_implementation="static" if self.static else None,
                 )
             new_tokens = out.sequences[:used, input_ids.shape[1] :]  # [B, T]
-            logits = torch.stack(out.logits, dim=1)[:used].float()  # [B, T, V]
-            picked = logits.div(self.rollout.temperature).log_softmax(-1).gather(-1, new_tokens.unsqueeze(-1))
+            scores = torch.stack(out.scores, dim=1)[:used].float()  # [B, T, V], -inf where top-k/top-p cut
+            picked = scores.log_softmax(-1).gather(-1, new_tokens.unsqueeze(-1))
             picked = picked.squeeze(-1).tolist()  # [B, T]
             new_tokens = new_tokens.tolist()
         finally:
@@ -219,13 +219,17 @@ class HFBackend:
         return time.perf_counter() - start
 
     def score(self, prompt_ids: list[int], completion_ids: list[int]) -> list[float]:
-        """log_softmax(logits / T) of each completion token given what precedes it (teacher-forced)."""
+        """Each completion token's logprob under the sampling distribution (engine/sampling.py) given what
+        precedes it (teacher-forced); -inf for a token that distribution filters out."""
         import torch
+
+        from streamrl.engine.sampling import processed_logprobs
 
         ids = torch.tensor([list(prompt_ids) + list(completion_ids)], device=self.device)
         with torch.inference_mode():
-            logits = self.model(input_ids=ids).logits[0, len(prompt_ids) - 1 : -1].float()  # [T, V]
-        logprobs = logits.div(self.rollout.temperature).log_softmax(-1)
+            logits = self.model(input_ids=ids).logits[0, len(prompt_ids) - 1 : -1]  # [T, V]
+        r = self.rollout
+        logprobs = processed_logprobs(logits, r.temperature, r.top_k, r.top_p)
         return logprobs.gather(-1, ids[0, len(prompt_ids) :, None]).squeeze(-1).tolist()
 
     # ---- weights ----------------------------------------------------------------------------

@@ -1,12 +1,11 @@
 """The seam between the rollout node and whatever generates tokens (vLLM, transformers, a test fake).
 
-Behavior logprobs, for every backend: log-softmax of the model's logits divided by the sampling
-temperature, read at the sampled token — the distribution the token was drawn from *before*
-top-k/top-p truncation, never renormalised over the kept tokens. That is what the learner
-recomputes (its logits / temperature), so the importance ratio compares like with like. With
-top-k/top-p on, the true sampling probability is higher than this by the kept mass; the
-learner's masked/truncated importance sampling absorbs that, and a renormalised value could not
-be matched by the learner at all.
+Behavior logprobs, for every backend: the log-probability of the sampled token under the distribution
+it was drawn from, logits / temperature filtered by top-k then top-p and renormalised over the kept
+tokens (engine/sampling.py; vLLM's `processed_logprobs`). The learner computes the same distribution from
+its own logits (learner/logprobs.py), so the importance ratio pi / mu compares like with like whatever
+the sampling settings (the unfiltered log_softmax(logits / T) would understate mu by the kept mass on
+every token, which no importance correction could tell from staleness).
 """
 
 from __future__ import annotations
@@ -17,7 +16,6 @@ from typing import Protocol, runtime_checkable
 
 import msgspec
 
-from streamrl.engine.config import RolloutConfig
 from streamrl.engine.messages import WeightsReady
 
 
@@ -25,7 +23,7 @@ class Completion(msgspec.Struct, kw_only=True):
     """One sampled completion of a prompt, as token ids (never decoded on the way to the learner)."""
 
     token_ids: list[int]
-    logprobs: list[float]  # behavior logprob of each token (see the module docstring)
+    logprobs: list[float]  # behavior logprob of each token, under the processed distribution (module doc)
     finish_reason: str  # "stop" (eos or a stop token) or "length" (max_tokens / context)
     token_versions: list[int]  # policy version that sampled each token, one per token
 
@@ -56,18 +54,6 @@ class GenerationBackend(Protocol):
         ...
 
     async def close(self) -> None: ...
-
-
-def check_sampling(cfg: RolloutConfig) -> None:
-    """Reject sampling settings whose behavior logprobs a backend cannot report as documented above."""
-    truncates = cfg.top_p < 1.0 or cfg.top_k > 0
-    if truncates and cfg.temperature != 1.0:
-        raise ValueError(
-            f"rollout.temperature = {cfg.temperature} together with rollout.top_p = {cfg.top_p} / "
-            f"rollout.top_k = {cfg.top_k}: vLLM reports either the temperature-1 logprobs or ones "
-            "renormalised over the top-k/top-p tokens, neither of which is the temperature-scaled "
-            "distribution the learner recomputes. Set rollout.temperature = 1.0, or top_p = 1.0 and top_k = 0"
-        )
 
 
 class BackendClock:

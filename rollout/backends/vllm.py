@@ -1,12 +1,10 @@
 """The vLLM backend: AsyncLLM with continuous batching, token ids in and out, per-token policy versions.
 
-Behavior logprobs (vLLM 0.32). vLLM's sampler can report four things (`logprobs_mode`):
-`raw_logprobs` is log-softmax of the logits *before* temperature; `processed_logprobs` is taken
-after temperature *and* top-k/top-p masking, i.e. renormalised over the kept tokens. Neither is
-always the temperature-scaled full distribution (see rollout/backends/protocol.py), so the mode is chosen per
-config: without top-k/top-p, `processed_logprobs` = log_softmax(logits / T), exactly that; with
-top-k/top-p, `raw_logprobs` at temperature 1 (`check_sampling` rejects T != 1 there). Only the
-sampled token's logprob is requested (`logprobs=0`).
+Behavior logprobs (vLLM 0.32): `logprobs_mode = "processed_logprobs"`, the log-softmax of the logits after
+temperature and top-k/top-p masking, i.e. of the distribution the token was sampled from (without filters:
+log_softmax(logits / T)); the learner recomputes the same (rollout/backends/protocol.py). Only the
+sampled token's logprob is requested (`logprobs=0`). On CUDA that mode keeps vLLM off FlashInfer's
+sampler (which cannot return processed logprobs) and on its torch one.
 
 Per-token versions: outputs stream as deltas and each delta's tokens are stamped with the
 engine's `policy_version` when the delta arrives. `update_weights` pauses generation keeping the
@@ -23,7 +21,7 @@ import uuid
 
 from streamrl.engine.config import ModelConfig, RolloutConfig
 from streamrl.engine.messages import WeightsReady
-from streamrl.rollout.backends.protocol import BackendClock, Completion, check_sampling
+from streamrl.rollout.backends.protocol import BackendClock, Completion
 from streamrl.rollout.backends.vllm_support import check_servable
 from streamrl.rollout.lifeline import children_die_with_me
 
@@ -32,8 +30,7 @@ log = logging.getLogger(__name__)
 WORKER_EXTENSION = "streamrl.rollout.backends.vllm_worker.WeightReceiverExtension"
 
 
-def logprobs_mode(cfg: RolloutConfig) -> str:
-    return "raw_logprobs" if (cfg.top_p < 1.0 or cfg.top_k > 0) else "processed_logprobs"
+LOGPROBS_MODE = "processed_logprobs"  # of the distribution sampled from, whatever the sampling settings
 
 
 def engine_args(model_path: str, model: ModelConfig, rollout: RolloutConfig, seed: int, device: str):
@@ -58,7 +55,7 @@ def engine_args(model_path: str, model: ModelConfig, rollout: RolloutConfig, see
         seed=seed,
         enforce_eager=rollout.enforce_eager,
         trust_remote_code=model.trust_remote_code,
-        logprobs_mode=logprobs_mode(rollout),
+        logprobs_mode=LOGPROBS_MODE,
         disable_log_stats=True,
         **extra,
     )
@@ -99,7 +96,6 @@ class VLLMBackend:
     """`GenerationBackend` over vLLM's AsyncLLM (engine core in its own process, which dies with this one)."""
 
     def __init__(self, model_path: str, model: ModelConfig, rollout: RolloutConfig, seed: int = 0, device: str = "cpu"):
-        check_sampling(rollout)
         check_servable(model_path, model, device)  # before vLLM's import: a few seconds, not a dead engine later
         from vllm.v1.engine.async_llm import AsyncLLM
 

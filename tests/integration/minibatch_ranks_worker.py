@@ -31,7 +31,7 @@ def main(model_dir: str, out_file: str, updates: str) -> None:
             {
                 "model": {"path": model_dir},
                 "loss": {"kl_coef": 0.1},
-                "learner": {"lr": 5e-2, "updates_per_batch": int(updates), "micro_batch_tokens": 32},
+                "learner": {"lr": 5e-2, "mini_batches": int(updates), "micro_batch_tokens": 32},
             }
         )
         lm = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa")

@@ -51,3 +51,29 @@ def test_no_group_beyond_what_the_remaining_steps_train(redis_url, ledger_run):
     assert _take(ledger, 8, version=0) == 2  # one step left: its two groups, not (4 + 1) * 2
     ledger.commit_step([f"g{i}:0" for i in range(2)], version=1, step=1, steps_left=0)
     assert _take(ledger, 4, version=1, start=10) == 0  # the run is done: no more groups
+
+
+def test_a_step_without_an_update_drops_its_samples_keeps_the_version_and_counts_as_done(redis_url, ledger_run):
+    ledger = _ledger(redis_url, ledger_run, staleness=4, steps_left=2)
+    assert _take(ledger, 8, version=0) == 4  # two steps left: their four groups
+    ledger.skip_step({"no_gradient": ["g0:0", "g1:0"]}, steps_left=1)
+    counts = ledger.counts()
+    assert counts.dropped_by_reason == {"no_gradient": 2} and counts.trained == 0
+    assert ledger.current_version() == 0  # no update, no version
+    # the skipped step is done: one step left, whose two groups are in flight; nothing more is admitted
+    assert _take(ledger, 4, version=0, start=10) == 0
+    _resolve_all(ledger, range(2, 4))
+
+
+def test_commit_step_drops_the_samples_the_step_left_out_with_the_commit(redis_url, ledger_run):
+    """Truncated completions are dropped in the commit's round trip, after steps_left is written (so a credit
+    they return is weighed against the steps now left; the order itself is a race this test cannot stage)."""
+    ledger = _ledger(redis_url, ledger_run, staleness=4, steps_left=1)
+    assert _take(ledger, 4, version=0) == 2
+    ledger.transition(["g0:0"], "generated", [(0, 0, "n")])
+    assert ledger.mark_received(["g0:0"]) == [True]
+    # g0 trained, g1 wholly truncated: both resolved by the one call; the run is done, nothing is admitted
+    assert ledger.commit_step(["g0:0"], 1, 1, steps_left=0, dropped={"truncated": ["g1:0"]}) == [True]
+    counts = ledger.counts()
+    assert counts.dropped_by_reason == {"truncated": 1} and counts.trained == 1 and counts.in_flight == 0
+    assert ledger.current_version() == 1 and _take(ledger, 4, version=1, start=10) == 0

@@ -49,9 +49,9 @@ def batch(n: int = 8, budget: int = 64, behavior: float = -6.0):
 
 
 def test_two_updates_clip_on_the_second(tiny_model, device):
-    """updates_per_batch = 2: pi_prox is the starting weights, so the first update has ratio exactly 1 (no
+    """mini_batches = 2: pi_prox is the starting weights, so the first update has ratio exactly 1 (no
     clip, ppo_kl 0) and the second, after one AdamW update at lr 0.05, clips and has ppo_kl != 0."""
-    learner = LearnerConfig(lr=5e-2, updates_per_batch=2)
+    learner = LearnerConfig(lr=5e-2, mini_batches=2)
     trainer = make_trainer(tiny_model, device, LossConfig(), learner)
     mbs = batch()
     assert len(mbs) == 1  # one micro-batch of 8 x 6 positions: the split slices it at sequence boundaries
@@ -72,7 +72,7 @@ def test_two_updates_clip_on_the_second(tiny_model, device):
 def test_one_update_saves_the_proximal_forward_and_two_pay_one_per_micro_batch(tiny_model, device):
     counts = {}
     for updates in (1, 2):
-        trainer = make_trainer(tiny_model, device, LossConfig(), LearnerConfig(updates_per_batch=updates))
+        trainer = make_trainer(tiny_model, device, LossConfig(), LearnerConfig(mini_batches=updates))
         calls = []
         handle = trainer.model.register_forward_pre_hook(lambda *_, calls=calls: calls.append(torch.is_grad_enabled()))
         try:
@@ -83,6 +83,39 @@ def test_one_update_saves_the_proximal_forward_and_two_pay_one_per_micro_batch(t
         assert ("update/1/loss" in metrics) == (updates == 2)
     assert counts[1] == [True] * 4  # 4 micro-batches, trained once, no extra forward
     assert counts[2] == [False] * 4 + [True] * 4  # the no-grad proximal pass, then 2 updates of 2 micro-batches
+
+
+def test_epochs_pass_over_the_mini_batches_against_one_proximal_policy(tiny_model, device):
+    """mini_batches = 2, epochs = 2: four updates, one proximal pass (the weights the step starts from) for all
+    of them; the second pass over mini-batch 1 sees it moved (its ratio clipped, ppo_kl > 0)."""
+    trainer = make_trainer(tiny_model, device, LossConfig(), LearnerConfig(lr=5e-2, mini_batches=2, epochs=2))
+    calls = []
+    handle = trainer.model.register_forward_pre_hook(lambda *_: calls.append(torch.is_grad_enabled()))
+    try:
+        metrics = trainer.step(batch(budget=12))  # four micro-batches of 2 x 6 positions: two per mini-batch
+    finally:
+        handle.remove()
+    assert calls == [False] * 4 + [True] * 8  # one proximal pass, then 2 epochs x 2 mini-batches x 2 micro-batches
+    assert trainer.version == 1 and metrics["updates"] == 4.0 and "update/4/loss" in metrics
+    assert metrics["update/1/ppo_kl"] == pytest.approx(0.0, abs=1e-6) and metrics["update/1/clip_fraction"] == 0.0
+    assert metrics["update/3/ppo_kl"] > 1e-4 and metrics["update/3/clip_fraction"] > 0.0  # mini-batch 1 again
+    assert metrics["update/1/normalizer"] == metrics["update/3/normalizer"] == 16.0
+    assert metrics["tokens"] == 32.0  # the batch counted once, however many passes saw it
+
+
+def test_an_update_without_gradient_is_skipped_and_the_others_train(tiny_model, device):
+    """Mini-batch 1 holds only zero advantages: its update is skipped (no momentum step), mini-batch 2's is
+    taken, and the step moves the version once."""
+    trainer = make_trainer(tiny_model, device, LossConfig(), LearnerConfig(lr=5e-2, mini_batches=2))
+    mbs = batch(budget=12)  # four equal micro-batches: dealt 0, 2 to mini-batch 1 and 1, 3 to mini-batch 2
+    for mb in mbs[::2]:
+        mb.advantages = torch.zeros_like(mb.advantages)
+    before = {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
+    metrics = trainer.step(mbs)
+    assert metrics["update/1/grad_norm"] == 0.0 and metrics["update/1/skipped"] == 1.0
+    assert metrics["update/2/skipped"] == 0.0 and metrics["updates"] == 1.0 and metrics["skipped"] == 0.0
+    assert metrics["skipped_no_gradient"] == 1.0 and trainer.version == 1
+    assert any(not torch.equal(before[k], v) for k, v in trainer.model.state_dict().items())
 
 
 def test_kl_to_the_reference_is_zero_at_the_start_and_grows(tiny_model, device):

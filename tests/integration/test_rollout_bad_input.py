@@ -35,17 +35,6 @@ def test_unreachable_learner_fails_within_the_timeout_naming_the_address(tmp_pat
     assert addr in log and "within 1s" in log and "streamrl rollout --learner" in log
 
 
-def test_temperature_with_top_p_is_rejected_before_the_engine_starts(tmp_path, tiny_model):
-    cfg = _cfg(
-        tmp_path,
-        model={"path": tiny_model},
-        rollout={"temperature": 0.7, "top_p": 0.9, "backend": "vllm"},
-        reward={"workers": 0},
-    )
-    assert main(cfg, _dead_addr(), node_id="n") == 2  # refused before the learner is contacted
-    assert "rollout.temperature = 0.7" in _node_log(tmp_path) and "top_p = 0.9" in _node_log(tmp_path)
-
-
 def test_missing_prompt_file_names_the_field(tiny_model, tmp_path):
     cfg = _cfg(tmp_path, model={"path": tiny_model}, data={"path": str(tmp_path / "nope.jsonl")}, reward={"workers": 0})
     assert main(cfg, _dead_addr(), node_id="n") == 2

@@ -1,8 +1,10 @@
-"""The vllm and hf backends report the same behavior logprobs: log_softmax(logits / T), not renormalised."""
+"""The vllm and hf backends report the same behavior logprobs: those of the distribution sampled from
+(logits / T, top-k/top-p filtered and renormalised; vLLM's processed_logprobs), which the learner recomputes."""
 
 from __future__ import annotations
 
 import asyncio
+import math
 
 import pytest
 
@@ -55,7 +57,11 @@ def _worst_gap(reference, prompts_and_groups) -> float:
     return worst
 
 
-@pytest.mark.parametrize("sampling", [dict(temperature=0.7), dict(temperature=1.0, top_k=5)], ids=["T0.7", "topk5"])
+@pytest.mark.parametrize(
+    "sampling",
+    [dict(temperature=0.7), dict(temperature=1.0, top_k=5), dict(temperature=0.7, top_p=0.8)],
+    ids=["T0.7", "topk5", "T0.7-topp0.8"],
+)
 def test_vllm_and_hf_backends_agree_on_logprobs(loop, sharp_model, sampling):
     rollout = RolloutConfig(**sampling)
     hf = _engines("hf", sharp_model, rollout)
@@ -72,21 +78,45 @@ def test_vllm_and_hf_backends_agree_on_logprobs(loop, sharp_model, sampling):
         assert [len(g) for g in groups] == [3, 3, 3]
         for c in (c for g in groups for c in g):
             assert c.finish_reason in ("stop", "length") and c.token_versions == [0] * len(c.token_ids)
-            if "top_k" in sampling:
-                _assert_within_top_k(hf, c, groups, sampling["top_k"])
+            if len(sampling) > 1:
+                _assert_renormalised(hf, c, groups, rollout)
+    _assert_the_learner_recomputes(hf, vllm_groups, rollout)
 
 
-def _assert_within_top_k(hf, completion, groups, k: int) -> None:
-    """Sampled tokens are among the k likeliest, yet their logprob is not renormalised over those k."""
+def _assert_renormalised(hf, completion, groups, rollout: RolloutConfig) -> None:
+    """Sampled tokens are among the kept ones, and their logprob is renormalised over those: above the
+    unfiltered log_softmax(logits / T) by -log(kept mass)."""
     import torch
+
+    from streamrl.engine.sampling import keep_floor
 
     prompt = next(p for p, g in zip(PROMPTS, groups) if any(c is completion for c in g))
     ids = torch.tensor([prompt + completion.token_ids])
     with torch.no_grad():
-        logprobs = hf.model(ids).logits[0, len(prompt) - 1 : -1].float().log_softmax(-1)
-    top = logprobs.topk(k, -1)
+        z = hf.model(ids).logits[0, len(prompt) - 1 : -1].float() / rollout.temperature
+    kept = z >= keep_floor(z, rollout.top_k, rollout.top_p)[:, None]
+    raw = z.log_softmax(-1)
     for pos, token in enumerate(completion.token_ids):
-        assert token in top.indices[pos].tolist()
-        kept_mass = top.values[pos].exp().sum().item()
-        assert kept_mass < 0.99  # renormalising would have shifted the logprob by -log(kept_mass) > 0.01
-        assert completion.logprobs[pos] == pytest.approx(logprobs[pos, token].item(), abs=1e-3)
+        assert kept[pos, token]
+        kept_mass = raw[pos][kept[pos]].exp().sum().item()
+        expected = raw[pos, token].item() - math.log(kept_mass)
+        assert completion.logprobs[pos] == pytest.approx(expected, abs=1e-3)
+        assert kept_mass < 0.99  # else renormalising would be invisible
+
+
+def _assert_the_learner_recomputes(hf, groups, rollout: RolloutConfig) -> None:
+    """The learner's policy model on the same weights gives vLLM's logprobs back: a fresh sample's ratio is 1."""
+    import torch
+
+    from streamrl.learner.logprobs import PolicyModel
+
+    policy = PolicyModel(hf.model, temperature=rollout.temperature, top_k=rollout.top_k, top_p=rollout.top_p)
+    worst = 0.0
+    for prompt, group in zip(PROMPTS, groups):
+        for c in group:
+            tokens = torch.tensor(prompt + c.token_ids)
+            n = tokens.numel() - 1
+            with torch.no_grad():
+                lp, _ = policy(tokens[:-1], torch.arange(n), tokens[1:], torch.tensor([0, n], dtype=torch.int32), n)
+            worst = max(worst, max(abs(a - b) for a, b in zip(lp[len(prompt) - 1 :].tolist(), c.logprobs)))
+    assert worst < 1e-3

@@ -182,7 +182,7 @@ def read_fields() -> set[tuple[str, ...]]:
 
 def test_every_config_field_is_read_by_some_code():
     every = fields()
-    assert ("learner", "updates_per_batch") in every and ("reward", "model", "path") in every
+    assert ("learner", "mini_batches") in every and ("reward", "model", "path") in every
     unread = sorted(".".join(f) for f in every - read_fields() if ".".join(f) not in READ_ELSEWHERE)
     assert unread == [], f"config fields no code reads (remove them, or make them do what they say): {unread}"
 

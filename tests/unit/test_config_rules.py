@@ -40,12 +40,24 @@ def test_ranks_and_updates_need_enough_samples_per_step():
     # 4 groups x 4 completions = 16 samples per step
     (ranks,) = messages("learner.ranks=17")
     assert ranks.startswith("error: learner.ranks = 17 exceeds the samples of a step")
-    (updates,) = messages("learner.updates_per_batch=17")
+    (updates,) = messages("learner.mini_batches=17")
     assert updates.startswith(
-        "error: learner.updates_per_batch = 17 exceeds the samples of a step "
+        "error: learner.mini_batches = 17 exceeds the samples of a step "
         "(learner.groups_per_step x rollout.group_size = 16)"
     )
-    assert messages("learner.updates_per_batch=16", "learner.ranks=16") == []
+    assert messages("learner.mini_batches=16", "learner.ranks=16") == []
+    assert messages("learner.epochs=40") == []  # passes re-use the mini-batches: no sample count limits them
+
+
+def test_recipe_rules_name_their_fields():
+    (buffer,) = messages("loss.overlong_buffer=40")  # rollout.max_tokens is 32
+    assert buffer.startswith(
+        "error: loss.overlong_buffer = 40 exceeds the longest completion (32 tokens: rollout.max_tokens)"
+    )
+    assert messages("loss.overlong_buffer=32") == []
+    (gspo,) = messages("loss.ratio_level='sequence'")
+    assert gspo.startswith("warning: loss.ratio_level = 'sequence' (GSPO) with one update per step")
+    assert messages("loss.ratio_level='sequence'", "learner.mini_batches=4") == []
 
 
 def test_a_reference_without_kl_is_a_warning_and_readmit_an_error():
@@ -57,7 +69,7 @@ def test_a_reference_without_kl_is_a_warning_and_readmit_an_error():
 
 
 def test_the_learner_and_preflight_apply_the_same_rules():
-    cfg = build({}, ["learner.updates_per_batch=17", "learner.micro_batch_tokens=200"])
+    cfg = build({}, ["learner.mini_batches=17", "learner.micro_batch_tokens=200"])
     with pytest.raises(ConfigError) as refused:
         check_config(cfg)
     found = config_rules.check(cfg, ("learner",))

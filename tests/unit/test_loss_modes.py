@@ -47,8 +47,8 @@ def test_proximal_unlike_current_makes_the_clip_act():
     assert lp.grad.tolist() == pytest.approx([0.0, 0.0, -0.301612], abs=1e-6)
     m = means(stats)
     assert m["clip_fraction"] == pytest.approx(2 / 3)
-    # ppo_kl = mean(prox - lp) = (-0.5 + 0.5 + 0.1) / 3
-    assert m["ppo_kl"] == pytest.approx(0.033333, abs=1e-6)
+    # ppo_kl: mean k3 = r - 1 - log r (w = 1): (0.148721 + 0.106531 + 0.004837) / 3 = 0.086696
+    assert m["ppo_kl"] == pytest.approx(0.086696, abs=1e-6)
 
 
 def test_second_update_from_the_same_proximal_has_ratio_away_from_one():
@@ -69,7 +69,8 @@ def test_second_update_from_the_same_proximal_has_ratio_away_from_one():
     _, stats = policy_loss(lp, prox, adv, mask, cfg, proximal_logprobs=prox)
     m = means(stats)
     assert m["clip_fraction"] == 1.0
-    assert m["ppo_kl"] == pytest.approx(-0.547168, abs=1e-6)
+    # ppo_kl: k3 = r - 1 - log r = 1.728351 - 1 - 0.547168 = 0.181183 (>= 0, where k1 read -0.547168)
+    assert m["ppo_kl"] == pytest.approx(0.181183, abs=1e-6)
 
 
 # Two sequences of two tokens, mu = pi_prox (w = 1), A = 1 everywhere.
@@ -98,8 +99,9 @@ def test_gspo_clips_the_geometric_mean_ratio_per_sequence():
     # gradient of each token is its own: d(-s1 A / 4)/dlp_t = -s1 / 4 = -0.226209; sequence 0 none
     assert grad == pytest.approx([0.0, 0.0, -0.226209, -0.226209], abs=1e-6)
     assert m["clip_fraction"] == 0.5
-    # ppo_kl stays per token: mean(prox - lp) = -(0.2 + 0.4 + 0.1 - 0.3) / 4 = -0.1
-    assert m["ppo_kl"] == pytest.approx(-0.1)
+    # ppo_kl stays per token: mean k3 of log r = [0.2, 0.4, 0.1, -0.3]:
+    # (0.021403 + 0.091825 + 0.005171 + 0.040818) / 4 = 0.039804
+    assert m["ppo_kl"] == pytest.approx(0.039804, abs=1e-6)
 
 
 def test_token_ratio_on_the_same_data_clips_differently():

@@ -110,8 +110,10 @@ def test_decoupled_clips_against_proximal_not_behavior():
     )
     # r = exp(-0.5 + 1) = 1.64872 -> clipped to 1.28; w = 1.25: loss = -1.25 * 1.28 = -1.6
     assert loss.item() == pytest.approx(-1.6)
-    # ppo_kl = prox - lp = -0.5
-    assert stats["ppo_kl_sum"].item() == pytest.approx(-0.5)
+    # ppo_kl: k3 of pi_theta vs pi_prox, r = exp(0.5) = 1.648721: r - 1 - log r = 0.148721, weighted by
+    # w = pi_prox / mu = 1.25 (sum 0.185902, weight 1.25) and normalised: 0.148721
+    assert stats["ppo_kl_sum"].item() == pytest.approx(0.185902, abs=1e-6)
+    assert summarize({k: v.item() for k, v in stats.items()})["ppo_kl"] == pytest.approx(0.148721, abs=1e-6)
 
 
 @pytest.mark.parametrize("aggregation, expected", [("token", -2.5), ("sequence", -3.0), ("constant", -1.25)])
@@ -231,7 +233,7 @@ def test_mismatch_is_unmeasured_without_same_version_tokens_and_behavior_kl_cove
         _, stats = policy_loss(logp, mu, torch.tensor([1.0]), torch.tensor([True]), cfg, same_version=same)
         out = summarize({k: float(v) for k, v in stats.items()})
         assert out["behavior_kl"] == pytest.approx(0.3069, abs=1e-4)
-        if expect_mismatch is None:
-            assert math.isnan(out["mismatch_kl"])
+        if expect_mismatch is None:  # absent, not NaN: no sample of the learner's current version
+            assert "mismatch_kl" not in out and out["mismatch_samples"] == 0
         else:
-            assert out["mismatch_kl"] == pytest.approx(expect_mismatch, abs=1e-4)
+            assert out["mismatch_kl"] == pytest.approx(expect_mismatch, abs=1e-4) and out["mismatch_samples"] == 1

@@ -65,6 +65,43 @@ def test_planted_nan_skips_the_step_and_leaves_weights_bit_identical(trainer, ca
     assert all(torch.isfinite(v).all() for v in weights(trainer.model).values())
 
 
+def optimizer_state(trainer):
+    return {i: {k: v.clone() for k, v in state.items()} for i, state in enumerate(trainer.optimizer.state.values())}
+
+
+def test_an_all_zero_advantage_step_leaves_weights_optimizer_state_and_version_bit_identical(trainer, caplog):
+    """AdamW on a zero gradient still moves every weight by its momentum (the demo at max_staleness 4 saw
+    max |dw| = 0.0067 on such a step): the update is skipped on the device, nothing moves, nothing is pushed."""
+    assert trainer.step(batch([1.0, -1.0, 0.5, -0.5]))["skipped"] == 0.0  # momentum to lose
+    weights_before, state_before = weights(trainer.model), optimizer_state(trainer)
+    version, lr_epoch, counted = trainer.version, trainer.scheduler.last_epoch, trainer.no_gradient_updates
+    assert any(state["exp_avg"].abs().max() > 0 for state in state_before.values())
+    with caplog.at_level("WARNING", logger="streamrl.learner"):
+        metrics = trainer.step(batch([0.0, 0.0, 0.0, 0.0]))
+    assert metrics["grad_norm"] == 0.0 and metrics["skipped"] == 1.0 and metrics["updates"] == 0.0
+    assert metrics["skipped_no_gradient"] == 1.0 and metrics["skipped_nonfinite"] == 0.0
+    assert metrics["no_gradient_updates"] == counted + 1 and trainer.no_gradient_updates == counted + 1
+    assert all(torch.equal(weights_before[k], v) for k, v in weights(trainer.model).items())
+    state_after = optimizer_state(trainer)
+    assert state_after.keys() == state_before.keys()
+    for i, state in state_before.items():  # exp_avg, exp_avg_sq and the step count, bit for bit
+        assert all(torch.equal(v, state_after[i][k]) for k, v in state.items())
+    assert trainer.version == version and metrics["version"] == float(version)
+    assert trainer.scheduler.last_epoch == lr_epoch
+    assert all(p.grad is None for p in trainer.model.parameters())
+    assert "non-finite" not in caplog.text  # not a fault: counted, not warned
+
+
+def test_a_step_left_without_samples_takes_no_update(trainer):
+    """Dynamic sampling can leave a step empty (every group flat within the refill bound): no forward, no update."""
+    weights_before, version, counted = weights(trainer.model), trainer.version, trainer.no_gradient_updates
+    metrics = trainer.step([], global_token_count=0)
+    assert metrics["skipped"] == 1.0 and metrics["skipped_no_gradient"] == 1.0 and metrics["updates"] == 0.0
+    assert metrics["tokens"] == 0.0 and metrics["positions"] == 0.0 and "mismatch_kl" not in metrics
+    assert trainer.version == version and trainer.no_gradient_updates == counted + 1
+    assert all(torch.equal(weights_before[k], v) for k, v in weights(trainer.model).items())
+
+
 def test_warm_up_runs_the_step_shapes_and_leaves_weights_optimizer_and_version_alone(trainer):
     before, version = weights(trainer.model), trainer.version
     moments = {id(p): {k: v.clone() for k, v in state.items()} for p, state in trainer.optimizer.state.items()}
