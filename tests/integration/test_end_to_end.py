@@ -135,10 +135,12 @@ def test_nodes_join_and_leave_mid_run(launched, demo_config):
     print(json.dumps({"dropped": counts.dropped_by_reason, "trained": counts.trained, "steps": _step(launcher)}))
     # node-0's samples not yet received were resolved by the reaper (node_lost; often none, since a
     # node sends each group as soon as it is scored): the balance below shows nothing was left open.
-    trained_by_node = _trained_by_node(ledger)
-    assert all(trained_by_node.get(n, 0) > 0 for n in ("node-0", "node-1", "node-2")), trained_by_node
+    # Every node's samples reached the learner: trained, or in a step whose loss had no gradient (the
+    # demo's reward saturates late in a long run, and such a step moves neither weights nor version).
+    used_by_node = _used_by_node(ledger)
+    assert all(used_by_node.get(n, 0) > 0 for n in ("node-0", "node-1", "node-2")), used_by_node
     versions = _first_version_by_node(ledger)
-    assert versions["node-1"] > 0 and versions["node-2"] > versions["node-1"], versions
+    assert versions["node-1"] > 0 and versions["node-2"] >= versions["node-1"], versions
     _books_balance(ledger)
 
 
@@ -150,10 +152,10 @@ def _records(ledger: Ledger) -> list[dict]:
     return pipe.execute()
 
 
-def _trained_by_node(ledger: Ledger) -> dict[str, int]:
+def _used_by_node(ledger: Ledger) -> dict[str, int]:
     out: dict[str, int] = {}
     for record in _records(ledger):
-        if record.get("state") == "trained":
+        if record.get("state") in ("trained", "dropped:no_gradient"):
             out[record["node"]] = out.get(record["node"], 0) + 1
     return out
 

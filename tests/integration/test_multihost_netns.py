@@ -238,7 +238,10 @@ def test_learner_nodes_and_redis_on_separate_hosts_with_curve(hosts, tmp_path, t
     )
 
     # the run trains across hosts and its books balance
-    assert [r["step"] for r in records] == list(range(1, STEPS + 1)) and ledger["version"] == STEPS
+    # a step without a gradient (every group's reward equal) moves no version: the books say the same
+    skipped = sum(int(r.get("skipped", 0)) for r in records)
+    assert [r["step"] for r in records] == list(range(1, STEPS + 1))
+    assert ledger["version"] == records[-1]["version"] == STEPS - skipped
     assert ledger["errors"] == [] and ledger["in_flight"] == 0 and ledger["trained"] > 0
     assert ledger["total"] == ledger["trained"] + ledger["dropped"]
     # every case of the probe was refused, and counted
@@ -258,7 +261,7 @@ def test_learner_nodes_and_redis_on_separate_hosts_with_curve(hosts, tmp_path, t
     # ... and changed nothing: node-0 kept its sequence and its weights, and nothing was lost to a gap
     assert last["duplicates"] == 0 and last["gaps"] == 0 and last["nodes"] == 2
     assert last["node/node-0/applied_version"] > before.get("node/node-0/applied_version", 0)
-    assert last["node/node-0/applied_version"] >= STEPS - 2  # pushes are asynchronous: a version or two in flight
+    assert last["node/node-0/applied_version"] >= ledger["version"] - 2  # asynchronous pushes: a version or two in flight
     logs = [p for p in run_dir.rglob("*") if p.is_file() and p.suffix in (".out", ".log", ".jsonl")]
     password = url.split(":")[2].split("@")[0]
     assert logs and not [str(p) for p in logs if password.encode() in p.read_bytes()], "the Redis password was logged"
