@@ -76,6 +76,33 @@ class StallAlarm:
         )
 
 
+class RewardFailingError(LearnerStalledError):
+    """The reward failed on nearly every sample of a window: nothing can be trained, stop now."""
+
+
+class RewardWatch:
+    """Stops a run whose reward fails on nearly every sample, long before the stall alarm would:
+    at least `share` of the last `window` samples received (2 steps' worth of groups) came without a
+    reward. A reward that fails now and then is counted (`reward_error` drops) and the run goes on."""
+
+    def __init__(self, window: int, share: float = 0.95):
+        self.window, self.share = window, share
+        self.failed: collections.deque[bool] = collections.deque(maxlen=window)
+        self.first_error = ""
+
+    def add(self, batch: list[Trajectory]) -> None:
+        for traj in batch:
+            self.failed.append(traj.reward is None)
+            if traj.reward is None and not self.first_error:
+                self.first_error = traj.reward_error or "no error given by the node"
+        failed = sum(self.failed)
+        if len(self.failed) == self.window and failed >= self.share * self.window:
+            raise RewardFailingError(
+                f"the reward failed on {failed} of the last {self.window} samples (2 steps' worth of groups), so "
+                f"nothing can be trained; its first error: {self.first_error}"
+            )
+
+
 @dataclasses.dataclass
 class _Group:
     first_seen: float
@@ -98,8 +125,10 @@ class Intake:
         max_staleness: int,
         alarm: StallAlarm,
         order_patience_s: float = GROUP_PATIENCE_S,
+        rewards: RewardWatch | None = None,
     ):
         self.receiver, self.ledger, self.max_staleness, self.alarm = receiver, ledger, max_staleness, alarm
+        self.rewards = rewards
         self.order_patience_s = order_patience_s
         self.groups: dict[str, _Group] = {}
         self.counters = collections.Counter()
@@ -165,6 +194,8 @@ class Intake:
                 group.fresh.append(traj)
             else:
                 group.resolved += 1
+        if self.rewards is not None:  # once the batch is held here: a stop resolves what it holds
+            self.rewards.add(batch)
 
     def _take_ready(self, n_groups: int, version: int, holding: set[str]) -> list[list[Trajectory]] | None:
         now = time.monotonic()

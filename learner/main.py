@@ -22,7 +22,7 @@ from streamrl.engine.ledger import LedgerUnavailableError
 from streamrl.engine.models import default_tiny_model, load_model
 from streamrl.engine.telemetry import setup_logging
 from streamrl.learner import checkpoint, parallel
-from streamrl.learner.intake import LearnerStalledError
+from streamrl.learner.intake import LearnerStalledError, RewardFailingError
 from streamrl.learner.orchestrator import Orchestrator
 from streamrl.learner.reference import build_reference
 from streamrl.learner.train_step import Trainer
@@ -82,6 +82,9 @@ def run_learner(cfg: Config, resume: str = "") -> int:
         ending.update(reason="run finished", finished=True)
     except LedgerUnavailableError:
         ending.update(reason="the ledger (Redis) is unreachable", ledger_reachable=False)
+        raise
+    except RewardFailingError:
+        ending.update(reason="the reward fails on (nearly) every sample")
         raise
     except LearnerStalledError:
         ending.update(reason="nothing was trained for learner.stall_stop_s")
@@ -159,8 +162,8 @@ def _terminate_gracefully(signum, frame):
 
 def main(cfg: Config, resume: str = "") -> int:
     """The learner process: the exit status (2 for a config or checkpoint error, 3 when nothing was
-    trained for `learner.stall_stop_s`, 4 when the ledger's Redis stayed unreachable past
-    `ledger.retry_s`, 130 on a signal)."""
+    trained for `learner.stall_stop_s` or the reward failed on nearly every sample of 2 steps, 4 when
+    the ledger's Redis stayed unreachable past `ledger.retry_s`, 130 on a signal)."""
     try:
         check_config(cfg)
     except ConfigError as e:
@@ -175,6 +178,9 @@ def main(cfg: Config, resume: str = "") -> int:
     except (ConfigError, checkpoint.CheckpointError) as e:
         log.error("%s", e)
         return 2
+    except RewardFailingError as e:
+        log.error("the run stops: %s", e)
+        return 3
     except LearnerStalledError as e:
         log.error("the run stalled: %s", e)
         return 3

@@ -236,6 +236,7 @@ class RolloutNode:
             completion_ids=ep.completion_ids,
             behavior_logprobs=ep.logprobs,
             reward=ep.reward,
+            reward_error=self._reward_error() if ep.reward is None else "",
             policy_version=ep.versions[0],
             token_versions=ep.versions if len(set(ep.versions)) > 1 else [],
             finish_reason=ep.finish_reason,
@@ -269,7 +270,12 @@ class RolloutNode:
             finish_reason=c.finish_reason,
             group_size=self.cfg.rollout.group_size,
             timings=timings,
+            reward_error=self._reward_error() if reward is None else "",
         )
+
+    def _reward_error(self) -> str:
+        """Why a reward is None: the scorer's first failure (a test's scorer may not keep one)."""
+        return getattr(self.scorer, "first_error", "") or "a reward returned None"
 
     async def _send(self, trajectories: list[Trajectory]) -> None:
         """Send in the one sender thread (ZMQ sockets are not thread-safe); a blocked send is backpressure."""

@@ -40,8 +40,8 @@ def test_a_single_turn_frame_is_unchanged_by_the_new_field():
         completion_ids=[10, 11], behavior_logprobs=[-0.5, -0.25], token_versions=[], loss_mask=[], policy_version=3
     )
     fields = msgspec.to_builtins(single)
-    assert fields[-1] == []  # the mask is the last field: a frame from before it decodes with the default
-    old_frame = msgspec.msgpack.encode(fields[:-1])
+    assert fields[-2:] == [[], ""]  # the mask, then reward_error, last: a frame from before them decodes with defaults
+    old_frame = msgspec.msgpack.encode(fields[:-2])
     assert m.decode_trajectory(old_frame) == single and single.model_tokens == 2
 
 
