@@ -21,6 +21,7 @@ from collections.abc import Callable
 
 from streamrl.engine.ledger import Counts, Ledger, is_stale
 from streamrl.engine.messages import Trajectory
+from streamrl.learner.overdue import OverdueGroups
 from streamrl.engine.transport import TrajectoryReceiver
 
 log = logging.getLogger("streamrl.learner")
@@ -126,9 +127,10 @@ class Intake:
         alarm: StallAlarm,
         order_patience_s: float = GROUP_PATIENCE_S,
         rewards: RewardWatch | None = None,
+        overdue: OverdueGroups | None = None,
     ):
         self.receiver, self.ledger, self.max_staleness, self.alarm = receiver, ledger, max_staleness, alarm
-        self.rewards = rewards
+        self.rewards, self.overdue = rewards, overdue
         self.order_patience_s = order_patience_s
         self.groups: dict[str, _Group] = {}
         self.counters = collections.Counter()
@@ -194,6 +196,8 @@ class Intake:
                 group.fresh.append(traj)
             else:
                 group.resolved += 1
+        if self.overdue is not None:
+            self.overdue.measure(batch)
         if self.rewards is not None:  # once the batch is held here: a stop resolves what it holds
             self.rewards.add(batch)
 
@@ -227,11 +231,15 @@ class Intake:
         newer group that finished sooner must not take an older one's place: the older one would miss its
         step and go stale. The learner waits for an oldest group of which nothing has arrived yet (it is
         being generated, or its members are arriving), at most `order_patience_s` (a node that died holding
-        it is reaped by then); a group partly here for longer is not waited for (its node died mid-send:
+        it is reaped by then), less once the node holding it fell silent (`overdue.py`); a group partly here for longer is not waited for (its node died mid-send:
         the group patience covers it). What is ready among the oldest goes first, then the oldest weights."""
         oldest = [g for g in self.ledger.oldest_open_groups(n_groups + len(holding)) if g not in holding]
         ready = set(usable)
         in_flight = [g for g in oldest if g not in self.groups or self._arriving(self.groups[g], now)]
+        if in_flight and self.overdue is not None:  # a silent node's group past its deadline: not waited for
+            given_up = self.overdue.give_up([g for g in in_flight if g not in self.groups], now)
+            self.counters.update(overdue=sum(given_up.values()))
+            in_flight = [g for g in in_flight if g not in given_up]
         if in_flight:
             if self._order_wait_since is None:
                 self._order_wait_since = now

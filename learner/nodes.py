@@ -191,6 +191,11 @@ class NodeRegistry(threading.Thread):
         except queue.Empty:
             return None
 
+    def silent_s(self, node_id: str) -> float:
+        """Seconds since the node was last heard (registration or heartbeat); inf when not registered."""
+        info = self.nodes.get(node_id)
+        return time.time() - info.last_seen if info is not None else float("inf")
+
     def location(self, node_id: str) -> Location | None:
         """Where the node said it runs (None once it left)."""
         info = self.nodes.get(node_id)

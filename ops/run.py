@@ -207,4 +207,4 @@ def _books(launcher: Launcher, board: Board, cfg: Config, console: Console) -> i
         return 0
     from streamrl.ops.status import status_command
 
-    return status_command(cfg.run.name, launcher.ledger_url, console=console)
+    return status_command(cfg.run.name, launcher.ledger_url, console=console, run_dir=launcher.run_dir)

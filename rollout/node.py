@@ -312,12 +312,13 @@ class RolloutNode:
 
     async def _drain(self, grace_s: float) -> None:
         """Wait for in-flight groups: all of them at a normal end, `grace_s` once stopping."""
-        tasks = list(self.in_flight.values())
-        if not tasks:
+        groups = {task: group_id for group_id, task in self.in_flight.items()}  # a done task leaves in_flight
+        if not groups:
             return
-        _, pending = await asyncio.wait(tasks, timeout=grace_s if self._stopping.is_set() else None)
+        _, pending = await asyncio.wait(list(groups), timeout=grace_s if self._stopping.is_set() else None)
         for task in pending:
             task.cancel()
         if pending:
             await asyncio.wait(pending, timeout=grace_s)
-            log.warning("node %s abandoned %d groups: %s", self.node_id, len(pending), self.stats.abandoned)
+            cut = sorted(groups[task] for task in pending)
+            log.warning("node %s abandoned %d groups: %s", self.node_id, len(pending), cut)
