@@ -21,8 +21,8 @@ from collections.abc import Callable
 
 from streamrl.engine.ledger import Counts, Ledger, is_stale
 from streamrl.engine.messages import Trajectory
-from streamrl.learner.overdue import OverdueGroups
 from streamrl.engine.transport import TrajectoryReceiver
+from streamrl.learner.overdue import OverdueGroups
 
 log = logging.getLogger("streamrl.learner")
 
@@ -231,8 +231,9 @@ class Intake:
         newer group that finished sooner must not take an older one's place: the older one would miss its
         step and go stale. The learner waits for an oldest group of which nothing has arrived yet (it is
         being generated, or its members are arriving), at most `order_patience_s` (a node that died holding
-        it is reaped by then), less once the node holding it fell silent (`overdue.py`); a group partly here for longer is not waited for (its node died mid-send:
-        the group patience covers it). What is ready among the oldest goes first, then the oldest weights."""
+        it is reaped by then), less once the node holding it fell silent (`overdue.py`); a group partly here
+        for longer is not waited for (its node died mid-send: the group patience covers it). What is ready
+        among the oldest goes first, then the oldest weights."""
         oldest = [g for g in self.ledger.oldest_open_groups(n_groups + len(holding)) if g not in holding]
         ready = set(usable)
         in_flight = [g for g in oldest if g not in self.groups or self._arriving(self.groups[g], now)]

@@ -37,8 +37,8 @@ from streamrl.engine.telemetry import MetricsSink
 from streamrl.engine.transport import REFUSALS, TrajectoryReceiver, bind_address
 from streamrl.learner.batching import StepBatch, pack_for_ranks, sequence_cost
 from streamrl.learner.intake import Intake, RewardWatch, StallAlarm
-from streamrl.learner.overdue import OverdueGroups
 from streamrl.learner.nodes import NodeRegistry
+from streamrl.learner.overdue import OverdueGroups
 from streamrl.learner.publisher import Publisher
 from streamrl.learner.selection import Selection, select, warn_unfilled
 from streamrl.rewards.stats import batch_stats, warn_if_flat
