@@ -27,9 +27,9 @@ import uuid
 from streamrl.engine.config import LoraConfig, ModelConfig, RolloutConfig
 from streamrl.engine.lora import engine_rank
 from streamrl.engine.messages import WeightsReady
+from streamrl.engine.workers.lifeline import children_die_with_me
 from streamrl.rollout.backends.protocol import BackendClock, Completion
 from streamrl.rollout.backends.vllm_support import check_servable
-from streamrl.rollout.lifeline import children_die_with_me
 
 log = logging.getLogger(__name__)
 
