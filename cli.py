@@ -104,7 +104,7 @@ def make_tiny_model(
     path: Annotated[pathlib.Path, typer.Argument(help="Folder to write the model and tokenizer to.")],
     seed: Annotated[int, typer.Option(help="Init and tokenizer seed; same seed, same bytes.")] = 0,
     shape: Annotated[
-        str, typer.Option(help="Model body: tiny, or 0.5b (Qwen2-0.5B's layers, the tiny vocabulary).")
+        str, typer.Option(help="Model body from engine/models.py's SHAPES, e.g. tiny, or 0.5b (Qwen2-0.5B's layers).")
     ] = "tiny",
 ) -> None:
     """Write a random-init Qwen2 with a BPE tokenizer (for tests, first runs and GPU benchmarks; no hub needed)."""
@@ -294,30 +294,42 @@ def export(
     typer.echo(f"exported to {folder}")
 
 
-BENCHMARKS = (
-    "pipeline",
-    "elastic_run",
-    "rollout_throughput",
-    "learner_step",
-    "weight_transfer",
-    "ledger_ops",
-    "rewards_pool",
-    "checkpoint",
-    "ppo_kl",
-)
+def benchmarks() -> list[str]:
+    """What `bench/` holds: every module there is a benchmark (its `__main__` prints JSON lines)."""
+    folder = pathlib.Path(__file__).parent / "bench"
+    return sorted(p.stem for p in folder.glob("*.py") if not p.stem.startswith("_"))
 
 
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
-def bench(ctx: typer.Context, name: Annotated[str, typer.Argument(help=f"One of: {', '.join(BENCHMARKS)}.")]) -> None:
+def bench(ctx: typer.Context, name: Annotated[str, typer.Argument(help="A module of bench/, e.g. pipeline.")]) -> None:
     """Run a benchmark; it prints one JSON line per figure (extra arguments go to the benchmark)."""
     import runpy
     import sys
 
-    if name not in BENCHMARKS:
-        typer.secho(f"error: unknown benchmark {name!r}; choose one of {', '.join(BENCHMARKS)}", fg="red", err=True)
+    known = benchmarks()
+    if name not in known:
+        typer.secho(f"error: unknown benchmark {name!r}; choose one of {', '.join(known)}", fg="red", err=True)
         raise typer.Exit(2)
     sys.argv = [f"streamrl bench {name}", *ctx.args]
     runpy.run_module(f"streamrl.bench.{name}", run_name="__main__")
+
+
+@app.command("reasoning-gym")
+def reasoning_gym(
+    name: Annotated[str, typer.Argument(help="Task name, e.g. basic_arithmetic.")],
+    out: Annotated[pathlib.Path, typer.Option(help="The .jsonl file to write.")],
+    size: Annotated[int, typer.Option(min=1, help="Rows.")] = 1000,
+    seed: Annotated[int, typer.Option(help="The task generator's seed.")] = 0,
+) -> None:
+    """Write a reasoning-gym task as jsonl prompt rows for data.path (needs the reasoning-gym package)."""
+    from streamrl.rollout.envs.reasoning_gym import write_rows
+
+    try:
+        count = write_rows(name, size, seed, out)
+    except (ImportError, ValueError) as e:
+        typer.secho(f"error: {e}", fg="red", err=True)
+        raise typer.Exit(2) from None
+    typer.echo(f"{count} rows written to {out}")
 
 
 @app.command()

@@ -22,24 +22,13 @@ import torch
 
 from streamrl.engine.config import LearnerConfig, LossConfig
 from streamrl.engine.messages import Trajectory
-from streamrl.engine.models import tiny_config
+from streamrl.engine.models import SHAPES, tiny_config
 from streamrl.learner import checkpoint, parallel
 from streamrl.learner.batching import pack
 from streamrl.learner.train_step import Trainer
 from streamrl.ops.export import export_checkpoint
 
-MODELS = {
-    "tiny": dict(vocab_size=512),
-    "40M": dict(
-        hidden_size=512,
-        intermediate_size=1536,
-        num_hidden_layers=8,
-        num_attention_heads=8,
-        num_key_value_heads=4,
-        head_dim=64,
-        vocab_size=32000,
-    ),
-}
+MODELS = {"tiny": dict(vocab_size=512), "40M": dict(vocab_size=32000, **SHAPES["medium-kv4"])}
 
 
 def trained_trainer(name: str) -> Trainer:

@@ -50,22 +50,17 @@ def qwen2_05b_config(**overrides):
     return Qwen2Config(**fields)
 
 
-TINY = dict(
-    vocab_size=4096,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-)
+def _tiny() -> dict:
+    from streamrl.engine.models import SHAPES
+
+    return dict(vocab_size=4096, **SHAPES["tiny-4h"])
 
 
 def make_model(device, dtype, attn="sdpa", shape="0.5b", vocab: int = 0):
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
-    config = qwen2_05b_config(**{**(TINY if shape == "tiny" else {}), **({"vocab_size": vocab} if vocab else {})})
+    config = qwen2_05b_config(**{**(_tiny() if shape == "tiny" else {}), **({"vocab_size": vocab} if vocab else {})})
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn)
     return model, sum(p.numel() for p in model.parameters())

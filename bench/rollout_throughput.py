@@ -31,26 +31,6 @@ import time
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 
-SIZES = {  # Qwen2 shapes for make_tiny_model
-    "tiny": {},
-    "small": dict(
-        hidden_size=256,
-        intermediate_size=768,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=64,
-    ),
-    "medium": dict(
-        hidden_size=512,
-        intermediate_size=1536,
-        num_hidden_layers=8,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        head_dim=64,
-    ),
-}
-
 
 def _prompts(count: int, vocab: int, seed: int = 0) -> list[list[int]]:
     rng = random.Random(seed)
@@ -112,7 +92,7 @@ def _parse() -> argparse.Namespace:
         help="per-group max_tokens drawn from [min, max] (RL completions vary in length); "
         "0: all groups get --max-tokens",
     )
-    parser.add_argument("--size", choices=sorted(SIZES), default="small")
+    parser.add_argument("--size", choices=("medium", "small", "tiny"), default="small")  # engine.models.SHAPES
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--repeats", type=int, default=2, help="timed passes per backend (best is reported)")
     parser.add_argument("--model", default="", help="model folder (default: a random-init Qwen2 of --size)")
@@ -161,10 +141,10 @@ def main() -> None:
     if args.only:
         print(json.dumps(asyncio.run(_run_backend(args.only, args.model, args))), flush=True)
         return
-    from streamrl.engine.models import make_tiny_model
+    from streamrl.engine.models import SHAPES, make_tiny_model
 
     with tempfile.TemporaryDirectory() as tmp:
-        model = args.model or str(make_tiny_model(os.path.join(tmp, "model"), seed=0, **SIZES[args.size]))
+        model = args.model or str(make_tiny_model(os.path.join(tmp, "model"), seed=0, **SHAPES[args.size]))
         shape = dict(
             model=args.model or f"random-qwen2-{args.size}",
             prompts=args.prompts,

@@ -35,6 +35,7 @@ import msgspec
 import torch
 
 from streamrl.engine import messages
+from streamrl.engine.models import SHAPES, tiny_config
 from streamrl.engine.weights import (
     IpcSender,
     Stager,
@@ -48,13 +49,28 @@ from streamrl.engine.weights import (
 )
 from streamrl.engine.weights.layout import BufferPool, PackedBuckets
 
-SHAPES = {
-    "tiny": dict(hidden=64, inter=128, layers=2, heads=2, kv_heads=1, head_dim=32, vocab=512, tied=True),
-    "qwen2-0.5b": dict(hidden=896, inter=4864, layers=24, heads=14, kv_heads=2, head_dim=64, vocab=151936, tied=True),
-    # the body of examples/gpu.toml's model (`streamrl make-tiny-model --shape 0.5b`): the tiny vocabulary
-    "qwen2-0.5b-v512": dict(hidden=896, inter=4864, layers=24, heads=14, kv_heads=2, head_dim=64, vocab=512, tied=True),
-    "qwen2-7b": dict(hidden=3584, inter=18944, layers=28, heads=28, kv_heads=4, head_dim=128, vocab=152064, tied=False),
+# Benchmark name -> (engine.models.SHAPES body, vocabulary).
+MODELS = {
+    "tiny": ("tiny", 512),
+    "qwen2-0.5b": ("0.5b", 151936),
+    "qwen2-0.5b-v512": ("0.5b", 512),  # the body of examples/gpu.toml's model (`make-tiny-model --shape 0.5b`)
+    "qwen2-7b": ("7b", 152064),
 }
+
+
+def model_shape(name: str) -> dict:
+    body, vocab = MODELS[name]
+    c = tiny_config(vocab, **SHAPES[body])
+    return dict(
+        hidden=c.hidden_size,
+        inter=c.intermediate_size,
+        layers=c.num_hidden_layers,
+        heads=c.num_attention_heads,
+        kv_heads=c.num_key_value_heads,
+        head_dim=c.head_dim,
+        vocab=vocab,
+        tied=c.tie_word_embeddings,
+    )
 
 
 def _fill(name: str) -> float:
@@ -199,13 +215,10 @@ class Bench:
 
 
 def bench_shape(args, bench: Bench, name: str) -> None:
-    sd = qwen2_state_dict(SHAPES[name], torch.bfloat16, args.device)
-    check = {
-        k: _fill(k if not (SHAPES[name]["tied"] and k == "lm_head.weight") else "model.embed_tokens.weight") for k in sd
-    }
-    nbytes = sum(
-        t.numel() * t.element_size() for k, t in sd.items() if not (SHAPES[name]["tied"] and k == "lm_head.weight")
-    )
+    shape = model_shape(name)
+    sd = qwen2_state_dict(shape, torch.bfloat16, args.device)
+    check = {k: _fill(k if not (shape["tied"] and k == "lm_head.weight") else "model.embed_tokens.weight") for k in sd}
+    nbytes = sum(t.numel() * t.element_size() for k, t in sd.items() if not (shape["tied"] and k == "lm_head.weight"))
     flat = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=args.device)
     for bucket_mb in args.bucket_mb:
         specs = plan_buckets(sd, int(bucket_mb * 2**20))
@@ -274,8 +287,8 @@ def _pack_foreach(packed: PackedBuckets, sd: dict) -> None:
 def bench_shared(args, bench: Bench, sender: IpcSender, name: str) -> None:
     """The shared path (`cuda_ipc` on one GPU, `shm` on CPU): the learner packs into one of two buffer
     sets (as the publisher cycles them) and the node copies out of it, against a plain copy_ of the bytes."""
-    sd = qwen2_state_dict(SHAPES[name], torch.bfloat16, args.device)
-    tied = SHAPES[name]["tied"]
+    sd = qwen2_state_dict(model_shape(name), torch.bfloat16, args.device)
+    tied = model_shape(name)["tied"]
     check = {k: _fill("model.embed_tokens.weight" if tied and k == "lm_head.weight" else k) for k in sd}
     nbytes = sum(t.numel() * t.element_size() for k, t in sd.items() if not (tied and k == "lm_head.weight"))
     src, dst = (torch.empty(nbytes // 2, dtype=torch.bfloat16, device=args.device) for _ in range(2))
@@ -337,7 +350,7 @@ def main() -> None:
     parser.add_argument("--device", default="cuda:0" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--receiver-device", default=None)
     parser.add_argument("--backend", default="auto")
-    parser.add_argument("--shapes", nargs="+", default=["qwen2-0.5b", "qwen2-7b"], choices=sorted(SHAPES))
+    parser.add_argument("--shapes", nargs="+", default=["qwen2-0.5b", "qwen2-7b"], choices=sorted(MODELS))
     parser.add_argument("--bucket-mb", nargs="+", type=float, default=[256.0, 1024.0])
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--iters", type=int, default=5)

@@ -214,16 +214,58 @@ def tiny_config(vocab_size: int, **overrides):
     return Qwen2Config(**fields)
 
 
-# Bodies for `make_tiny_model(..., **SHAPES[name])`: the tiny default, or Qwen2-0.5B's (with the tiny vocabulary).
+# The one table of model bodies, as Qwen2Config fields over `tiny_config`'s defaults (the vocabulary is the
+# caller's: `make_tiny_model(..., **SHAPES[name])` takes the tokenizer's). The CLI's --shape and bench/ use it.
 SHAPES: dict[str, dict] = {
-    "tiny": {},
-    "0.5b": dict(
+    "tiny": {},  # hidden 64, intermediate 128, 2 layers, 2 heads, 1 kv head, head_dim 32, tied
+    "tiny-4h": dict(  # the learner-step bench's CPU shape: four query heads of 16
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+    ),
+    "small": dict(
+        hidden_size=256,
+        intermediate_size=768,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+    ),
+    "medium": dict(
+        hidden_size=512,
+        intermediate_size=1536,
+        num_hidden_layers=8,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=64,
+    ),
+    "medium-kv4": dict(
+        hidden_size=512,
+        intermediate_size=1536,
+        num_hidden_layers=8,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=64,
+    ),
+    "0.5b": dict(  # Qwen2-0.5B's layers (its own vocabulary is 151936)
         hidden_size=896,
         intermediate_size=4864,
         num_hidden_layers=24,
         num_attention_heads=14,
         num_key_value_heads=2,
         head_dim=64,
+    ),
+    "7b": dict(  # Qwen2-7B's layers (its own vocabulary is 152064)
+        hidden_size=3584,
+        intermediate_size=18944,
+        num_hidden_layers=28,
+        num_attention_heads=28,
+        num_key_value_heads=4,
+        head_dim=128,
+        tie_word_embeddings=False,
     ),
 }
 

@@ -12,7 +12,6 @@ with an error that names the URL, password redacted.
 
 from __future__ import annotations
 
-import ctypes
 import importlib.util
 import os
 import pathlib
@@ -21,13 +20,14 @@ import shutil
 import signal
 import socket
 import subprocess
-import sys
 import time
 import urllib.parse
 
 import redis
 from redis.backoff import ExponentialBackoff, NoBackoff
 from redis.retry import Retry
+
+from streamrl.engine.workers import lifeline
 
 
 class RedisUnavailableError(RuntimeError):
@@ -138,12 +138,6 @@ def connect(url: str, retries: int = 5, backoff_s: float = 0.2, timeout_s: float
     )
 
 
-def _die_with_parent() -> None:
-    """In the child before exec: get SIGTERM when the parent dies, so a crashed test leaves no server."""
-    if sys.platform.startswith("linux"):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-
-
 class RedisServer:
     """A `redis-server` child on 127.0.0.1, its data and log in `dir`; a context manager.
 
@@ -240,7 +234,7 @@ class RedisServer:
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
             start_new_session=True,
-            preexec_fn=_die_with_parent,
+            preexec_fn=lifeline.exec_dies_with_me,  # SIGTERM once we are gone: a crashed test leaves no server
         )
 
     def _wait_ready(self) -> None:

@@ -3,14 +3,12 @@
 `RewardPool.run` splits a batch into one chunk per worker for each pool-run reward, sends the
 chunks to idle workers and waits on their pipes. A call past `reward.timeout_s` has its worker
 killed and replaced and its samples get None (counted as timeouts); a worker that dies mid-call
-gives None (counted as errors). Workers start with forkserver or spawn, never fork: the rollout
-process holds vLLM's threads.
+gives None (counted as errors). The processes themselves: `engine/workers/`.
 """
 
 from __future__ import annotations
 
 import collections
-import multiprocessing as mp
 import time
 from multiprocessing.connection import wait
 
@@ -18,6 +16,7 @@ import msgspec
 
 from streamrl.engine.config import RewardConfig
 from streamrl.engine.messages import RewardCall, RewardReady, RewardStop
+from streamrl.engine.workers.parent import WorkerProcess, context, stop_workers
 
 from . import worker as worker_module
 from .call import Batch, CallOutcome
@@ -30,23 +29,12 @@ class RewardPoolError(RuntimeError):
     """The pool cannot serve: workers fail to start. The message says why."""
 
 
-class _Worker:
+class _Worker(WorkerProcess):
     def __init__(self, ctx, cfg_bytes: bytes, specs: list[str]):
-        self.conn, child = ctx.Pipe(duplex=True)
-        self.proc = ctx.Process(
-            target=worker_module.main, args=(child, cfg_bytes, specs), name="streamrl-reward", daemon=True
-        )
-        self.proc.start()
-        child.close()  # so a dead worker shows as EOF on our end
-        self.started = time.monotonic()
+        super().__init__(ctx, worker_module.main, (cfg_bytes, specs), "streamrl-reward")
         self.ready = False
         self.task: int | None = None  # index into the current run's tasks
         self.deadline = 0.0
-
-    def kill(self) -> None:
-        self.proc.kill()
-        self.proc.join(timeout=5)
-        self.conn.close()
 
 
 class RewardPool:
@@ -60,9 +48,7 @@ class RewardPool:
         self.restarts = 0
         self._boot_failures = 0
         self._cfg_bytes = msgspec.msgpack.encode(cfg)
-        self._ctx = mp.get_context(cfg.start_method)
-        if cfg.start_method == "forkserver":
-            self._ctx.set_forkserver_preload(["streamrl.rewards.worker"])
+        self._ctx = context(cfg.start_method, "streamrl.rewards.worker")
         self._next_call = 0
         self.workers = [self._spawn() for _ in range(cfg.workers)]
 
@@ -201,17 +187,4 @@ class RewardPool:
     def close(self) -> None:
         """Stop every worker: ask, then terminate, then kill, each with a bounded wait."""
         workers, self.workers = self.workers, []
-        for w in workers:
-            try:
-                w.conn.send_bytes(worker_module.encode_call(RewardStop()))
-            except (OSError, ValueError):
-                pass
-        for w in workers:
-            w.proc.join(timeout=2)
-            if w.proc.is_alive():
-                w.proc.terminate()
-                w.proc.join(timeout=2)
-            if w.proc.is_alive():
-                w.kill()
-            elif not w.conn.closed:
-                w.conn.close()
+        stop_workers(workers, worker_module.encode_call(RewardStop()))

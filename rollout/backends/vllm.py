@@ -21,9 +21,9 @@ import uuid
 
 from streamrl.engine.config import ModelConfig, RolloutConfig
 from streamrl.engine.messages import WeightsReady
+from streamrl.engine.workers.lifeline import children_die_with_me
 from streamrl.rollout.backends.protocol import BackendClock, Completion
 from streamrl.rollout.backends.vllm_support import check_servable
-from streamrl.rollout.lifeline import children_die_with_me
 
 log = logging.getLogger(__name__)
 

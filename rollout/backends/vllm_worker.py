@@ -27,7 +27,7 @@ import torch
 from streamrl.engine import messages
 from streamrl.engine.messages import WeightsReady
 from streamrl.engine.weights import Staged, Stager, WeightTransferError
-from streamrl.rollout import lifeline
+from streamrl.engine.workers import lifeline
 
 WORKER_EXTENSION = "streamrl.rollout.backends.vllm_worker.WeightReceiverExtension"
 STATUS_POLL_S = 0.005

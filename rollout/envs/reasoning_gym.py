@@ -2,8 +2,8 @@
 
 - `rows("reasoning_gym:NAME[:SIZE[:SEED]]")`: the rows of one task, each
   `{"messages": [system, user], "prompt", "answer", "rg_task": [NAME, SIZE, SEED, INDEX]}`; the
-  system prompt is reasoning-gym's default (answer inside `<answer>...</answer>`). `python -m
-  streamrl.rollout.envs.reasoning_gym NAME --size N --out rows.jsonl` writes them for `data.path`.
+  system prompt is reasoning-gym's default (answer inside `<answer>...</answer>`). `streamrl
+  reasoning-gym NAME --size N --out rows.jsonl` writes them for `data.path` (`write_rows`).
 - `score`: a reward function (`reward.functions = ["streamrl.rollout.envs.reasoning_gym:score"]`).
 - `ReasoningGymEnv` (`env.name = "reasoning_gym"`): the same score as an environment, with
   `attempts > 1` turning a wrong answer into feedback and another try (the last try's score counts).
@@ -15,10 +15,9 @@ then score their own reference answer 0.05. Needs the `reasoning-gym` package.
 
 from __future__ import annotations
 
-import argparse
 import functools
 import json
-import sys
+import os
 
 DEFAULT_SIZE = 1000
 
@@ -105,18 +104,10 @@ class ReasoningGymEnv:
         return self.feedback, 0.0, False
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="Write a reasoning-gym task as jsonl rows for data.path")
-    parser.add_argument("name", help="task name, e.g. basic_arithmetic")
-    parser.add_argument("--size", type=int, default=DEFAULT_SIZE)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", required=True, help="the .jsonl file to write")
-    args = parser.parse_args(argv)
-    with open(args.out, "w") as f:
-        for row in rows(f"reasoning_gym:{args.name}:{args.size}:{args.seed}"):
+def write_rows(name: str, size: int, seed: int, out: str | os.PathLike) -> int:
+    """The task's rows as a jsonl prompt file at `out`; returns how many."""
+    written = rows(f"reasoning_gym:{name}:{size}:{seed}")
+    with open(out, "w") as f:
+        for row in written:
             f.write(json.dumps(row) + "\n")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    return len(written)

@@ -10,16 +10,12 @@ from __future__ import annotations
 
 import inspect
 import json
-import multiprocessing
-import os
-import signal
-import threading
-import traceback
 from collections.abc import Callable
 
 import msgspec
 
 from streamrl.engine.messages import ToolCall, ToolFromWorker, ToolReady, ToolResult, ToolSchema, ToolStop, ToolToWorker
+from streamrl.engine.workers.child import serve
 from streamrl.rollout.envs.protocol import load_object
 
 BUILTIN_TOOLS = {"calculator": "streamrl.rollout.envs.calculator:calculator"}
@@ -64,24 +60,13 @@ def _base(hint):
 
 
 def main(conn, specs: list[str]) -> None:
-    """Entry point of a worker; `conn` is its end of the pipe to the pool."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group; the parent stops us
-    _die_with_parent()
-    try:
+    """Entry point of a worker; `conn` is its end of the pipe to the pool (`engine/workers/child.py`)."""
+
+    def setup():
         tools = load_tools(specs)
-        schemas = [schema(fn) for fn in tools.values()]
-    except Exception:
-        conn.send_bytes(_encoder.encode(ToolReady(pid=os.getpid(), error=traceback.format_exc())))
-        return
-    conn.send_bytes(_encoder.encode(ToolReady(pid=os.getpid(), tools=schemas)))
-    while True:
-        try:
-            message = _to_worker.decode(conn.recv_bytes())
-        except (EOFError, OSError):
-            return  # the parent is gone
-        if isinstance(message, ToolStop):
-            return
-        conn.send_bytes(_encoder.encode(_serve(tools, message)))
+        return (lambda call: _serve(tools, call)), {"tools": [schema(fn) for fn in tools.values()]}
+
+    serve(conn, setup, ToolReady, _to_worker, ToolStop)
 
 
 def _serve(tools: dict[str, Callable], call: ToolCall) -> ToolResult:
@@ -94,19 +79,6 @@ def _serve(tools: dict[str, Callable], call: ToolCall) -> ToolResult:
         return ToolResult(call_id=call.call_id, error=f"{type(e).__name__}: {e}")
     text = out if isinstance(out, str) else json.dumps(out, default=str)
     return ToolResult(call_id=call.call_id, output=text)
-
-
-def _die_with_parent() -> None:
-    # A worker stuck in a hung tool never reads its pipe, so it would outlive a SIGKILLed parent.
-    parent = multiprocessing.parent_process()
-    if parent is None:
-        return
-
-    def watch() -> None:
-        parent.join()
-        os._exit(1)
-
-    threading.Thread(target=watch, name="tool-parent-watch", daemon=True).start()
 
 
 def encode(message: ToolCall | ToolStop) -> bytes:

@@ -3,9 +3,9 @@
 The rollout node holds one pool for all its episodes (`env.tools`, `env.tool_workers`); a tool
 environment gets it as its `toolbox` argument. A call waits for an idle worker, then has
 `env.tool_timeout_s`: past it the worker is killed and replaced, and the call returns a timeout
-the model reads as the tool's answer. Workers start with forkserver or spawn, never fork (the
-rollout process holds vLLM's threads). Why not rewards/pool.py: a reward returns numbers for a
-batch, synchronously; a tool returns text for one call, awaited among many episodes at once.
+the model reads as the tool's answer. The processes themselves: `engine/workers/`. Why not
+rewards/pool.py: a reward returns numbers for a batch, synchronously; a tool returns text for one
+call, awaited among many episodes at once.
 """
 
 from __future__ import annotations
@@ -13,12 +13,11 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import multiprocessing as mp
-import time
 
 import msgspec
 
 from streamrl.engine.messages import ToolCall, ToolReady, ToolStop
+from streamrl.engine.workers.parent import WorkerProcess, context, stop_workers
 from streamrl.rollout.envs import tool_worker
 
 log = logging.getLogger(__name__)
@@ -42,12 +41,9 @@ class ToolOutcome:
         return f"error: {self.error}" if self.error else self.output
 
 
-class _Worker:
+class _Worker(WorkerProcess):
     def __init__(self, ctx, specs: list[str]):
-        self.conn, child = ctx.Pipe(duplex=True)
-        self.proc = ctx.Process(target=tool_worker.main, args=(child, specs), name="streamrl-tool", daemon=True)
-        self.proc.start()
-        child.close()  # so a dead worker shows as EOF on our end
+        super().__init__(ctx, tool_worker.main, (specs,), "streamrl-tool")
 
     def ready(self, timeout_s: float) -> ToolReady:
         if not self.conn.poll(timeout_s):
@@ -63,11 +59,6 @@ class _Worker:
             raise ToolPoolError(f"a tool worker could not load its tools:\n{getattr(reply, 'error', reply)}")
         return reply
 
-    def kill(self) -> None:
-        self.proc.kill()
-        self.proc.join(timeout=5)
-        self.conn.close()
-
 
 class ToolPool:
     """`workers` processes serving the tools `specs` names (registered names, `module:fn`, `path.py:fn`)."""
@@ -77,9 +68,7 @@ class ToolPool:
             raise ValueError("a tool pool needs tools: set env.tools (e.g. ['calculator'])")
         self.specs, self.timeout_s = specs, timeout_s
         self.calls = self.timeouts = self.errors = self.restarts = 0
-        self._ctx = mp.get_context(start_method)
-        if start_method == "forkserver":
-            self._ctx.set_forkserver_preload(["streamrl.rollout.envs.tool_worker"])
+        self._ctx = context(start_method, "streamrl.rollout.envs.tool_worker")
         self._ids = 0
         self._workers = [_Worker(self._ctx, specs) for _ in range(workers)]
         try:
@@ -156,21 +145,7 @@ class ToolPool:
     def close(self) -> None:
         """Stop every worker: ask, then terminate, then kill, each with a bounded wait."""
         workers, self._workers = self._workers, []
-        for w in workers:
-            try:
-                w.conn.send_bytes(tool_worker.encode(ToolStop()))
-            except (OSError, ValueError):
-                pass
-        deadline = time.monotonic() + 2
-        for w in workers:
-            w.proc.join(timeout=max(0.0, deadline - time.monotonic()))
-            if w.proc.is_alive():
-                w.proc.terminate()
-                w.proc.join(timeout=2)
-            if w.proc.is_alive():
-                w.kill()
-            elif not w.conn.closed:
-                w.conn.close()
+        stop_workers(workers, tool_worker.encode(ToolStop()))
 
 
 async def _readable(conn, timeout_s: float) -> bool:

@@ -1,4 +1,4 @@
-"""rollout/lifeline.py with plain processes: a SIGKILLed parent's forked children, their children, and a
+"""engine/workers/lifeline.py with plain processes: a SIGKILLed parent's forked children, their children, and a
 spawned child that armed its own watch all die with it; without the watch they outlive it."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import pytest
 
 _PARENT = r"""
 import multiprocessing, sys, time
-from streamrl.rollout import lifeline
+from streamrl.engine.workers import lifeline
 
 def grandchild():
     time.sleep(120)

@@ -32,8 +32,8 @@ def make_engine(model: str):
     from vllm import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
 
+    from streamrl.engine.workers.lifeline import children_die_with_me
     from streamrl.rollout.backends.vllm_worker import WORKER_EXTENSION
-    from streamrl.rollout.lifeline import children_die_with_me
 
     children_die_with_me()  # as VLLMBackend does: a killed node must not leave its engine core behind
     args = AsyncEngineArgs(

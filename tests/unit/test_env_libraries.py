@@ -39,11 +39,14 @@ def test_reasoning_gym_rows_score_their_own_answers():
 
 def test_reasoning_gym_rows_are_a_prompt_file(tmp_path, tokenizer):
     pytest.importorskip("reasoning_gym")
-    from streamrl.rollout.envs.reasoning_gym import main
+    from typer.testing import CliRunner
+
+    from streamrl.cli import app
     from streamrl.rollout.sources import PromptSource
 
     out = tmp_path / "rows.jsonl"
-    assert main(["basic_arithmetic", "--size", "3", "--out", str(out)]) == 0
+    result = CliRunner().invoke(app, ["reasoning-gym", "basic_arithmetic", "--size", "3", "--out", str(out)])
+    assert result.exit_code == 0, result.output
     prompts = list(PromptSource(DataConfig(path=str(out), loop=False, max_prompt_tokens=4096), tokenizer))
     assert len(prompts) == 3 and all(p.row["rg_task"][0] == "basic_arithmetic" for p in prompts)
 

@@ -1,0 +1,84 @@
+"""The learner loop's handle on checkpoints: when it saves, exports and resumes."""
+
+from __future__ import annotations
+
+import logging
+import os
+import pathlib
+
+from torch import nn
+
+from streamrl.engine.config import CheckpointConfig
+from streamrl.learner import parallel
+from streamrl.learner.checkpoint.layout import LearnerState, check_writable, checkpoints_dir, estimate_bytes, resolve
+from streamrl.learner.checkpoint.store import _on_rank0_then_share, load, save, write_hf_files
+from streamrl.learner.export import export_state
+
+
+class Keeper:
+    """When the learner saves, exports and resumes (`checkpoint.every`, `export_every`, `--resume`).
+
+    Built before training: an unwritable folder or a full disk fails the run at start, not at the
+    first save an hour in. `trainer` needs `.optimizer`, `.scheduler`, `.version`, `.skipped_steps`.
+    """
+
+    def __init__(
+        self,
+        cfg: CheckpointConfig,
+        run_dir: str | os.PathLike,
+        lm: nn.Module,
+        trainer,
+        model_source: str,
+        last_step: int,
+    ):
+        self.cfg, self.lm, self.trainer, self.model_source = cfg, lm, trainer, model_source
+        self.root, self.exports = checkpoints_dir(run_dir), pathlib.Path(run_dir) / "exports"
+        self.last_step = last_step
+        if cfg.every:
+            _on_rank0_then_share(lambda: check_writable(self.root, estimate_bytes(lm)))
+        if cfg.export_every:
+            _on_rank0_then_share(lambda: check_writable(self.exports, estimate_bytes(lm) // 3))
+            if parallel.is_rank0():
+                write_hf_files(lm, model_source, self.exports / ".hf")
+
+    def resume(self, spec: str, run_dir: str | os.PathLike) -> LearnerState:
+        """Every rank: load the checkpoint `spec` names (`latest`, or a path) into the model and trainer."""
+        path = resolve(spec, run_dir)
+        state = load(path, self.lm, self.trainer.optimizer, self.trainer.scheduler)
+        self.trainer.version, self.trainer.skipped_steps = state.version, state.skipped_steps
+        if parallel.is_rank0():
+            logging.getLogger("streamrl.learner").info(
+                "resumed from %s: step %d, version %d, saved by %d ranks, loaded on %d",
+                path,
+                state.step,
+                state.version,
+                state.world_size,
+                parallel.world_size(),
+            )
+        return state
+
+    def after_step(self, step: int, policy: nn.Module) -> None:
+        """Every rank: save and export when due (and at the last step). The host copy of the weights an
+        export needs is made only then (`parallel.full_state_dict`, every rank takes part)."""
+        due = lambda every: every and (step % every == 0 or step == self.last_step)  # noqa: E731
+        if due(self.cfg.every):
+            state = LearnerState(
+                step=step,
+                version=self.trainer.version,
+                skipped_steps=self.trainer.skipped_steps,
+                ledger_version=self.trainer.version,
+            )
+            save(
+                self.root,
+                self.lm,
+                self.trainer.optimizer,
+                self.trainer.scheduler,
+                state,
+                self.model_source,
+                self.cfg.keep_last,
+                self.cfg.keep_every,
+            )
+        if due(self.cfg.export_every):
+            full_state = parallel.full_state_dict(policy)
+            if parallel.is_rank0():
+                export_state(full_state, self.exports / ".hf", self.exports / f"step_{step}", overwrite=True)

@@ -1,0 +1,177 @@
+"""What a checkpoint folder holds and where it lives: one resumable checkpoint per step,
+`RUN/checkpoints/step_N/`, written by every rank together.
+
+Layout of a checkpoint folder:
+  *.distcp, .metadata   model + optimizer, sharded by torch.distributed.checkpoint (DCP); each rank
+                        writes only its own shards, and a load reshards to any number of ranks
+  extra.pt              LR schedule and every rank's RNG states (rank 0 writes it)
+  meta.json             learner state (step, policy version, ledger position), the model's
+                        fingerprint and parameter shapes; written last, so its presence marks a
+                        complete checkpoint
+  hf/                   config, generation config and tokenizer files: what an HF export needs
+                        besides the weights (`learner/export.py`)
+
+The folder is written under a temporary name and renamed when complete, so a learner killed
+mid-save leaves no half checkpoint that `latest` could pick.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import re
+import shutil
+
+import msgspec
+from torch import nn
+
+FORMAT = 1
+META = "meta.json"
+_STEP = re.compile(r"^step_(\d+)$")
+_FINGERPRINT_FIELDS = (
+    "model_type",
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "tie_word_embeddings",
+)
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be written or read; the message names the folder and the fix."""
+
+
+class LearnerState(msgspec.Struct):
+    """Where the learner was: `step` optimizer steps run, `version` published to the ledger."""
+
+    step: int
+    version: int
+    skipped_steps: int = 0
+    ledger_version: int = 0  # the ledger's version when the checkpoint was taken
+    world_size: int = 1
+    time: float = 0.0
+
+
+class Meta(msgspec.Struct):
+    format: int
+    state: LearnerState
+    model: dict[str, object]  # architecture fingerprint: a resumed model must match every field
+    params: dict[str, list[int]]  # HF parameter name -> full shape
+    dtypes: dict[str, str]  # HF parameter name -> torch dtype name
+
+
+def fingerprint(lm: nn.Module) -> dict[str, object]:
+    """The architecture fields a checkpoint must share with the model it is loaded into."""
+    config = lm.config.to_dict()
+    return {k: config.get(k) for k in _FINGERPRINT_FIELDS if k in config}
+
+
+def param_shapes(lm: nn.Module) -> tuple[dict[str, list[int]], dict[str, str]]:
+    shapes, dtypes = {}, {}
+    for name, value in lm.state_dict().items():
+        shapes[name] = list(value.shape)  # a DTensor reports its full shape
+        dtypes[name] = str(value.dtype).removeprefix("torch.")
+    return shapes, dtypes
+
+
+# ---- where checkpoints live ------------------------------------------------------------------
+
+
+def checkpoints_dir(run_dir: str | os.PathLike) -> pathlib.Path:
+    return pathlib.Path(run_dir) / "checkpoints"
+
+
+def step_dir(root: pathlib.Path, step: int) -> pathlib.Path:
+    return root / f"step_{step}"
+
+
+def list_checkpoints(root: str | os.PathLike) -> list[tuple[int, pathlib.Path]]:
+    """Complete checkpoints (meta.json present) under `root`, oldest first."""
+    root = pathlib.Path(root)
+    if not root.is_dir():
+        return []
+    found = []
+    for child in root.iterdir():
+        m = _STEP.match(child.name)
+        if m and (child / META).is_file():
+            found.append((int(m.group(1)), child))
+    return sorted(found)
+
+
+def resolve(spec: str | os.PathLike, run_dir: str | os.PathLike | None = None) -> pathlib.Path:
+    """A checkpoint folder from `latest` (in the run folder), a step folder, a checkpoints folder or
+    a run folder (both: their newest checkpoint)."""
+    if str(spec) == "latest":
+        if run_dir is None:
+            raise CheckpointError("'latest' needs the run folder (run.dir / run.name); or give a checkpoint path")
+        spec = checkpoints_dir(run_dir)
+    path = pathlib.Path(spec)
+    if (path / META).is_file():
+        return path
+    for root in (path, checkpoints_dir(path)):
+        found = list_checkpoints(root)
+        if found:
+            return found[-1][1]
+    raise CheckpointError(
+        f"no complete checkpoint at {path} (a step_N folder with {META}, or a folder holding "
+        "them); check the path, or start without --resume"
+    )
+
+
+def read_meta(path: str | os.PathLike) -> Meta:
+    file = pathlib.Path(path) / META
+    try:
+        return msgspec.json.decode(file.read_bytes(), type=Meta)
+    except (OSError, msgspec.DecodeError) as e:
+        raise CheckpointError(f"{file}: not a readable streamrl checkpoint ({e})") from None
+
+
+def check_compatible(meta: Meta, lm: nn.Module, path: pathlib.Path) -> None:
+    """Refuse a checkpoint of another architecture, naming the first field that differs."""
+    if meta.format != FORMAT:
+        raise CheckpointError(f"checkpoint {path} has format {meta.format}; this streamrl reads format {FORMAT}")
+    mine = fingerprint(lm)
+    for key in sorted(set(meta.model) | set(mine)):
+        if meta.model.get(key) != mine.get(key):
+            raise CheckpointError(
+                f"checkpoint {path} is from another model: {key} = {meta.model.get(key)!r} there, "
+                f"{mine.get(key)!r} in this run's model (model.path); resume with the model "
+                "it was trained from, or start a new run"
+            )
+    shapes, _ = param_shapes(lm)
+    for name in sorted(set(meta.params) | set(shapes)):
+        if meta.params.get(name) != shapes.get(name):
+            raise CheckpointError(
+                f"checkpoint {path} is from another model: parameter {name} has shape "
+                f"{meta.params.get(name)} there, {shapes.get(name)} in this run's model"
+            )
+
+
+def check_writable(root: pathlib.Path, need_bytes: int) -> None:
+    """Fail early: the folder can be created and written, and the disk has room for a checkpoint."""
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        probe = root / f".probe-{os.getpid()}"
+        probe.write_bytes(b"ok")
+        probe.unlink()
+    except OSError as e:
+        raise CheckpointError(
+            f"checkpoint folder {root} is not writable ({e.strerror}); set run.dir to a writable folder"
+        ) from None
+    free = shutil.disk_usage(root).free
+    if free < need_bytes:
+        raise CheckpointError(
+            f"not enough disk for a checkpoint in {root}: about {need_bytes / 2**20:.1f} MiB "
+            f"needed, {free / 2**20:.1f} MiB free; free space, lower checkpoint.keep_last, "
+            "or point run.dir elsewhere"
+        )
+
+
+def estimate_bytes(lm: nn.Module) -> int:
+    """Weights plus AdamW's two moments, with 10% and 16 MiB to spare."""
+    weights = sum(p.numel() * p.element_size() for p in lm.parameters())
+    return int(weights * 3 * 1.1) + (16 << 20)

@@ -1,0 +1,233 @@
+"""Writing and reading checkpoint folders (the layout is in `layout.py`): every rank takes part in
+a save and a load; rank 0 writes the files that are not sharded."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import pickle
+import random
+import shutil
+import time
+
+import msgspec
+import torch
+from torch import nn
+
+from streamrl.learner import parallel
+from streamrl.learner.checkpoint.layout import (
+    FORMAT,
+    META,
+    CheckpointError,
+    LearnerState,
+    Meta,
+    check_compatible,
+    check_writable,
+    estimate_bytes,
+    fingerprint,
+    list_checkpoints,
+    param_shapes,
+    read_meta,
+    resolve,
+    step_dir,
+)
+
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".h5", ".msgpack", ".gguf")
+_INDEX_FILES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
+
+
+# ---- save ------------------------------------------------------------------------------------
+
+
+def save(
+    root: str | os.PathLike,
+    lm: nn.Module,
+    optimizer,
+    scheduler,
+    state: LearnerState,
+    model_source: str = "",
+    keep_last: int = 2,
+    keep_every: int = 0,
+) -> pathlib.Path:
+    """Every rank calls: write `root/step_{state.step}` (model, optimizer, schedule, RNG, state), then
+    apply the retention policy. Returns the checkpoint folder."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    root = pathlib.Path(root)
+    final, tmp = step_dir(root, state.step), root / f".tmp-step_{state.step}"
+    model_sd, optim_sd = get_state_dict(lm, optimizer)  # first: FSDP2's hook shows the sharded fp32 parameters
+    _on_rank0_then_share(lambda: _prepare(root, tmp, estimate_bytes(lm)))
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
+    rngs = parallel.gather_objects(_rng_state())
+    if parallel.is_rank0():
+        torch.save({"scheduler": scheduler.state_dict(), "rng": rngs}, tmp / "extra.pt")
+        write_hf_files(lm, model_source, tmp / "hf")
+        shapes, dtypes = param_shapes(lm)
+        meta = Meta(
+            FORMAT,
+            msgspec.structs.replace(state, world_size=parallel.world_size(), time=time.time()),
+            fingerprint(lm),
+            shapes,
+            dtypes,
+        )
+        _write_atomic(tmp / META, msgspec.json.encode(meta))
+        if final.exists():
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+        _fsync_dir(root)
+        prune(root, keep_last, keep_every)
+    parallel.barrier()
+    return final
+
+
+def _prepare(root: pathlib.Path, tmp: pathlib.Path, need: int) -> None:
+    check_writable(root, need)
+    if tmp.exists():
+        shutil.rmtree(tmp)  # left by a learner killed mid-save
+
+
+def prune(root: pathlib.Path, keep_last: int, keep_every: int = 0) -> list[pathlib.Path]:
+    """Delete checkpoints outside the policy (the newest `keep_last`, plus every step that is a
+    multiple of `keep_every`); return the deleted folders."""
+    found = list_checkpoints(root)
+    keep = {step for step, _ in found[-keep_last:]} if keep_last > 0 else set()
+    if keep_every > 0:
+        keep |= {step for step, _ in found if step % keep_every == 0}
+    gone = [path for step, path in found if step not in keep]
+    for path in gone:
+        shutil.rmtree(path, ignore_errors=True)
+    return gone
+
+
+def write_hf_files(lm: nn.Module, model_source: str, out: pathlib.Path) -> None:
+    """Config, generation config and tokenizer files beside the weights: an export needs them."""
+    out.mkdir(parents=True, exist_ok=True)
+    source = pathlib.Path(model_source) if model_source else None
+    if source is not None and source.is_dir():
+        for file in source.iterdir():
+            if file.is_file() and not file.name.endswith(_WEIGHT_SUFFIXES) and file.name not in _INDEX_FILES:
+                shutil.copy2(file, out / file.name)
+    elif model_source:
+        from transformers import AutoTokenizer
+
+        AutoTokenizer.from_pretrained(model_source).save_pretrained(out)
+    lm.config.save_pretrained(out)
+    if getattr(lm, "generation_config", None) is not None:
+        lm.generation_config.save_pretrained(out)
+
+
+# ---- load ------------------------------------------------------------------------------------
+
+
+def load(path: str | os.PathLike, lm: nn.Module, optimizer, scheduler) -> LearnerState:
+    """Every rank calls: restore model, optimizer, schedule and RNG from `path` (any number of ranks
+    may have saved it); returns the learner state to continue from."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    path = pathlib.Path(path)
+    meta = read_meta(path)
+    check_compatible(meta, lm, path)
+    model_sd, optim_sd = get_state_dict(lm, optimizer)
+    dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(path))
+    set_state_dict(lm, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
+    extra = _load_extra(path / "extra.pt")
+    scheduler.load_state_dict(extra["scheduler"])
+    rngs = extra["rng"]
+    # Same world size: each rank its own stream. Resharded: every rank takes rank 0's, as at a fresh start.
+    _set_rng_state(rngs[parallel.rank()] if len(rngs) == parallel.world_size() else rngs[0])
+    return meta.state
+
+
+def load_weights(spec: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """The model's full weights from a checkpoint (`spec` as for `resolve`), read in this one process
+    whatever world size saved it; no process group needed."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    path = resolve(spec)
+    meta = read_meta(path)
+    state = {name: torch.empty(shape, dtype=getattr(torch, meta.dtypes[name])) for name, shape in meta.params.items()}
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
+        dcp.load({"model": state}, checkpoint_id=str(path), no_dist=True)
+    return state
+
+
+# ---- ranks, RNG, files -----------------------------------------------------------------------
+
+
+def _on_rank0_then_share(fn) -> None:
+    """Run `fn` on rank 0; every rank raises its error (so no rank waits in a collective for it)."""
+    error = None
+    if parallel.is_rank0():
+        try:
+            fn()
+        except CheckpointError as e:
+            error = str(e)
+    error = parallel.from_rank0(error)
+    if error:
+        raise CheckpointError(error)
+
+
+def _rng_state() -> dict:
+    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    try:
+        import numpy as np
+
+        kind, keys, pos, has_gauss, gauss = np.random.get_state()
+        # the key array as a tensor: `torch.load(weights_only=True)` refuses numpy objects
+        state["numpy"] = (kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, gauss)
+    except ImportError:
+        pass
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+    if "numpy" in state:
+        import numpy as np
+
+        kind, keys, pos, has_gauss, gauss = state["numpy"]
+        np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
+
+
+def _load_extra(path: pathlib.Path) -> dict:
+    """extra.pt with torch's safe loader (tensors and plain containers only): a file that holds anything
+    else, such as a pickled callable put there to run code on resume, is refused."""
+    try:
+        return torch.load(path, weights_only=True)
+    except pickle.UnpicklingError as e:
+        # torch's message says to reload with weights_only=False: not advice to pass on. Its line naming
+        # the refused object is what helps.
+        named = [line for line in str(e).splitlines() if "GLOBAL" in line or "Unsupported" in line]
+        refused = (named or ["?"])[0].strip()
+        raise CheckpointError(
+            f"{path} holds objects other than tensors and plain values ({refused}); it was not written by "
+            "streamrl or was altered, so it is not loaded (loading it could run code). Resume from another "
+            "checkpoint, or start the run afresh"
+        ) from None
+
+
+def _write_atomic(path: pathlib.Path, data: bytes) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.rename(tmp, path)
+
+
+def _fsync_dir(path: pathlib.Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
