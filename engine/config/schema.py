@@ -19,6 +19,7 @@ import msgspec
 from streamrl.engine.config import presets
 from streamrl.engine.config.base import ConfigError, PosInt, _doc, _Section
 from streamrl.engine.config.learner import CheckpointConfig, LearnerConfig, LossConfig
+from streamrl.engine.config.lora import LoraConfig
 from streamrl.engine.config.rollout import (
     DataConfig,
     EnvConfig,
@@ -36,6 +37,7 @@ __all__ = [
     "EnvConfig",
     "LearnerConfig",
     "LedgerConfig",
+    "LoraConfig",
     "LossConfig",
     "ModelConfig",
     "PosInt",
@@ -220,6 +222,7 @@ class Config(_Section):
     env: EnvConfig = msgspec.field(default_factory=EnvConfig)
     loss: LossConfig = msgspec.field(default_factory=LossConfig)
     learner: LearnerConfig = msgspec.field(default_factory=LearnerConfig)
+    lora: LoraConfig = msgspec.field(default_factory=LoraConfig)
     ledger: LedgerConfig = msgspec.field(default_factory=LedgerConfig)
     transport: TransportConfig = msgspec.field(default_factory=TransportConfig)
     weights: WeightsConfig = msgspec.field(default_factory=WeightsConfig)
