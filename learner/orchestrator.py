@@ -281,6 +281,7 @@ class Orchestrator:
             **metrics,
             **{k: v for k, v in rewards.as_metrics().items() if math.isfinite(v)},  # none for a step without samples
             **selection.metrics(self.cfg.learner.groups_per_step),
+            **selection.episode_figures(),
             **selection.batch_figures(trained_by, time.monotonic() - started),
             **self._time_figures(train, timings),
             **self._node_figures(),

@@ -137,6 +137,20 @@ class WeightReceiverExtension:
         self._adapters().pop(lora_id, None)
         return {"removed": bool(self.model_runner.remove_lora(lora_id))}
 
+    def held_adapters(self) -> dict:
+        """LoRA: the versions whose adapters this worker holds -> sha256 of their tensors (names and bytes, in
+        name order): what the node serves, comparable with the learner's tensors bit for bit."""
+        import hashlib
+
+        out = {}
+        for lora_id, (tensors, _) in self._adapters().items():
+            digest = hashlib.sha256()
+            for name in sorted(tensors):
+                digest.update(name.encode())
+                digest.update(tensors[name].contiguous().view(torch.uint8).numpy().tobytes())
+            out[lora_id - 1] = digest.hexdigest()
+        return out
+
     def _adapters(self) -> dict:
         """lora_int_id -> (tensors, AdapterSpec); made on first use, with vLLM's loader patched to read it."""
         if not hasattr(self, "_streamrl_adapters"):
@@ -183,7 +197,7 @@ def _lora_model(manager, lora_id: int, tensors: dict, spec):
     mapper = getattr(model, "hf_to_vllm_mapper", None)
     return manager._lora_model_cls.from_lora_tensors(
         lora_model_id=lora_id,
-        tensors=tensors,
+        tensors={name: t.clone() for name, t in tensors.items()},  # vLLM scales B in place: keep ours as sent
         peft_helper=helper,
         device="cpu",
         dtype=manager.lora_config.lora_dtype,
