@@ -84,6 +84,7 @@ def doctor(
     config: ConfigOpt = None,
     overrides: SetOpt = None,
     redis_url: Annotated[str, typer.Option(help="Check this Redis (default: ledger.url, else the embedded one).")] = "",
+    deep: Annotated[bool, typer.Option(help="Also import the model's transformers class and vLLM (slower).")] = False,
 ) -> None:
     """Check the environment; every failing row names the command that fixes it."""
     from streamrl.ops.doctor import render, run_checks
@@ -95,6 +96,7 @@ def doctor(
         host=cfg.transport.host,
         ports=[cfg.transport.trajectory_port, cfg.transport.control_port],
         tensorboard=cfg.telemetry.tensorboard,
+        deep=deep,
     )
     raise typer.Exit(render(results))
 
