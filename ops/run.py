@@ -88,7 +88,8 @@ def run_local(
                 launcher.stop_all(keep_redis=True)
                 view.show(force=True)  # the last table: every role as it ended
         if not console.is_terminal:
-            console.line()  # without a terminal the last table ends without a newline        if failure:
+            console.line()  # without a terminal the last table ends without a newline
+        if failure:
             console.print(f"[red]error:[/] {failure}")
         elif board.learner is not None and board.learner.state.state == "dead":
             log = launcher.learner.log_path
