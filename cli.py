@@ -215,16 +215,17 @@ def status(
     """The run's books: generated, in flight, trained, dropped by reason; exit 1 when they do not balance."""
     from streamrl.ops.status import status_command
 
+    run_dir = pathlib.Path(runs_dir) / run
     if redis_url:
-        raise typer.Exit(status_command(run, redis_url, deep=deep))
+        raise typer.Exit(status_command(run, redis_url, deep=deep, run_dir=run_dir))
     from streamrl.engine.redis_server import RedisServer
 
-    folder = pathlib.Path(runs_dir) / run / "redis"
+    folder = run_dir / "redis"
     if not folder.is_dir():
         typer.secho(f"error: no ledger at {folder}; give --redis-url for a run on another server", fg="red", err=True)
         raise typer.Exit(2)
     with RedisServer(folder) as server:
-        raise typer.Exit(status_command(run, server.url, deep=deep))
+        raise typer.Exit(status_command(run, server.url, deep=deep, run_dir=run_dir))
 
 
 @app.command()

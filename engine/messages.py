@@ -63,6 +63,9 @@ class Trajectory(_Wire):
     tool_calls: int = 0
     tool_failed: int = 0
     tool_timeouts: int = 0
+    # Why `reward` is None: the failing reward and its first error, e.g. "my.py:f: ValueError: ..." (the
+    # learner stops a run whose reward fails on nearly every sample, naming it).
+    reward_error: str = ""
 
     def __post_init__(self) -> None:
         n = len(self.completion_ids)
