@@ -22,7 +22,7 @@ import uuid
 from streamrl.engine.config import ModelConfig, RolloutConfig
 from streamrl.engine.messages import WeightsReady
 from streamrl.engine.workers.lifeline import children_die_with_me
-from streamrl.rollout.backends.protocol import BackendClock, Completion
+from streamrl.rollout.backends.protocol import BackendClock, Completion, LiveVersion
 from streamrl.rollout.backends.vllm_support import check_servable
 
 log = logging.getLogger(__name__)
@@ -70,6 +70,10 @@ class _Collector:
         self.versions: list[int] = []
         self.finish_reason = ""
 
+    @property
+    def policy_version(self) -> int:
+        return self.live.version
+
     def add(self, output, version: int) -> None:
         new_ids = list(output.token_ids)
         if output.logprobs is None or len(output.logprobs) != len(new_ids):
@@ -100,7 +104,7 @@ class VLLMBackend:
         from vllm.v1.engine.async_llm import AsyncLLM
 
         self.rollout, self.max_model_len = rollout, model.max_model_len
-        self.policy_version = 0
+        self.live = LiveVersion()
         self.tokens_generated = 0
         self.clock = BackendClock()
         self.staging_bytes = 0
@@ -157,7 +161,7 @@ class VLLMBackend:
         from streamrl.rollout.backends.vllm_worker import stage_and_swap_async_llm
 
         done = await stage_and_swap_async_llm(self._engine, ready)
-        self.policy_version = ready.version
+        self.live.went_live(ready.version)
         self.clock.swapped(done["swap_s"])
         self.staging_bytes = done["nbytes"]
         return done["seconds"]
