@@ -34,11 +34,22 @@ PreflightOpt = Annotated[
 ]
 
 
-def _load(config: pathlib.Path | None, overrides: list[str] | None, debug: bool = False):
-    from streamrl.engine.config import ConfigError, load
+def _load(config: pathlib.Path | None, overrides: list[str] | None, debug: bool = False, roles: bool = False):
+    """The config of the file and overrides; for a role (`roles`), with what its data source implies
+    (rollout/envs/libraries.py: a library's reward, prompt length, environment), said in one line."""
+    from streamrl.engine.config import ConfigError, build, given, read
 
     try:
-        return load(config, overrides or [])
+        data = read(config)
+        cfg = build(data, overrides or [])
+        if roles:
+            from streamrl.rollout.envs.libraries import implied
+
+            extra, said = implied(given(data, overrides or []), cfg)
+            if extra:
+                typer.echo(f"info: {said}", err=True)
+                cfg = build(data, [*(overrides or []), *extra])
+        return cfg
     except ConfigError as e:
         if debug:
             raise
@@ -134,7 +145,7 @@ def learner(
     import os
     import sys
 
-    cfg = _load(config, overrides, debug)
+    cfg = _load(config, overrides, debug, roles=True)
     if not gpus and cfg.learner.gpus and "CUDA_VISIBLE_DEVICES" not in os.environ:
         gpus = ",".join(map(str, cfg.learner.gpus))  # a launcher that placed us set the variable already
     _use_gpus(gpus)
@@ -181,7 +192,7 @@ def rollout(
     debug: DebugOpt = False,
 ) -> None:
     """Run one rollout node: register with the learner, take its weights, generate until stopped."""
-    cfg = _load(config, overrides, debug)
+    cfg = _load(config, overrides, debug, roles=True)
     if preflight:
         _preflight(cfg, ["rollout"], debug)
     from streamrl.rollout.service import main as rollout_main
@@ -253,7 +264,7 @@ def run(
     sets += [f"reward.functions={list(reward)!r}"] if reward else []
     sets += [f"run.steps={steps}"] if steps else []
     sets += [f"run.device={device!r}"] if device else []
-    cfg = _load(config, sets, debug)
+    cfg = _load(config, sets, debug, roles=True)
     _preflight(cfg, ["learner", "rollout"], debug, nodes=rollout_nodes)
     # a run named by you keeps its folder; the default name gets a fresh one when taken
     raise typer.Exit(run_local(cfg, rollout_nodes, explicit_name=cfg.run.name != RunConfig().name, resume=resume))

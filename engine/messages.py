@@ -57,6 +57,12 @@ class Trajectory(_Wire):
     # min_version is the oldest model token's; the learner must leave 0 tokens out of the loss, the
     # importance ratios and every token count (they are context only, like the prompt).
     loss_mask: list[int] = []
+    # Multi-turn episodes: model turns (0: a single-turn sample), and the tool calls the episode made, of
+    # them failed (the tool raised, was unknown or the call malformed) and timed out (env.tool_timeout_s).
+    turns: int = 0
+    tool_calls: int = 0
+    tool_failed: int = 0
+    tool_timeouts: int = 0
 
     def __post_init__(self) -> None:
         n = len(self.completion_ids)
@@ -157,6 +163,19 @@ class SharedBucket(_Wire):
     cuda: tuple[int, bytes, int, int, bytes, int, bytes, bool] | None = None
 
 
+class AdapterSpec(_Wire):
+    """A LoRA adapter's shape (engine/lora.py): a push that carries one holds its A and B tensors alone,
+    under PEFT's saved names, and the node serves the version as its own adapter."""
+
+    rank: int
+    alpha: float
+    target_modules: list[str]  # resolved module names (q_proj, ...), never 'all-linear'
+
+    def __post_init__(self) -> None:
+        if self.rank < 1 or not self.target_modules:
+            raise ValueError(f"adapter rank {self.rank} with targets {self.target_modules}: rank >= 1 and targets")
+
+
 class WeightsReady(_Wire, tag="weights_ready"):
     """Learner -> node: a new policy is packed; receive it (a collective, or a copy from shared memory)."""
 
@@ -172,6 +191,7 @@ class WeightsReady(_Wire, tag="weights_ready"):
     backend: str = "gloo"
     shared: list[SharedBucket] = []  # one per bucket, on the shared paths
     packed_event: bytes = b""  # cuda_ipc: IPC handle of an event that completes once the buckets are packed
+    adapter: AdapterSpec | None = None  # LoRA: the buckets hold this adapter of `version`, not the full weights
 
     def __post_init__(self) -> None:
         if self.backend in ("shm", "cuda_ipc") and len(self.shared) != len(self.buckets):

@@ -19,9 +19,10 @@ import torch
 from streamrl.engine.config import Config, ConfigError, presets
 from streamrl.engine.config import rules as config_rules
 from streamrl.engine.ledger import LedgerUnavailableError
+from streamrl.engine.messages import AdapterSpec
 from streamrl.engine.models import default_tiny_model, load_model
 from streamrl.engine.telemetry import setup_logging
-from streamrl.learner import checkpoint, parallel
+from streamrl.learner import checkpoint, lora, parallel
 from streamrl.learner.intake import LearnerStalledError
 from streamrl.learner.orchestrator import Orchestrator
 from streamrl.learner.reference import build_reference
@@ -46,6 +47,9 @@ def run_learner(cfg: Config, resume: str = "") -> int:
     model_path = cfg.model.path or str(default_tiny_model())
     compute = getattr(torch, cfg.model.dtype)  # the learner's compute dtype = what the engines serve
     model = load_model(model_path, "float32", "cpu", cfg.model.trust_remote_code)  # fp32 master weights
+    adapter = None
+    if cfg.lora.enabled:  # frozen base in the compute dtype, fp32 adapters (learner/lora.py)
+        model, adapter = lora.apply(model, cfg.lora, compute)
     sampling = dict(temperature=cfg.rollout.temperature, top_k=cfg.rollout.top_k, top_p=cfg.rollout.top_p)
     policy = parallel.wrap_model(model, cfg.learner, device, compute_dtype=compute, **sampling)
     reference = build_reference(cfg, device, compute, policy)  # None unless loss.kl_coef > 0
@@ -53,10 +57,10 @@ def run_learner(cfg: Config, resume: str = "") -> int:
     keeper = checkpoint.Keeper(cfg.checkpoint, cfg.run.path, policy.lm, trainer, model_path, cfg.run.steps)
     first = keeper.resume(resume, cfg.run.path).step + 1 if resume else 1  # steps continue from the checkpoint
     resumed_version = trainer.version if resume else None  # the ledger is rolled back to it
-    orchestrator = _start_orchestrator(cfg, device, trainer, policy, resumed_version, first_step=first)
+    orchestrator = _start_orchestrator(cfg, device, trainer, policy, resumed_version, first, adapter)
     ending = {"reason": "the learner stopped", "finished": False, "ledger_reachable": True}
     try:
-        push_weights = parallel.PushWeights(policy, compute)
+        push_weights = parallel.PushWeights(policy, compute, adapters=adapter is not None)
         _hand_restored_weights(trainer, orchestrator, push_weights)
         if parallel.compiles(cfg.learner, device) and cfg.simulate.train_s <= 0:  # while the nodes start
             log.info("learner compiled ahead of step 1 in %.1f s", trainer.warm_up())
@@ -117,13 +121,22 @@ class _Laps:
 
 
 def _start_orchestrator(
-    cfg: Config, device: torch.device, trainer: Trainer, policy, resumed_version: int | None, first_step: int
+    cfg: Config,
+    device: torch.device,
+    trainer: Trainer,
+    policy,
+    resumed_version: int | None,
+    first_step: int,
+    adapter: AdapterSpec | None = None,
 ):
     """Rank 0's orchestrator; a refusal (a run trained already, ...) stops every rank, not rank 0 alone."""
     orchestrator, error = None, None
     if parallel.is_rank0():
         compiled = parallel.compiles(cfg.learner, device)
         params = sum(p.numel() for p in policy.lm.parameters())
+        trained = sum(p.numel() for p in policy.lm.parameters() if p.requires_grad)
+        # a frozen base costs forward + input gradients (4 FLOPs a parameter a token), the trained ones 6
+        flops = 4 * (params - trained) + 6 * trained
         try:
             orchestrator = Orchestrator(
                 cfg,
@@ -133,6 +146,8 @@ def _start_orchestrator(
                 compiled=compiled,
                 params=params,
                 first_step=first_step,
+                adapter=adapter,
+                flops_per_token=flops,
             )
         except ConfigError as e:
             error = str(e)

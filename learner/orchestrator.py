@@ -31,7 +31,7 @@ from streamrl.engine.config import Config, ConfigError
 from streamrl.engine.config.presets import completion_limit
 from streamrl.engine.control import ControlServer
 from streamrl.engine.ledger import LedgerUnavailableError, open_ledger
-from streamrl.engine.messages import Stop, Trajectory, Welcome
+from streamrl.engine.messages import AdapterSpec, Stop, Trajectory, Welcome
 from streamrl.engine.redis_server import redact
 from streamrl.engine.telemetry import MetricsSink
 from streamrl.engine.transport import REFUSALS, TrajectoryReceiver, bind_address
@@ -68,8 +68,14 @@ class Orchestrator:
         compiled: bool = False,
         params: int = 0,
         first_step: int = 1,
+        adapter: AdapterSpec | None = None,
+        flops_per_token: float = 0.0,
     ):
+        """params: the model's; flops_per_token: a step's FLOPs per position for the MFU (default 6 x params;
+        LoRA: 4 x params for the frozen base, forward and input gradients, + 6 x the adapters'); adapter:
+        LoRA's spec, pushed with each version's adapter tensors."""
         self.cfg, self.version_of, self.compiled, self.params = cfg, version_of, compiled, params
+        self.flops_per_token = flops_per_token or 6 * params
         self._first_step = first_step
         self.peak_flops = peak_flops(device)
         self.incarnation = uuid.uuid4().hex[:12]
@@ -91,7 +97,7 @@ class Orchestrator:
             # the wait for the oldest admitted groups: a node that died holding one is reaped within a TTL
             patience = min(cfg.ledger.heartbeat_ttl_s * 1.5, 30.0)
             self.intake = Intake(receiver, self.ledger, cfg.ledger.max_staleness, alarm, order_patience_s=patience)
-            self.publisher = Publisher(cfg, self.registry, device)
+            self.publisher = Publisher(cfg, self.registry, device, adapter)
             self.sink = MetricsSink(cfg.run.path, cfg.telemetry)
         except BaseException:
             if self.gate is not None:
@@ -268,6 +274,7 @@ class Orchestrator:
             **metrics,
             **{k: v for k, v in rewards.as_metrics().items() if math.isfinite(v)},  # none for a step without samples
             **selection.metrics(self.cfg.learner.groups_per_step),
+            **selection.episode_figures(),
             **selection.batch_figures(trained_by, time.monotonic() - started),
             **self._time_figures(train, timings),
             **self._node_figures(),
@@ -320,7 +327,7 @@ class Orchestrator:
         out["time/push_pack_device_s"] = self.publisher.pack_device_s()
         out["train_tokens_per_s"] = positions / max(timings.get("train_s", 0.0), 1e-9)
         if self.peak_flops and self.params:
-            out["mfu"] = 6 * self.params * out["train_tokens_per_s"] / self.peak_flops
+            out["mfu"] = self.flops_per_token * out["train_tokens_per_s"] / self.peak_flops
         return out
 
     def _node_figures(self) -> dict[str, float]:

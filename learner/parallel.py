@@ -116,7 +116,8 @@ def wrap_model(
     init_distributed()
     if device.type == "cuda" and attention.register_varlen_attention():
         model.config._attn_implementation = "streamrl_varlen"
-    model = model.to(device=device, dtype=torch.float32).train()
+    frozen = any(not p.requires_grad for p in model.parameters())  # LoRA: the base keeps its dtype (lora.py)
+    model = (model.to(device) if frozen else model.to(device=device, dtype=torch.float32)).train()
     layers = model.model.layers
     if cfg.activation_checkpointing:
         from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
@@ -200,7 +201,10 @@ class PushWeights:
     module (~0.7 ms of host time for a 0.5B model's 291 names, measured on CPU).
     """
 
-    def __init__(self, model: nn.Module, dtype: torch.dtype):
+    def __init__(self, model: nn.Module, dtype: torch.dtype, adapters: bool = False):
+        """adapters: LoRA, only the adapter tensors, under PEFT's saved names (engine/lora.py)."""
+        from streamrl.engine import lora
+
         lm = model.lm if isinstance(model, PolicyModel) else model
         self.dtype = dtype
         self._slots = [  # (HF name, the module's parameter dict, the key in it), in named_parameters order
@@ -209,6 +213,8 @@ class PushWeights:
             for key, param in module._parameters.items()
             if param is not None
         ]
+        if adapters:
+            self._slots = [(lora.wire_name(n), p, k) for n, p, k in self._slots if lora.is_adapter(n)]
 
     def __call__(self) -> dict[str, Tensor]:
         from torch.distributed.tensor import DTensor

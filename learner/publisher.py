@@ -23,11 +23,12 @@ import threading
 import time
 from collections.abc import Mapping
 
+import msgspec
 import torch
 from torch import Tensor
 
 from streamrl.engine.config import Config
-from streamrl.engine.messages import Stop
+from streamrl.engine.messages import AdapterSpec, Stop
 from streamrl.engine.weights import Location, WeightTransferError, choose, here, new_sender, resolve_backend
 from streamrl.engine.weights.ipc import shared_empty
 from streamrl.engine.weights.layout import BufferPool, PackedBuckets, plan_buckets
@@ -108,6 +109,8 @@ class _Link(threading.Thread):
 
     def _transfer(self, published: _Set) -> None:
         ready = self.sender.prepare(published.version, published.packed, published.event)
+        if self.publisher.adapter is not None:  # LoRA: the buckets hold this adapter, not the full weights
+            ready = msgspec.structs.replace(ready, adapter=self.publisher.adapter)
         try:
             self.publisher.registry.send(self.node_id, ready).result(timeout=self.sender.timeout_s)
         except Exception as e:
@@ -119,8 +122,9 @@ class _Link(threading.Thread):
 
 
 class Publisher:
-    def __init__(self, cfg: Config, registry: NodeRegistry, device: torch.device):
-        self.cfg, self.registry, self.device = cfg, registry, device
+    def __init__(self, cfg: Config, registry: NodeRegistry, device: torch.device, adapter: AdapterSpec | None = None):
+        """adapter: LoRA's spec; each published version is then that adapter's tensors alone."""
+        self.cfg, self.registry, self.device, self.adapter = cfg, registry, device, adapter
         self.backend = resolve_backend(cfg.weights.backend, device)  # where the buffers are: nccl → the GPU
         self.here = here(str(device))
         self.links: dict[str, _Link] = {}

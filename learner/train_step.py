@@ -80,7 +80,7 @@ class Trainer:
         self.ref_model, self.gather_ahead = ref_model, gather_ahead
         # the sharded parameters, which hold the gradients: between a step and the next forward the module
         # shows its gathered copies instead (gather_for_next_forward)
-        self.named_params = list(model.named_parameters())
+        self.named_params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]  # LoRA: adapters
         self.optimizer = torch.optim.AdamW(
             [p for _, p in self.named_params], lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay, fused=True
         )

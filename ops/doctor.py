@@ -18,6 +18,8 @@ from typing import Literal
 from rich.console import Console
 from rich.table import Table
 
+from streamrl.ops.live import plain_console
+
 Status = Literal["ok", "warn", "FAIL", "skip"]
 UNINSTALL_BROKEN = "pip uninstall -y torchvision torchaudio torchcodec triton"
 
@@ -242,6 +244,7 @@ OPTIONAL = (
     ("wandb", "wandb", "telemetry.wandb = true", "pip install 'streamrl[wandb]'"),
     ("reasoning-gym", "reasoning_gym", "data.path = 'reasoning_gym:NAME'", "pip install 'streamrl[envs]'"),
     ("skyrl-gym", "skyrl_gym", "env.name = 'skyrl_gym'", "pip install 'streamrl[envs]'"),
+    ("verifiers", "verifiers", "data.path = 'verifiers:ID'", "pip install 'streamrl[envs]'"),
 )
 
 
@@ -297,7 +300,7 @@ def run_checks(
 
 def render(results: list[Check], console: Console | None = None) -> int:
     """Print the table; exit code 1 when a required check failed."""
-    console = console or Console()
+    console = console or plain_console()
     table = Table(title="streamrl doctor", show_lines=False)
     for col in ("check", "status", "detail", "fix"):
         table.add_column(col, overflow="fold")

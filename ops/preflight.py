@@ -126,6 +126,32 @@ def check_engine(ctx: _Context) -> list[Problem]:
     return [_problem("engine", f"vLLM cannot serve {ctx.model_path} on {device}: {p}") for p in problems]
 
 
+def check_lora(ctx: _Context) -> list[Problem]:
+    """[lora] against the model (targets it has, a rank that fits: a meta-device model, no weights read) and
+    the engines: PEFT for the learner and hf nodes, LoRA support in vLLM for its architecture."""
+    cfg = ctx.cfg
+    if not cfg.lora.enabled:
+        return []
+    out = []
+    if importlib.util.find_spec("peft") is None and ("learner" in ctx.roles or cfg.rollout.backend == "hf"):
+        out.append(_problem("lora", "lora.enabled = true needs peft, which is not installed: pip install peft"))
+    if ctx.hf_config is not None:
+        from streamrl.engine.lora import LoraError, spec_for
+
+        try:
+            spec_for(cfg.lora, ctx.hf_config)
+        except LoraError as e:
+            out.append(_problem("lora", str(e)))
+    if "rollout" in ctx.roles and cfg.rollout.backend == "vllm" and ctx.hf_config is not None:
+        from streamrl.rollout.backends.vllm_support import lora_problem
+
+        why = lora_problem(ctx.hf_config)
+        if why:
+            out.append(_problem("lora", f"lora.enabled = true with rollout.backend = 'vllm': {why}; use "
+                                "rollout.backend = 'hf' (PEFT adapters) or set lora.enabled = false"))  # fmt: skip
+    return out
+
+
 def check_data(ctx: _Context) -> list[Problem]:
     """The prompt source exists, reads, and has usable rows (as the node judges them); counts the rest."""
     from streamrl.rewards.call import column_names
@@ -159,6 +185,8 @@ def check_rewards(ctx: _Context) -> list[Problem]:
     from streamrl.rewards.registry import REWARD_MODEL, RewardSpecError, check_signature, resolve
 
     reward, out = ctx.cfg.reward, []
+    if ctx.cfg.env.name:  # the environment's step rewards replace reward.functions: none is called
+        return []
     for spec in reward.functions:
         if spec == REWARD_MODEL:
             if not reward.model.path:
@@ -201,8 +229,8 @@ def check_gpu_placement(ctx: _Context) -> list[Problem]:
 
     cfg = ctx.cfg
     gpus = visible_gpus() if cfg.run.device in ("auto", "cuda") else 0
-    if set(ROLES) - ctx.roles or ctx.hf_config is None or not gpus or not ctx.nodes:
-        return []
+    if set(ROLES) - ctx.roles or ctx.hf_config is None or (not gpus and cfg.run.device != "cuda"):
+        return []  # run.device = 'cuda' on a host without one is planned, and so refused, here
     try:
         placement = plan(cfg, gpus, ctx.nodes)
     except ConfigError as e:
@@ -244,6 +272,7 @@ CHECKS: list[tuple[str, frozenset[str], Callable[[_Context], list[Problem]]]] = 
     ("config", frozenset(ROLES), check_config),
     ("model", frozenset(ROLES), check_model),
     ("engine", frozenset({"rollout"}), check_engine),
+    ("lora", frozenset(ROLES), check_lora),
     ("data", frozenset({"rollout"}), check_data),
     ("reward", frozenset({"rollout"}), check_rewards),
     ("telemetry", frozenset({"learner"}), check_telemetry),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import signal
 import time
 
@@ -13,7 +14,7 @@ from streamrl.engine.config import Config, ConfigError, presets
 from streamrl.engine.telemetry import MetricsTail, read_metrics
 from streamrl.engine.weights.paths import NAMES, planned
 from streamrl.ops.launcher import Launcher
-from streamrl.ops.live import live_table
+from streamrl.ops.live import live_table, plain_console
 from streamrl.ops.phases import Board
 
 # The built-in demo: the random-init tiny model learns to write the letter of the demo task's
@@ -51,7 +52,7 @@ def run_local(
 ) -> int:
     """Run to the configured number of steps (or Ctrl-C); the exit status. `resume` (a checkpoint
     folder, or "latest") continues the run of that name in its folder."""
-    console = console or Console()
+    console = console or plain_console()
     cfg = fresh_name(cfg, explicit_name or bool(resume))
     launcher = Launcher(cfg, resume=resume)
     try:
@@ -86,7 +87,8 @@ def run_local(
                 previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)}
                 launcher.stop_all(keep_redis=True)
                 view.show(force=True)  # the last table: every role as it ended
-        if failure:
+        if not console.is_terminal:
+            console.line()  # without a terminal the last table ends without a newline        if failure:
             console.print(f"[red]error:[/] {failure}")
         elif board.learner is not None and board.learner.state.state == "dead":
             log = launcher.learner.log_path
@@ -112,12 +114,14 @@ class _View:
         self.metrics = MetricsTail(board.launcher.run_dir / "metrics.jsonl")
         self.shown: tuple = ()
         self.shown_at = 0.0
+        self.warned: dict[str, int] = {}  # each kind of learner warning (its text without numbers): times seen
 
     def show(self, force: bool = False) -> None:
         """Redraw when a phase, a role's state or the step changed (polled at POLL_S, so a phase
         shorter than a frame is still seen), else at REDRAW_S for the clock."""
         self.metrics.poll()
         snapshot = self.board.poll(len(self.metrics.records))
+        self.print_warnings()
         roles = [snapshot.learner, *snapshot.nodes]
         seen = (snapshot.phase, snapshot.note, len(self.metrics.records), *(str(role) for role in roles))
         now = time.monotonic()
@@ -125,6 +129,17 @@ class _View:
             return
         self.shown, self.shown_at = seen, now
         self.live.update(live_table(snapshot, self.metrics.records, self.steps, now - self.started), refresh=True)
+
+    def print_warnings(self) -> None:
+        """The learner's warnings above the table, each kind once (a zero-variance step warns every step);
+        its log has them all."""
+        from rich.markup import escape
+
+        for text in self.board.learner.take_warnings() if self.board.learner is not None else []:
+            kind = re.sub(r"-?\d+(?:\.\d+)?(?:e-?\d+)?", "N", text)
+            self.warned[kind] = self.warned.get(kind, 0) + 1
+            if self.warned[kind] == 1:
+                self.live.console.print(f"[yellow]learner warning:[/] {escape(text)}", soft_wrap=True)
 
 
 def _watch(launcher: Launcher, view: _View, console: Console) -> int:

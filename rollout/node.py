@@ -242,6 +242,10 @@ class RolloutNode:
             group_size=group_size,
             timings=Timings(submitted=ep.started, finished=ep.generated, rewarded=time.time()),
             loss_mask=ep.mask if 0 in ep.mask else [],
+            turns=ep.turns,
+            tool_calls=ep.tools.get("calls", 0),
+            tool_failed=ep.tools.get("failed", 0),
+            tool_timeouts=ep.tools.get("timed_out", 0),
         )
 
     def _score(self, prompt: Prompt, completions: list[Completion]) -> list[float | None]:

@@ -19,6 +19,7 @@ import msgspec
 from streamrl.engine.config import presets
 from streamrl.engine.config.base import ConfigError, PosInt, _doc, _Section
 from streamrl.engine.config.learner import CheckpointConfig, LearnerConfig, LossConfig
+from streamrl.engine.config.lora import LoraConfig
 from streamrl.engine.config.rollout import (
     DataConfig,
     EnvConfig,
@@ -36,6 +37,7 @@ __all__ = [
     "EnvConfig",
     "LearnerConfig",
     "LedgerConfig",
+    "LoraConfig",
     "LossConfig",
     "ModelConfig",
     "PosInt",
@@ -50,7 +52,9 @@ __all__ = [
     "apply_override",
     "build",
     "dump",
+    "given",
     "load",
+    "read",
 ]
 
 
@@ -218,6 +222,7 @@ class Config(_Section):
     env: EnvConfig = msgspec.field(default_factory=EnvConfig)
     loss: LossConfig = msgspec.field(default_factory=LossConfig)
     learner: LearnerConfig = msgspec.field(default_factory=LearnerConfig)
+    lora: LoraConfig = msgspec.field(default_factory=LoraConfig)
     ledger: LedgerConfig = msgspec.field(default_factory=LedgerConfig)
     transport: TransportConfig = msgspec.field(default_factory=TransportConfig)
     weights: WeightsConfig = msgspec.field(default_factory=WeightsConfig)
@@ -304,9 +309,7 @@ def _refuse_renamed(data: dict[str, Any]) -> None:
 def build(data: dict[str, Any], overrides: list[str] = ()) -> Config:
     """Validate a raw dict (from TOML) plus overrides into a `Config`; raise `ConfigError` naming the field.
     `loss.preset` fills the [loss] fields the data does not give (engine/config/presets.py)."""
-    data = msgspec.convert(data, dict)  # a copy the overrides may change
-    for override in overrides:
-        apply_override(data, override)
+    data = given(data, overrides)  # a copy the overrides changed
     _refuse_renamed(data)
     try:
         cfg = msgspec.convert(data, Config)
@@ -320,6 +323,19 @@ def build(data: dict[str, Any], overrides: list[str] = ()) -> Config:
 
 def load(path: str | pathlib.Path | None = None, overrides: list[str] = ()) -> Config:
     """Load a TOML file (or the defaults when `path` is None) and apply `--set` overrides."""
+    return build(read(path), overrides)
+
+
+def given(data: dict[str, Any], overrides: list[str] = ()) -> dict[str, Any]:
+    """The raw config the file and the overrides give (what an explicit setting is), before defaults."""
+    data = msgspec.convert(data, dict)
+    for override in overrides:
+        apply_override(data, override)
+    return data
+
+
+def read(path: str | pathlib.Path | None = None) -> dict[str, Any]:
+    """A TOML config file as a raw dict ({} when `path` is None); ConfigError when it is missing or not TOML."""
     data: dict[str, Any] = {}
     if path is not None:
         path = pathlib.Path(path)
@@ -329,7 +345,7 @@ def load(path: str | pathlib.Path | None = None, overrides: list[str] = ()) -> C
             data = tomllib.loads(path.read_text())
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"config file {path} is not valid TOML: {e}") from None
-    return build(data, overrides)
+    return data
 
 
 def dump(config: Config) -> str:

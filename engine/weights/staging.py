@@ -16,7 +16,7 @@ from typing import Protocol
 
 import torch
 
-from streamrl.engine.messages import WeightsReady
+from streamrl.engine.messages import AdapterSpec, WeightsReady
 from streamrl.engine.weights.collective import WeightSender, receive_flat
 from streamrl.engine.weights.ipc import IpcSender, receive_shared
 from streamrl.engine.weights.layout import BufferPool, PackedBuckets, unpack_bucket
@@ -60,6 +60,7 @@ class Staged:
     nbytes: int
     path: str = ""  # how it came: ready.backend
     copy_s: float = 0.0  # the shared CUDA path: the node's copy out of the learner's buffers, device time
+    adapter: AdapterSpec | None = None  # LoRA: `named` is this adapter of `version` (ready.adapter)
 
 
 class Stager:
@@ -99,7 +100,8 @@ class Stager:
             raise
         named = [item for spec, flat in zip(ready.buckets, flats) for item in unpack_bucket(spec, flat)]
         self.nbytes = sum(f.numel() * f.element_size() for f in flats)
-        return Staged(ready.version, named, time.perf_counter() - start, self.nbytes, ready.backend, copy_s)
+        seconds = time.perf_counter() - start
+        return Staged(ready.version, named, seconds, self.nbytes, ready.backend, copy_s, ready.adapter)
 
     def release(self) -> None:
         """The staged version is live (or given up): the buffers take the next one."""

@@ -27,7 +27,15 @@ def build_backend(cfg: Config, device: str = "cpu") -> GenerationBackend:
     if cfg.rollout.backend == "vllm":
         from streamrl.rollout.backends.vllm import VLLMBackend
 
-        return VLLMBackend(model_path, cfg.model, cfg.rollout, seed=cfg.run.seed, device=device)
+        return VLLMBackend(
+            model_path,
+            cfg.model,
+            cfg.rollout,
+            seed=cfg.run.seed,
+            device=device,
+            lora=cfg.lora,
+            max_staleness=cfg.ledger.max_staleness,
+        )
     from streamrl.rollout.backends.hf import HFBackend
 
     return HFBackend(

@@ -16,18 +16,21 @@ scores (logits / T, top-k and top-p filtered, as `output_scores` returns them) a
 same definition as the vLLM backend's (rollout/backends/protocol.py).
 
 Weights: a new version is received into staging buffers while a batch runs (`weights.Stager`, in a
-thread of its own) and swapped into the model between batches, on the generation thread itself.
+thread of its own) and swapped into the model between batches, on the generation thread itself. LoRA:
+a version is its adapter's tensors, copied into PEFT layers injected into the model with the first one.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import logging
 import time
 
+from streamrl.engine import lora
 from streamrl.engine.config import ModelConfig, RolloutConfig
-from streamrl.engine.messages import WeightsReady
+from streamrl.engine.messages import AdapterSpec, WeightsReady
 from streamrl.engine.weights import Staged, Stager
 from streamrl.rollout.backends.protocol import BackendClock, Completion, LiveVersion
 
@@ -81,6 +84,7 @@ class HFBackend:
         self.tokens_generated = 0
         self.clock = BackendClock()
         self.stager = Stager(device)
+        self._adapter_spec: AdapterSpec | None = None  # LoRA: the adapter injected, once the first arrives
         self._queue: list[_Request] = []
         self._lock_and_loop: tuple[asyncio.Lock, asyncio.AbstractEventLoop] | None = None
         # Every generate and every swap on one thread: on CUDA the static cache runs compiled CUDA
@@ -251,6 +255,9 @@ class HFBackend:
 
         start = time.perf_counter()
         try:
+            if ready.adapter is not None:  # LoRA: the adapter's tensors into the model's PEFT layers
+                self._inject(ready.adapter)
+                staged = dataclasses.replace(staged, named=[(lora.param_name(n), t) for n, t in staged.named])
             swap_into_hf_model(self.model, staged, f"learner@{ready.store_host}:{ready.store_port}")
             if self.device.startswith("cuda"):
                 import torch
@@ -262,6 +269,21 @@ class HFBackend:
         finally:
             self.stager.release()
             self.clock.swapped(time.perf_counter() - start)
+
+    def _inject(self, spec: AdapterSpec) -> None:
+        """PEFT's LoRA layers (adapter `default`) in the model, once: every version is copied into them at a
+        batch boundary, so a batch samples from one version's adapter."""
+        if self._adapter_spec == spec:
+            return
+        if self._adapter_spec is not None:
+            raise ValueError(f"adapter {spec} differs from the one this node serves ({self._adapter_spec})")
+        from peft import LoraConfig as PeftLoraConfig
+        from peft import inject_adapter_in_model
+
+        config = PeftLoraConfig(r=spec.rank, lora_alpha=spec.alpha, target_modules=list(spec.target_modules))
+        inject_adapter_in_model(config, self.model, adapter_name=lora.ADAPTER)
+        self.model.eval()
+        self._adapter_spec = spec
 
     async def close(self) -> None:
         self._thread.shutdown(wait=False)

@@ -10,6 +10,11 @@ Per-token versions: outputs stream as deltas and each delta's tokens are stamped
 engine's `policy_version` when the delta arrives. `update_weights` pauses generation keeping the
 running requests, applies the weights, resets the running requests' KV cache so every later token
 is computed by the new weights, bumps the version, then resumes.
+
+LoRA (`[lora] enabled`): a version arrives as its adapter's tensors and is loaded as an adapter of its
+own (vllm_worker.adapter_request: one name and id per version), without a pause; a request keeps the
+adapter it started with, so all its tokens carry one version, and an adapter no running request uses is
+dropped once a newer one is live. Version 0 is the base model (PEFT starts B at zero).
 """
 
 from __future__ import annotations
@@ -19,7 +24,8 @@ import itertools
 import logging
 import uuid
 
-from streamrl.engine.config import ModelConfig, RolloutConfig
+from streamrl.engine.config import LoraConfig, ModelConfig, RolloutConfig
+from streamrl.engine.lora import engine_rank
 from streamrl.engine.messages import WeightsReady
 from streamrl.engine.workers.lifeline import children_die_with_me
 from streamrl.rollout.backends.protocol import BackendClock, Completion, LiveVersion
@@ -33,10 +39,23 @@ WORKER_EXTENSION = "streamrl.rollout.backends.vllm_worker.WeightReceiverExtensio
 LOGPROBS_MODE = "processed_logprobs"  # of the distribution sampled from, whatever the sampling settings
 
 
-def engine_args(model_path: str, model: ModelConfig, rollout: RolloutConfig, seed: int, device: str):
+def engine_args(
+    model_path: str,
+    model: ModelConfig,
+    rollout: RolloutConfig,
+    seed: int,
+    device: str,
+    lora: LoraConfig | None = None,
+    max_staleness: int = 1,
+):
+    """lora: LoRA slots for max_staleness + 2 versions (every version a sample in flight may still use, and
+    the newest arriving while the oldest finishes), at vLLM's smallest slot rank that holds lora.rank."""
     from vllm.engine.arg_utils import AsyncEngineArgs
 
     extra = {}
+    if lora is not None and lora.enabled:
+        slots = max_staleness + 2
+        extra.update(enable_lora=True, max_loras=slots, max_cpu_loras=slots, max_lora_rank=engine_rank(lora.rank))
     if device == "cpu":
         extra["kv_cache_memory_bytes"] = int(rollout.kv_cache_gib * (1 << 30))
     else:
@@ -70,11 +89,8 @@ class _Collector:
         self.versions: list[int] = []
         self.finish_reason = ""
 
-    @property
-    def policy_version(self) -> int:
-        return self.live.version
-
     def add(self, output, version: int) -> None:
+        """`version`: the engine's when the delta arrived (full weights), or the request's adapter's (LoRA)."""
         new_ids = list(output.token_ids)
         if output.logprobs is None or len(output.logprobs) != len(new_ids):
             raise RuntimeError(
@@ -99,7 +115,17 @@ class _Collector:
 class VLLMBackend:
     """`GenerationBackend` over vLLM's AsyncLLM (engine core in its own process, which dies with this one)."""
 
-    def __init__(self, model_path: str, model: ModelConfig, rollout: RolloutConfig, seed: int = 0, device: str = "cpu"):
+    def __init__(
+        self,
+        model_path: str,
+        model: ModelConfig,
+        rollout: RolloutConfig,
+        seed: int = 0,
+        device: str = "cpu",
+        lora: LoraConfig | None = None,
+        max_staleness: int = 1,
+    ):
+        """lora (enabled): each pushed version is an adapter of its own (module doc)."""
         check_servable(model_path, model, device)  # before vLLM's import: a few seconds, not a dead engine later
         from vllm.v1.engine.async_llm import AsyncLLM
 
@@ -111,7 +137,15 @@ class VLLMBackend:
         self._ids = itertools.count()
         self._prefix = uuid.uuid4().hex[:8]
         children_die_with_me()  # the engine core is our child: a killed node must not leave it orphaned
-        self._engine = AsyncLLM.from_engine_args(engine_args(model_path, model, rollout, seed, device))
+        self.lora = lora is not None and lora.enabled
+        self._adapter = None  # LoRA: the newest version's LoRARequest (None: the base model, version 0)
+        self._running: dict[int, int] = {}  # LoRA: version -> requests that use its adapter
+        args = engine_args(model_path, model, rollout, seed, device, lora, max_staleness)
+        self._engine = AsyncLLM.from_engine_args(args)
+
+    @property
+    def policy_version(self) -> int:
+        return self.live.version
 
     def _params(self, n: int, max_tokens: int):
         from vllm import SamplingParams
@@ -137,19 +171,35 @@ class VLLMBackend:
             )
         samples = [_Collector() for _ in range(n)]
         request_id = f"{self._prefix}-{next(self._ids)}"
+        adapter, pinned = self._adapter, self.policy_version  # LoRA: every token from the adapter it starts with
+        self._running[pinned] = self._running.get(pinned, 0) + 1
         stream = self._engine.generate(
-            {"prompt_token_ids": list(prompt_ids)}, self._params(n, min(max_tokens, room)), request_id
+            {"prompt_token_ids": list(prompt_ids)},
+            self._params(n, min(max_tokens, room)),
+            request_id,
+            lora_request=adapter,
         )
         self.clock.begin()
         try:
             async for out in stream:
-                version = self.policy_version
+                version = pinned if self.lora else self.policy_version
                 for output in out.outputs:
                     samples[output.index].add(output, version)
                     self.tokens_generated += len(output.token_ids)
         finally:
             self.clock.end()
+            self._running[pinned] -= 1
+            if self.lora:
+                await self._drop_unused()
         return [s.build() for s in samples]
+
+    async def _drop_unused(self) -> None:
+        """LoRA: drop the adapters of versions no running request uses and no new one will (older than the newest)."""
+        for version in list(self._running):
+            if self._running.get(version) == 0 and version != self.policy_version:  # checked after each await
+                del self._running[version]
+                if version > 0:  # version 0 is the base model: no adapter
+                    await self._engine.collective_rpc("drop_adapter", args=(version,))
 
     async def update_weights(self, ready: WeightsReady) -> float:
         """Stage `ready` in the workers while generation goes on, then pause (keep requests), load,
@@ -161,7 +211,14 @@ class VLLMBackend:
         from streamrl.rollout.backends.vllm_worker import stage_and_swap_async_llm
 
         done = await stage_and_swap_async_llm(self._engine, ready)
+        if ready.adapter is not None:
+            from streamrl.rollout.backends.vllm_worker import adapter_request
+
+            self._adapter = adapter_request(ready.version)
         self.live.went_live(ready.version)
+        if self.lora:
+            self._running.setdefault(ready.version, 0)
+            await self._drop_unused()
         self.clock.swapped(done["swap_s"])
         self.staging_bytes = done["nbytes"]
         return done["seconds"]

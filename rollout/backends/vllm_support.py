@@ -89,3 +89,31 @@ def check_servable(model_path: str, model: ModelConfig, device: str) -> None:
     problems = support_problems(hf_config, model.max_model_len, device)
     if problems:
         raise ModelLoadError(f"vLLM cannot serve {model_path}: {'; '.join(problems)}")
+
+
+def lora_problem(hf_config) -> str:
+    """Why this vLLM cannot serve LoRA adapters on this model ("" when it can, or when it cannot tell).
+
+    Read from vLLM's source text, not by importing it (its model registry takes 10-20 s to import here):
+    the registry's entry for the architecture names the module and class, and the class must declare
+    `SupportsLoRA` (GPT2LMHeadModel does not, in 0.32)."""
+    import importlib.util
+    import pathlib
+    import re
+
+    spec = importlib.util.find_spec("vllm")
+    if spec is None or spec.origin is None:
+        return ""
+    root = pathlib.Path(spec.origin).parent
+    if not (root / "lora").is_dir():
+        return "this vLLM build has no LoRA support (no vllm.lora)"
+    registry = (root / "model_executor/models/registry.py").read_text(errors="replace")
+    for arch in getattr(hf_config, "architectures", None) or []:
+        entry = re.search(rf'"{re.escape(arch)}": \("(\w+)", "(\w+)"\)', registry)
+        source = root / "model_executor/models" / f"{entry.group(1)}.py" if entry else None
+        if source is None or not source.is_file():
+            continue
+        declared = re.search(rf"^class {entry.group(2)}\((.*?)\):", source.read_text(errors="replace"), re.M | re.S)
+        if declared and "SupportsLoRA" not in declared.group(1):
+            return f"vLLM's {entry.group(2)} (architecture {arch}) does not support LoRA adapters"
+    return ""

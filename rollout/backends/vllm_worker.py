@@ -100,8 +100,11 @@ class WeightReceiverExtension:
         if staged is None:
             return {"version": -1, "seconds": 0.0, "error": "nothing staged"}
         try:
-            reload = getattr(self, "reload_weights", None) or self.model_runner.reload_weights
-            reload(weights_iterator=staged.named)
+            if staged.adapter is not None:
+                self._add_adapter(staged)
+            else:
+                reload = getattr(self, "reload_weights", None) or self.model_runner.reload_weights
+                reload(weights_iterator=staged.named)
             if torch.device(self.device).type == "cuda":  # done reading staging before it takes the next version
                 torch.cuda.synchronize(self.device)
             return {
@@ -115,6 +118,54 @@ class WeightReceiverExtension:
         finally:
             state["stager"].release()
 
+    def _add_adapter(self, staged: Staged) -> None:
+        """LoRA: keep the version's adapter tensors (copied out of staging, which takes the next version) and
+        load them as adapter `adapter_request(version)`; vLLM's loader reads them from here, never from disk,
+        also when it loads the adapter again after its LRU cache dropped it."""
+        held = self._adapters()
+        request = adapter_request(staged.version)
+        held[request.lora_int_id] = ({name: t.clone() for name, t in staged.named}, staged.adapter)
+        try:
+            self.model_runner.add_lora(request)
+        except BaseException:
+            held.pop(request.lora_int_id, None)
+            raise
+
+    def drop_adapter(self, version: int) -> dict:
+        """LoRA: forget a version's adapter (no request can use it any more): its slot and its tensors."""
+        lora_id = adapter_request(version).lora_int_id
+        self._adapters().pop(lora_id, None)
+        return {"removed": bool(self.model_runner.remove_lora(lora_id))}
+
+    def held_adapters(self) -> dict:
+        """LoRA: the versions whose adapters this worker holds -> sha256 of their tensors (names and bytes, in
+        name order): what the node serves, comparable with the learner's tensors bit for bit."""
+        import hashlib
+
+        out = {}
+        for lora_id, (tensors, _) in self._adapters().items():
+            digest = hashlib.sha256()
+            for name in sorted(tensors):
+                digest.update(name.encode())
+                digest.update(tensors[name].contiguous().view(torch.uint8).numpy().tobytes())
+            out[lora_id - 1] = digest.hexdigest()
+        return out
+
+    def _adapters(self) -> dict:
+        """lora_int_id -> (tensors, AdapterSpec); made on first use, with vLLM's loader patched to read it."""
+        if not hasattr(self, "_streamrl_adapters"):
+            held: dict = {}
+            manager = self.model_runner.lora_manager
+            from_disk = manager._load_adapter
+
+            def load(request):
+                found = held.get(request.lora_int_id)
+                return from_disk(request) if found is None else _lora_model(manager, request.lora_int_id, *found)
+
+            manager._load_adapter = load
+            self._streamrl_adapters = held
+        return self._streamrl_adapters
+
     def discard_staged(self) -> dict:
         """Free the staging buffers without loading (another worker failed: the version is given up)."""
         state = self._staging()
@@ -125,10 +176,44 @@ class WeightReceiverExtension:
         return {"discarded": had}
 
 
+def adapter_request(version: int):
+    """The vLLM adapter of a policy version: one name and id per version, so the prefix cache (keyed by
+    adapter) never mixes two policies. The path names no file: the tensors are in the worker's memory."""
+    from vllm.lora.request import LoRARequest
+
+    return LoRARequest(lora_name=f"streamrl-v{version}", lora_int_id=version + 1, lora_path=f"streamrl://v{version}")
+
+
+def _lora_model(manager, lora_id: int, tensors: dict, spec):
+    """vLLM's LoRAModel from tensors in memory (what `_load_adapter` builds from a folder)."""
+    from vllm.lora.peft_helper import PEFTHelper
+
+    from streamrl.engine.lora import peft_config
+
+    positions = manager.max_position_embeddings
+    helper = PEFTHelper.from_dict({**peft_config(spec), "vllm_max_position_embeddings": positions})
+    helper.validate_legal(manager.lora_config)
+    model = manager._adapter_manager.model
+    mapper = getattr(model, "hf_to_vllm_mapper", None)
+    return manager._lora_model_cls.from_lora_tensors(
+        lora_model_id=lora_id,
+        tensors={name: t.clone() for name, t in tensors.items()},  # vLLM scales B in place: keep ours as sent
+        peft_helper=helper,
+        device="cpu",
+        dtype=manager.lora_config.lora_dtype,
+        model_vocab_size=manager.vocab_size,
+        weights_mapper=mapper.get_rename_mapper() if mapper is not None else None,
+        skip_prefixes=getattr(model, "lora_skip_prefixes", None),
+    )
+
+
 async def stage_and_swap_async_llm(engine, ready: WeightsReady) -> dict:
     """Stage in every worker (generation goes on), then pause (keep requests) → load → reset KV →
     resume. Returns `{"version", "seconds", "swap_s", "nbytes"}`; raises `WeightTransferError` when a
-    worker failed (the engine keeps generating with the weights it had)."""
+    worker failed (the engine keeps generating with the weights it had).
+
+    LoRA (`ready.adapter`): the version becomes an adapter of its own, loaded without a pause; running
+    requests keep the adapter they started with, so no KV is reset."""
     peer, start = f"learner@{ready.store_host}:{ready.store_port}", time.perf_counter()
     started = await engine.collective_rpc("stage_weights", args=(messages.encode(ready),))
     errors = [r["error"] for r in started if r.get("error")]
@@ -145,6 +230,14 @@ async def stage_and_swap_async_llm(engine, ready: WeightsReady) -> dict:
         await engine.collective_rpc("discard_staged")  # workers that did stage free their buffers
         raise WeightTransferError(peer, "staging", f"{len(errors)} worker(s) failed: {errors[0]}")
     paused = time.perf_counter()
+    if ready.adapter is not None:
+        results = await engine.collective_rpc("swap_staged")
+        errors = [r["error"] for r in results if r.get("error")]
+        if errors:
+            raise WeightTransferError(peer, "apply", f"{len(errors)}/{len(results)} worker(s) failed: {errors[0]}")
+        done = time.perf_counter()
+        return {"version": ready.version, "seconds": done - start, "swap_s": 0.0,
+                "nbytes": sum(r.get("nbytes", 0) for r in results)}  # fmt: skip
     await engine.pause_generation(mode="keep")
     try:
         results = await engine.collective_rpc("swap_staged")

@@ -32,7 +32,8 @@ def test_doctor_is_green_here():
     rows = _rows(proc.stdout)
     for name in ("python", "torch", "transformers", "vllm", "redis", "ports"):
         assert name in rows and "FAIL" not in rows[name], proc.stdout
-    for name in ("tensorboard", "wandb", "reasoning-gym", "skyrl-gym"):  # optional, installed here by install.sh
+    # optional, installed here by install.sh
+    for name in ("tensorboard", "wandb", "reasoning-gym", "skyrl-gym", "verifiers"):
         assert "│ ok " in rows[name], proc.stdout
 
 

@@ -261,7 +261,9 @@ def test_learner_nodes_and_redis_on_separate_hosts_with_curve(hosts, tmp_path, t
     # ... and changed nothing: node-0 kept its sequence and its weights, and nothing was lost to a gap
     assert last["duplicates"] == 0 and last["gaps"] == 0 and last["nodes"] == 2
     assert last["node/node-0/applied_version"] > before.get("node/node-0/applied_version", 0)
-    assert last["node/node-0/applied_version"] >= ledger["version"] - 2  # asynchronous pushes: a version or two in flight
+    assert (
+        last["node/node-0/applied_version"] >= ledger["version"] - 2
+    )  # asynchronous pushes: a version or two in flight
     logs = [p for p in run_dir.rglob("*") if p.is_file() and p.suffix in (".out", ".log", ".jsonl")]
     password = url.split(":")[2].split("@")[0]
     assert logs and not [str(p) for p in logs if password.encode() in p.read_bytes()], "the Redis password was logged"

@@ -43,9 +43,9 @@ def test_a_good_setup_passes_and_counts_its_rows(tiny_model, tmp_path):
     assert [str(p) for p in report.problems if p.check == "data"] == [
         f"info: data: data.path = {data}: 20 of 20 rows usable"
     ]
-    assert set(report.seconds) == {"config", "model", "engine", "data", "reward", "telemetry", "gpu"}
+    assert set(report.seconds) == {"config", "model", "engine", "lora", "data", "reward", "telemetry", "gpu"}
     learner_only = run_preflight(tiny_model, f"data.path={data!r}", roles=["learner"])
-    assert set(learner_only.seconds) == {"config", "model", "telemetry", "gpu"}  # a learner reads no data
+    assert set(learner_only.seconds) == {"config", "model", "lora", "telemetry", "gpu"}  # a learner reads no data
     with pytest.raises(
         ValueError, match=r"preflight roles \['node'\]; give a non-empty subset of \['learner', 'rollout'\]"
     ):
@@ -222,3 +222,14 @@ def test_a_shared_gpu_that_fits_says_its_split(one_gpu):
     assert found.errors == []
     (line,) = [str(p) for p in found.problems if p.check == "gpu"]
     assert line.startswith("info: gpu: GPU 0 shared by the learner and node-0: 53.7 of 139.8 GiB (learner ≈ 50.6")
+
+
+def test_cuda_on_a_host_without_one_is_refused_by_preflight(tiny_model, monkeypatch):
+    """Before any run folder is made (`streamrl run` makes it only past preflight)."""
+    from streamrl.engine import placement
+
+    monkeypatch.setattr(placement, "visible_gpus", lambda: 0)
+    report = run_preflight(tiny_model, "run.device='cuda'", "rollout.backend='hf'")
+    assert only_error(report, "gpu") == (
+        "run.device = 'cuda' but this host has no CUDA device (nvidia-smi?); use run.device = 'cpu'"
+    )

@@ -1,0 +1,61 @@
+"""The learner's LoRA: PEFT adapters injected into the HF model before FSDP2 wraps it.
+
+The base weights stay frozen in the compute dtype (model.dtype: bf16 on a GPU halves their memory, and
+nothing reduces their gradients); the adapters are fp32 master weights, cast to the compute dtype by
+FSDP2's mixed precision like full training's. FSDP2 needs one dtype among a unit's trainable parameters
+only, so frozen bf16 and trainable fp32 share a unit. The model keeps its own module tree (PEFT's layers
+in place of the target linears), so `PolicyModel`, compile and activation checkpointing see the same model.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from streamrl.engine import lora
+from streamrl.engine.config import LoraConfig
+from streamrl.engine.messages import AdapterSpec
+
+
+def apply(model: nn.Module, cfg: LoraConfig, base_dtype: torch.dtype) -> tuple[nn.Module, AdapterSpec]:
+    """`model` with PEFT's LoRA layers injected (adapter `default`), only they trainable, and its spec.
+
+    B starts at zero (PEFT's init), so version 0 of the adapted model is the base model exactly."""
+    from peft import LoraConfig as PeftLoraConfig
+    from peft import get_peft_model
+
+    spec = lora.resolve(cfg, lora.linear_modules(model))
+    peft_cfg = PeftLoraConfig(
+        r=spec.rank,
+        lora_alpha=spec.alpha,
+        lora_dropout=cfg.dropout,
+        target_modules=list(spec.target_modules),
+        bias="none",
+        task_type="CAUSAL_LM",
+    )
+    model = model.to(base_dtype)
+    injected = get_peft_model(model, peft_cfg, adapter_name=lora.ADAPTER).base_model.model  # the HF model itself
+    for name, param in injected.named_parameters():
+        param.requires_grad_(lora.is_adapter(name))
+        if param.requires_grad:
+            param.data = param.data.float()
+    return injected, spec
+
+
+def adapter_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The adapters' full tensors under their wire (PEFT saved) names, detached; every rank calls."""
+    from torch.distributed.tensor import DTensor
+
+    from streamrl.learner.parallel import hf_name
+
+    out = {}
+    for name, param in model.named_parameters():
+        name = hf_name(name).removeprefix("lm.")
+        if lora.is_adapter(name):
+            full = param.full_tensor() if isinstance(param, DTensor) else param
+            out[lora.wire_name(name)] = full.detach()
+    return out
+
+
+def trainable(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    return [(n, p) for n, p in model.named_parameters() if p.requires_grad]
