@@ -46,15 +46,18 @@ def run_learner(cfg: Config, resume: str = "") -> int:
     torch.manual_seed(cfg.run.seed)
     model_path = cfg.model.path or str(default_tiny_model())
     compute = getattr(torch, cfg.model.dtype)  # the learner's compute dtype = what the engines serve
-    model = load_model(model_path, "float32", "cpu", cfg.model.trust_remote_code)  # fp32 master weights
+    # fp32 master weights; LoRA: a frozen base in the compute dtype (read as such: half the host memory and
+    # time for a bf16 model), fp32 adapters (learner/lora.py)
+    master = cfg.model.dtype if cfg.lora.enabled else "float32"
+    model = load_model(model_path, master, "cpu", cfg.model.trust_remote_code)
     adapter = None
-    if cfg.lora.enabled:  # frozen base in the compute dtype, fp32 adapters (learner/lora.py)
+    if cfg.lora.enabled:
         model, adapter = lora.apply(model, cfg.lora, compute)
     sampling = dict(temperature=cfg.rollout.temperature, top_k=cfg.rollout.top_k, top_p=cfg.rollout.top_p)
     policy = parallel.wrap_model(model, cfg.learner, device, compute_dtype=compute, **sampling)
     reference = build_reference(cfg, device, compute, policy)  # None unless loss.kl_coef > 0
     trainer = _trainer(cfg, policy, device, reference)
-    keeper = checkpoint.Keeper(cfg.checkpoint, cfg.run.path, policy.lm, trainer, model_path, cfg.run.steps)
+    keeper = checkpoint.Keeper(cfg.checkpoint, cfg.run.path, policy.lm, trainer, model_path, cfg.run.steps, adapter)
     first = keeper.resume(resume, cfg.run.path).step + 1 if resume else 1  # steps continue from the checkpoint
     resumed_version = trainer.version if resume else None  # the ledger is rolled back to it
     orchestrator = _start_orchestrator(cfg, device, trainer, policy, resumed_version, first, adapter)
