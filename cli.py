@@ -34,11 +34,22 @@ PreflightOpt = Annotated[
 ]
 
 
-def _load(config: pathlib.Path | None, overrides: list[str] | None, debug: bool = False):
-    from streamrl.engine.config import ConfigError, load
+def _load(config: pathlib.Path | None, overrides: list[str] | None, debug: bool = False, roles: bool = False):
+    """The config of the file and overrides; for a role (`roles`), with what its data source implies
+    (rollout/envs/libraries.py: a library's reward, prompt length, environment), said in one line."""
+    from streamrl.engine.config import ConfigError, build, given, read
 
     try:
-        return load(config, overrides or [])
+        data = read(config)
+        cfg = build(data, overrides or [])
+        if roles:
+            from streamrl.rollout.envs.libraries import implied
+
+            extra, said = implied(given(data, overrides or []), cfg)
+            if extra:
+                typer.echo(f"info: {said}", err=True)
+                cfg = build(data, [*(overrides or []), *extra])
+        return cfg
     except ConfigError as e:
         if debug:
             raise
@@ -73,6 +84,7 @@ def doctor(
     config: ConfigOpt = None,
     overrides: SetOpt = None,
     redis_url: Annotated[str, typer.Option(help="Check this Redis (default: ledger.url, else the embedded one).")] = "",
+    deep: Annotated[bool, typer.Option(help="Also import the model's transformers class and vLLM (slower).")] = False,
 ) -> None:
     """Check the environment; every failing row names the command that fixes it."""
     from streamrl.ops.doctor import render, run_checks
@@ -84,6 +96,7 @@ def doctor(
         host=cfg.transport.host,
         ports=[cfg.transport.trajectory_port, cfg.transport.control_port],
         tensorboard=cfg.telemetry.tensorboard,
+        deep=deep,
     )
     raise typer.Exit(render(results))
 
@@ -138,7 +151,7 @@ def learner(
     import os
     import sys
 
-    cfg = _load(config, overrides, debug)
+    cfg = _load(config, overrides, debug, roles=True)
     if not gpus and cfg.learner.gpus and "CUDA_VISIBLE_DEVICES" not in os.environ:
         gpus = ",".join(map(str, cfg.learner.gpus))  # a launcher that placed us set the variable already
     _use_gpus(gpus)
@@ -185,7 +198,7 @@ def rollout(
     debug: DebugOpt = False,
 ) -> None:
     """Run one rollout node: register with the learner, take its weights, generate until stopped."""
-    cfg = _load(config, overrides, debug)
+    cfg = _load(config, overrides, debug, roles=True)
     if preflight:
         _preflight(cfg, ["rollout"], debug)
     from streamrl.rollout.service import main as rollout_main
@@ -206,16 +219,17 @@ def status(
     """The run's books: generated, in flight, trained, dropped by reason; exit 1 when they do not balance."""
     from streamrl.ops.status import status_command
 
+    run_dir = pathlib.Path(runs_dir) / run
     if redis_url:
-        raise typer.Exit(status_command(run, redis_url, deep=deep))
+        raise typer.Exit(status_command(run, redis_url, deep=deep, run_dir=run_dir))
     from streamrl.engine.redis_server import RedisServer
 
-    folder = pathlib.Path(runs_dir) / run / "redis"
+    folder = run_dir / "redis"
     if not folder.is_dir():
         typer.secho(f"error: no ledger at {folder}; give --redis-url for a run on another server", fg="red", err=True)
         raise typer.Exit(2)
     with RedisServer(folder) as server:
-        raise typer.Exit(status_command(run, server.url, deep=deep))
+        raise typer.Exit(status_command(run, server.url, deep=deep, run_dir=run_dir))
 
 
 @app.command()
@@ -257,7 +271,7 @@ def run(
     sets += [f"reward.functions={list(reward)!r}"] if reward else []
     sets += [f"run.steps={steps}"] if steps else []
     sets += [f"run.device={device!r}"] if device else []
-    cfg = _load(config, sets, debug)
+    cfg = _load(config, sets, debug, roles=True)
     _preflight(cfg, ["learner", "rollout"], debug, nodes=rollout_nodes)
     # a run named by you keeps its folder; the default name gets a fresh one when taken
     raise typer.Exit(run_local(cfg, rollout_nodes, explicit_name=cfg.run.name != RunConfig().name, resume=resume))

@@ -57,6 +57,15 @@ class Trajectory(_Wire):
     # min_version is the oldest model token's; the learner must leave 0 tokens out of the loss, the
     # importance ratios and every token count (they are context only, like the prompt).
     loss_mask: list[int] = []
+    # Multi-turn episodes: model turns (0: a single-turn sample), and the tool calls the episode made, of
+    # them failed (the tool raised, was unknown or the call malformed) and timed out (env.tool_timeout_s).
+    turns: int = 0
+    tool_calls: int = 0
+    tool_failed: int = 0
+    tool_timeouts: int = 0
+    # Why `reward` is None: the failing reward and its first error, e.g. "my.py:f: ValueError: ..." (the
+    # learner stops a run whose reward fails on nearly every sample, naming it).
+    reward_error: str = ""
 
     def __post_init__(self) -> None:
         n = len(self.completion_ids)

@@ -36,8 +36,9 @@ from streamrl.engine.redis_server import redact
 from streamrl.engine.telemetry import MetricsSink
 from streamrl.engine.transport import REFUSALS, TrajectoryReceiver, bind_address
 from streamrl.learner.batching import StepBatch, pack_for_ranks, sequence_cost
-from streamrl.learner.intake import Intake, StallAlarm
+from streamrl.learner.intake import Intake, RewardWatch, StallAlarm
 from streamrl.learner.nodes import NodeRegistry
+from streamrl.learner.overdue import OverdueGroups
 from streamrl.learner.publisher import Publisher
 from streamrl.learner.selection import Selection, select, warn_unfilled
 from streamrl.rewards.stats import batch_stats, warn_if_flat
@@ -96,7 +97,9 @@ class Orchestrator:
             alarm = StallAlarm(cfg.learner.stall_warn_s, cfg.learner.stall_stop_s, self.ledger.counts)
             # the wait for the oldest admitted groups: a node that died holding one is reaped within a TTL
             patience = min(cfg.ledger.heartbeat_ttl_s * 1.5, 30.0)
-            self.intake = Intake(receiver, self.ledger, cfg.ledger.max_staleness, alarm, order_patience_s=patience)
+            window = 2 * cfg.learner.groups_per_step * cfg.rollout.group_size  # 2 steps' worth of samples
+            rewards, overdue = RewardWatch(window), OverdueGroups(self.ledger, self.registry.silent_s, window)
+            self.intake = Intake(receiver, self.ledger, cfg.ledger.max_staleness, alarm, patience, rewards, overdue)
             self.publisher = Publisher(cfg, self.registry, device, adapter)
             self.sink = MetricsSink(cfg.run.path, cfg.telemetry)
         except BaseException:
@@ -167,7 +170,7 @@ class Orchestrator:
         return Welcome(
             node_id=node_id,
             trajectory_addr=self.intake.addr,
-            redis_url=self.redis_url,
+            redis_url=self.redis_url if self.gate is not None else "",  # the password only to an authenticated node
             run_name=self.cfg.run.name,
             policy_version=self.version_of(),
         )
@@ -278,6 +281,7 @@ class Orchestrator:
             **metrics,
             **{k: v for k, v in rewards.as_metrics().items() if math.isfinite(v)},  # none for a step without samples
             **selection.metrics(self.cfg.learner.groups_per_step),
+            **selection.episode_figures(),
             **selection.batch_figures(trained_by, time.monotonic() - started),
             **self._time_figures(train, timings),
             **self._node_figures(),

@@ -100,6 +100,24 @@ class Selection:
             "reward/overlong_penalty_mean": (sum(penalties) - sum(raw)) / len(raw) if raw else 0.0,
         }
 
+    def episode_figures(self) -> dict[str, float]:
+        """Multi-turn episodes of the step's groups (none when every sample is single-turn): turns per
+        episode, tool calls made / failed / timed out, and the environment's reward (in an `[env]` run it is
+        the reward: reward.functions are not called there)."""
+        episodes = [t for g in self.groups for t in g if t.turns]
+        if not episodes:
+            return {}
+        n = len(episodes)
+        return {
+            "env/episodes": float(n),
+            "env/turns_mean": sum(t.turns for t in episodes) / n,
+            "env/reward_mean": sum(t.reward for t in episodes if t.reward is not None) / n,
+            "env/tool_calls": float(sum(t.tool_calls for t in episodes)),
+            "env/tool_failed": float(sum(t.tool_failed for t in episodes)),
+            "env/tool_timeouts": float(sum(t.tool_timeouts for t in episodes)),
+            "env/tool_calls_per_episode": sum(t.tool_calls for t in episodes) / n,
+        }
+
     def batch_figures(self, version: int, seconds: float) -> dict[str, float]:
         """Tokens, throughput and staleness of the samples trained, against the `version` that trained them."""
         tokens = sum(t.model_tokens for t in self.train)

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any
+
+from rich.console import Console
 
 from streamrl.ops.phases import RoleState, Snapshot
 
 MIN_WIDTH = 72  # wide enough for a node's state, so the table does not jump as phases change
 LABEL_WIDTH = len("mismatch_kl / behavior_kl")
+NO_TERMINAL_WIDTH = 200  # columns of the output without a terminal
 STATE_STYLE = {"dead": "red", "generating": "green", "training": "green", "up": "green", "registered": "cyan"}
 
 
@@ -50,8 +54,16 @@ def _figures(records: list[dict[str, Any]]) -> list[tuple[str, str]]:
     reward = f"{fmt('reward/mean')} ± {fmt('reward/std')}"
     if first_reward is not None and len(records) > 1:
         reward += f"   (step 1: {first_reward:.3f})"
+    episodes = []
+    if "env/episodes" in last:  # multi-turn: what the episodes did (learner/selection.py episode_figures)
+        episodes = [
+            ("episodes", f"{fmt('env/turns_mean', '.2f')} turns, environment reward {fmt('env/reward_mean')}"),
+            ("tool calls", f"{fmt('env/tool_calls', '.0f')} ({fmt('env/tool_failed', '.0f')} failed, "
+                           f"{fmt('env/tool_timeouts', '.0f')} timed out)"),
+        ]  # fmt: skip
     return [
         ("reward", reward),
+        *episodes,
         ("loss", fmt("loss", ".4f")),
         ("policy version", fmt("version", ".0f")),
         ("tokens/s (trained)", fmt("tokens_per_s", ".0f")),
@@ -63,3 +75,12 @@ def _figures(records: list[dict[str, Any]]) -> list[tuple[str, str]]:
         ),
         ("weights push (s)", fmt("weights_s", ".2f")),
     ]
+
+
+def plain_console() -> Console:
+    """The console: a terminal's own width; without one (a log, a pipe, CI), wide enough that no line is
+    wrapped at rich's default 80 columns (COLUMNS, when set, still wins)."""
+    console = Console()
+    if console.is_terminal or "COLUMNS" in os.environ:
+        return console
+    return Console(width=NO_TERMINAL_WIDTH)

@@ -5,7 +5,8 @@ The reader keys on lines the roles write for it, and on nothing else of their ou
   `phase: registered ...`, `phase: generating`, then `policy version N live` per weights version;
 - the learner (learner/orchestrator.py, nodes.py, intake.py): `learner up:` once its sockets are
   bound (when it also writes RUN/learner.json), `node X joined` / `left` / `was evicted` /
-  `stopped beating`, `waited N s for trajectories: ...; HINT`.
+  `stopped beating`, `waited N s for trajectories: ...; HINT`, and its `WARNING:` lines (the view
+  prints them on the console: a step with zero reward variance, ...).
 Everything else a role prints (vLLM's own lines, tracebacks) only feeds the last error line shown
 for a role that died.
 """
@@ -30,6 +31,7 @@ LIVE = re.compile(r"\bpolicy version (\d+) live\b")
 JOINED = re.compile(r"\bnode (\S+) joined\b")
 GONE = re.compile(r"\bnode (\S+) (?:left|was evicted|stopped beating)\b|\bevicted node (\S+):")
 WAITING = re.compile(r"\bwaited \d+ s for trajectories: (.*)")
+WARNING = re.compile(r"^\d\d:\d\d:\d\d WARNING: (.+)")  # the streamrl console format
 # the streamrl console format (HH:MM:SS LEVEL: message), vLLM's (... ERROR 11-30 12:00:00 [file.py:1] message),
 # a traceback's last line (module.SomeError: message), and `error: message` printed before logging starts
 ERROR_LINES = (
@@ -125,8 +127,15 @@ class LearnerWatch(RoleWatch):
         self.registered: set[str] = set()
         self.waiting = ""  # the learner's last word while it waits for trajectories
         self.came_up = False  # its sockets were bound, and so the run's books opened in the ledger
+        self.warnings: list[str] = []  # its WARNING lines not yet taken by the view (`take_warnings`)
+
+    def take_warnings(self) -> list[str]:
+        taken, self.warnings = self.warnings, []
+        return taken
 
     def read(self, line: str) -> None:
+        if (found := WARNING.search(line)) is not None and not WAITING.search(line):  # that one is the note
+            self.warnings.append(found.group(1))
         if "learner up:" in line:
             self.state.state, self.came_up = "up", True
         elif (found := JOINED.search(line)) is not None:

@@ -185,6 +185,8 @@ def check_rewards(ctx: _Context) -> list[Problem]:
     from streamrl.rewards.registry import REWARD_MODEL, RewardSpecError, check_signature, resolve
 
     reward, out = ctx.cfg.reward, []
+    if ctx.cfg.env.name:  # the environment's step rewards replace reward.functions: none is called
+        return []
     for spec in reward.functions:
         if spec == REWARD_MODEL:
             if not reward.model.path:
@@ -227,8 +229,8 @@ def check_gpu_placement(ctx: _Context) -> list[Problem]:
 
     cfg = ctx.cfg
     gpus = visible_gpus() if cfg.run.device in ("auto", "cuda") else 0
-    if set(ROLES) - ctx.roles or ctx.hf_config is None or not gpus or not ctx.nodes:
-        return []
+    if set(ROLES) - ctx.roles or ctx.hf_config is None or (not gpus and cfg.run.device != "cuda"):
+        return []  # run.device = 'cuda' on a host without one is planned, and so refused, here
     try:
         placement = plan(cfg, gpus, ctx.nodes)
     except ConfigError as e:

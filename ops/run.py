@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import signal
 import time
 
@@ -9,11 +10,12 @@ import msgspec
 from rich.console import Console
 from rich.live import Live
 
+from streamrl.engine.auth import NO_CURVE_WARNING
 from streamrl.engine.config import Config, ConfigError, presets
 from streamrl.engine.telemetry import MetricsTail, read_metrics
 from streamrl.engine.weights.paths import NAMES, planned
 from streamrl.ops.launcher import Launcher
-from streamrl.ops.live import live_table
+from streamrl.ops.live import live_table, plain_console
 from streamrl.ops.phases import Board
 
 # The built-in demo: the random-init tiny model learns to write the letter of the demo task's
@@ -21,6 +23,7 @@ from streamrl.ops.phases import Board
 # A learning rate this high suits only a tiny random model; examples/demo.toml spells it out.
 DEMO = ["learner.lr=1e-2", "rollout.group_size=8", "rollout.max_tokens=24", "run.steps=30"]
 LEARNER_UP_S = 300.0  # from the learner's start to its sockets (RUN/learner.json)
+LEDGER_LOST = 4  # the learner's exit status when Redis stayed unreachable past ledger.retry_s
 POLL_S = 0.1  # how often the live view reads the logs and the metrics
 REDRAW_S = 0.5  # the view redraws at least this often (its clock), and whenever a state changes
 
@@ -51,7 +54,7 @@ def run_local(
 ) -> int:
     """Run to the configured number of steps (or Ctrl-C); the exit status. `resume` (a checkpoint
     folder, or "latest") continues the run of that name in its folder."""
-    console = console or Console()
+    console = console or plain_console()
     cfg = fresh_name(cfg, explicit_name or bool(resume))
     launcher = Launcher(cfg, resume=resume)
     try:
@@ -66,6 +69,8 @@ def run_local(
     elif nodes:
         path = planned(cfg.weights.backend, None, None)
         console.print(f"placement: every role on the CPU; weights by {NAMES[path]}")
+    if not cfg.transport.curve:
+        console.print(f"[yellow]warning:[/] {NO_CURVE_WARNING}", markup=True)
     if cfg.loss.preset:
         console.print(presets.describe(cfg), markup=False)
     started, code, failure = time.monotonic(), 1, ""
@@ -86,18 +91,33 @@ def run_local(
                 previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)}
                 launcher.stop_all(keep_redis=True)
                 view.show(force=True)  # the last table: every role as it ended
+        if not console.is_terminal:
+            console.line()  # without a terminal the last table ends without a newline
         if failure:
             console.print(f"[red]error:[/] {failure}")
+        elif code == LEDGER_LOST:
+            console.print(f"[red]error:[/] {_ledger_lost(launcher, cfg)}")
         elif board.learner is not None and board.learner.state.state == "dead":
             log = launcher.learner.log_path
             console.print(f"[red]the learner exited[/] ({board.learner.state.detail}); its log {log}")
         console.print(summary(read_metrics(launcher.run_dir / "metrics.jsonl"), time.monotonic() - started))
-        code = _books(launcher, board, cfg, console) or code
+        if code != LEDGER_LOST:  # no ledger to read the books from
+            code = _books(launcher, board, cfg, console) or code
     finally:
         launcher.stop_redis()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     return code
+
+
+def _ledger_lost(launcher: Launcher, cfg: Config) -> str:
+    """The one line for a run whose ledger went away for good (the learner's exit 4)."""
+    where = f" in {launcher.redis.dir}" if launcher.redis is not None else ""
+    return (
+        f"the ledger (Redis{where}) stopped answering for more than ledger.retry_s = {cfg.ledger.retry_s:g} s: "
+        "every process of the run was stopped and its books were left as they were; once Redis is back, "
+        f"continue with the same command and `--resume latest --set run.name={cfg.run.name}`"
+    )
 
 
 def _interrupt(signum, frame):
@@ -112,12 +132,14 @@ class _View:
         self.metrics = MetricsTail(board.launcher.run_dir / "metrics.jsonl")
         self.shown: tuple = ()
         self.shown_at = 0.0
+        self.warned: dict[str, int] = {}  # each kind of learner warning (its text without numbers): times seen
 
     def show(self, force: bool = False) -> None:
         """Redraw when a phase, a role's state or the step changed (polled at POLL_S, so a phase
         shorter than a frame is still seen), else at REDRAW_S for the clock."""
         self.metrics.poll()
         snapshot = self.board.poll(len(self.metrics.records))
+        self.print_warnings()
         roles = [snapshot.learner, *snapshot.nodes]
         seen = (snapshot.phase, snapshot.note, len(self.metrics.records), *(str(role) for role in roles))
         now = time.monotonic()
@@ -125,6 +147,17 @@ class _View:
             return
         self.shown, self.shown_at = seen, now
         self.live.update(live_table(snapshot, self.metrics.records, self.steps, now - self.started), refresh=True)
+
+    def print_warnings(self) -> None:
+        """The learner's warnings above the table, each kind once (a zero-variance step warns every step);
+        its log has them all."""
+        from rich.markup import escape
+
+        for text in self.board.learner.take_warnings() if self.board.learner is not None else []:
+            kind = re.sub(r"-?\d+(?:\.\d+)?(?:e-?\d+)?", "N", text)
+            self.warned[kind] = self.warned.get(kind, 0) + 1
+            if self.warned[kind] == 1:
+                self.live.console.print(f"[yellow]learner warning:[/] {escape(text)}", soft_wrap=True)
 
 
 def _watch(launcher: Launcher, view: _View, console: Console) -> int:
@@ -190,4 +223,4 @@ def _books(launcher: Launcher, board: Board, cfg: Config, console: Console) -> i
         return 0
     from streamrl.ops.status import status_command
 
-    return status_command(cfg.run.name, launcher.ledger_url, console=console)
+    return status_command(cfg.run.name, launcher.ledger_url, console=console, run_dir=launcher.run_dir)

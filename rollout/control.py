@@ -20,7 +20,7 @@ from streamrl.engine.transport import TransportError
 
 log = logging.getLogger("streamrl.rollout")
 
-HEARTBEAT_S = 1.0
+HEARTBEAT_S = 0.5  # the learner gives up the groups of a node silent for 2 s (learner/overdue.py)
 
 
 class ControlLoop(threading.Thread):
@@ -103,6 +103,9 @@ class ControlLoop(threading.Thread):
 
     def _outcome(self, ready: WeightsReady, done) -> WeightsApplied:
         error, seconds = "", 0.0
+        if done.cancelled():  # the node is stopping: not a failure of the weights
+            log.info("weights version %d not applied: the node is stopping", ready.version)
+            return WeightsApplied(node_id=self.node.node_id, version=ready.version, error="the node is stopping")
         try:
             seconds = done.result()
         except Exception as e:  # noqa: BLE001 - reported to the learner, which evicts the node

@@ -78,12 +78,19 @@ def _read_dataset(path: pathlib.Path) -> list[dict]:
 
 
 def read_rows(path: str) -> list[dict | _Malformed]:
-    """Every row of a .jsonl, .parquet or saved-dataset folder (undecodable jsonl lines as markers), or of
-    a reasoning-gym task (`reasoning_gym:NAME[:SIZE[:SEED]]`)."""
+    """Every row of a .jsonl, .parquet or saved-dataset folder (undecodable jsonl lines as markers), of
+    a reasoning-gym task (`reasoning_gym:NAME[:SIZE[:SEED]]`) or of a verifiers taskset (`verifiers:ID`)."""
     if path.startswith("reasoning_gym:"):
         from streamrl.rollout.envs.reasoning_gym import rows
 
         return rows(path)
+    if path.startswith("verifiers:"):
+        from streamrl.rollout.envs.verifiers_tasks import rows
+
+        try:
+            return rows(path)
+        except ValueError as e:
+            raise PromptSourceError(str(e)) from None
     p = pathlib.Path(path).expanduser()
     if not p.exists():
         raise PromptSourceError(

@@ -11,7 +11,11 @@ from streamrl.engine.config.base import _doc, _Section
 
 class DataConfig(_Section):
     path: Annotated[
-        str, _doc("Prompt file (.jsonl, .parquet) or a saved HF dataset folder. Empty: the built-in demo task.")
+        str,
+        _doc(
+            "Prompt file (.jsonl, .parquet), a saved HF dataset folder, reasoning_gym:NAME[:SIZE[:SEED]] or "
+            "verifiers:TASKSET_ID (README: Bring your environment). Empty: the built-in demo task."
+        ),
     ] = ""
     prompt_column: Annotated[str, _doc("Column holding the prompt text.")] = "prompt"
     messages_column: Annotated[str, _doc("Column holding chat messages; used with the chat template when present.")] = (

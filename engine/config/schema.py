@@ -52,7 +52,9 @@ __all__ = [
     "apply_override",
     "build",
     "dump",
+    "given",
     "load",
+    "read",
 ]
 
 
@@ -136,10 +138,11 @@ class TransportConfig(_Section):
         bool,
         _doc(
             "Encrypt and authenticate the control and trajectory sockets with ZMQ CURVE: only nodes whose "
-            "key the learner allows can connect. Required when transport.host or weights.store_host is "
-            "beyond loopback."
+            "key the learner allows can connect, and only they get the ledger's credentials. On by default "
+            "(`streamrl run` makes the run's keys); off, any local process can connect and nodes need "
+            "ledger.url themselves. Required when transport.host or weights.store_host is beyond loopback."
         ),
-    ] = False
+    ] = True
     keys: Annotated[
         str,
         _doc(
@@ -307,9 +310,7 @@ def _refuse_renamed(data: dict[str, Any]) -> None:
 def build(data: dict[str, Any], overrides: list[str] = ()) -> Config:
     """Validate a raw dict (from TOML) plus overrides into a `Config`; raise `ConfigError` naming the field.
     `loss.preset` fills the [loss] fields the data does not give (engine/config/presets.py)."""
-    data = msgspec.convert(data, dict)  # a copy the overrides may change
-    for override in overrides:
-        apply_override(data, override)
+    data = given(data, overrides)  # a copy the overrides changed
     _refuse_renamed(data)
     try:
         cfg = msgspec.convert(data, Config)
@@ -323,6 +324,19 @@ def build(data: dict[str, Any], overrides: list[str] = ()) -> Config:
 
 def load(path: str | pathlib.Path | None = None, overrides: list[str] = ()) -> Config:
     """Load a TOML file (or the defaults when `path` is None) and apply `--set` overrides."""
+    return build(read(path), overrides)
+
+
+def given(data: dict[str, Any], overrides: list[str] = ()) -> dict[str, Any]:
+    """The raw config the file and the overrides give (what an explicit setting is), before defaults."""
+    data = msgspec.convert(data, dict)
+    for override in overrides:
+        apply_override(data, override)
+    return data
+
+
+def read(path: str | pathlib.Path | None = None) -> dict[str, Any]:
+    """A TOML config file as a raw dict ({} when `path` is None); ConfigError when it is missing or not TOML."""
     data: dict[str, Any] = {}
     if path is not None:
         path = pathlib.Path(path)
@@ -332,7 +346,7 @@ def load(path: str | pathlib.Path | None = None, overrides: list[str] = ()) -> C
             data = tomllib.loads(path.read_text())
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"config file {path} is not valid TOML: {e}") from None
-    return build(data, overrides)
+    return data
 
 
 def dump(config: Config) -> str:

@@ -58,6 +58,7 @@ class Episode:
     detail: str = ""  # why it failed
     started: float = dataclasses.field(default_factory=time.time)
     generated: float = 0.0  # when the last model turn finished
+    tools: dict[str, int] = dataclasses.field(default_factory=dict)  # the environment's `tool_counts`, if any
 
     @property
     def model_tokens(self) -> int:
@@ -115,6 +116,8 @@ class EpisodeRunner:
             episode.failure = "episode_timeout"
             episode.detail = f"the episode passed env.episode_timeout_s = {self.env_cfg.episode_timeout_s:g} s"
         finally:
+            if isinstance(getattr(env, "tool_counts", None), dict):
+                episode.tools = dict(env.tool_counts)
             if env is not None and callable(getattr(env, "close", None)):
                 await self._close(env)
         if episode.failure:

@@ -13,7 +13,9 @@ environment says next: a string (one user message) or a list of chat messages
 list ends the model's turn with nothing added. The node renders it with the tokenizer's chat
 template and appends its token ids to the episode (rollout/envs/render.py). The episode's reward
 is the sum of the step rewards. An optional `tools` attribute (a list of JSON schemas) is passed
-to the chat template of the first prompt, as `apply_chat_template(..., tools=...)` expects.
+to the chat template of the first prompt, as `apply_chat_template(..., tools=...)` expects; an optional
+`tool_counts` dict (`calls`, `failed`, `timed_out`) is read when the episode ends and reaches the step's
+metrics (`env/tool_calls`, ...).
 
 Plain methods run in a thread of their own, so a hung one cannot stop the node (it is abandoned at
 its deadline); `async` methods run on the node's event loop and must not block it.

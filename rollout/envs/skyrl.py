@@ -8,9 +8,12 @@ verifiers environments own the rollout loop and call an OpenAI-style client for 
 the trainer sees text or must serve an API; OpenEnv environments are HTTP servers (usually in
 containers) behind a client, which cannot be run on this machine's offline CPU setup.
 
-A row is SkyRL's dataset format: `prompt` (chat messages), `reward_spec` (e.g. `ground_truth`)
-and any `extra_info`; the row is passed as the environment's `extras`. `env.args`: `env_id`
-(a skyrl-gym registered id, e.g. gsm8k_multi_turn) and optional `env_config` (a dict).
+A row is SkyRL's dataset format: `prompt` (chat messages), `env_class` (a skyrl-gym registered id,
+e.g. gsm8k_multi_turn), `reward_spec` (e.g. `ground_truth`) and any `extra_info`; the row is passed
+as the environment's `extras`. A data file whose rows look so needs no setting (libraries.py fills
+env.name and data.messages_column). `env.args`: optional `env_id` (one id for every row, in place of
+the rows' `env_class`) and `env_config` (a dict). The reward is the environment's: its step rewards,
+summed.
 """
 
 from __future__ import annotations
@@ -20,8 +23,6 @@ from typing import Any
 
 class SkyRLGymEnv:
     def __init__(self, env_id: str = "", env_config: dict[str, Any] | None = None):
-        if not env_id:
-            raise ValueError("skyrl_gym: set env.args.env_id to a skyrl-gym environment id (e.g. gsm8k_multi_turn)")
         try:
             import skyrl_gym
         except ImportError as e:
@@ -30,7 +31,10 @@ class SkyRLGymEnv:
         self.env = None
 
     def reset(self, row: dict) -> list[dict]:
-        self.env = self._make(self.env_id, env_config=self.env_config, extras=row)
+        env_id = self.env_id or row.get("env_class")
+        if not env_id:
+            raise ValueError("skyrl_gym: the row has no env_class; give one per row or env.args.env_id")
+        self.env = self._make(env_id, env_config=self.env_config, extras=row)
         prompt = row.get("prompt")
         if isinstance(prompt, str):
             prompt = [{"role": "user", "content": prompt}]

@@ -72,6 +72,7 @@ class ToolEnv:
         self.max_calls_per_turn = max_calls_per_turn
         self.tools = toolbox.schemas  # for the chat template (Qwen renders them into its system prompt)
         self.answer = None
+        self.tool_counts = {"calls": 0, "failed": 0, "timed_out": 0}  # this episode's, read by the runner
 
     def reset(self, row: dict) -> list[dict]:
         question = row.get(self.prompt_column)
@@ -87,10 +88,14 @@ class ToolEnv:
             return None, last_number_matches(completion, self.answer), True
         results = []
         for call in calls[: self.max_calls_per_turn]:
+            self.tool_counts["calls"] += 1
             if isinstance(call, str):
+                self.tool_counts["failed"] += 1
                 results.append(f"error: {call}")
-            else:
-                results.append((await self.toolbox.call(*call)).text)
+                continue
+            outcome = await self.toolbox.call(*call)
+            self.tool_counts["timed_out" if outcome.timed_out else "failed"] += bool(outcome.error)
+            results.append(outcome.text)
         if len(calls) > self.max_calls_per_turn:
             results.append(f"error: at most {self.max_calls_per_turn} tool calls per turn; the rest were not run")
         return [{"role": "tool", "content": r} for r in results], 0.0, False

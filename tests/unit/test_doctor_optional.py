@@ -30,5 +30,5 @@ def test_tensorboard_on_by_default_but_missing_is_a_warning(monkeypatch):
 
 def test_the_optional_rows_are_in_every_doctor_run():
     names = [row[0] for row in doctor.OPTIONAL]
-    assert names == ["wandb", "reasoning-gym", "skyrl-gym"]
+    assert names == ["wandb", "reasoning-gym", "skyrl-gym", "verifiers"]
     assert all(row[3].startswith("pip install 'streamrl[") for row in doctor.OPTIONAL)

@@ -109,3 +109,141 @@ def test_a_skyrl_gym_environment_runs_through_the_adapter(tokenizer):
     assert not ep.failure and ep.turns == 2 and ep.reward == pytest.approx(0.2 / 3 + 1.0)
     assert tokenizer.decode(ep.prompt_ids).startswith("<|im_start|>user\nWhat is 2 + 2?")
     assert "tentative numeric answer" in tokenizer.decode(ep.completion_ids)  # its feedback, as a user turn
+
+
+def test_a_skyrl_row_names_its_own_environment(tokenizer):
+    pytest.importorskip("skyrl_gym")
+    from streamrl.rollout.envs.skyrl import SkyRLGymEnv
+
+    row = {
+        "prompt": [{"role": "user", "content": "What is 2 + 2?"}],
+        "env_class": "gsm8k",
+        "reward_spec": {"method": "rule", "ground_truth": "4"},
+    }
+    engine = Scripted(tokenizer, ["#### 4"])
+    runner = _runner(tokenizer, engine, EnvConfig(name="skyrl_gym"), SkyRLGymEnv)  # no env.args
+    ep = asyncio.run(runner.run([1, 2], row))
+    assert not ep.failure and ep.turns == 1 and ep.reward == 1.0  # gsm8k: one step, done
+    ep = asyncio.run(runner.run([1, 2], {"prompt": row["prompt"]}))
+    assert ep.failure == "env_error" and "the row has no env_class" in ep.detail
+
+
+# ---- what a source implies (rollout/envs/libraries.py) ----
+
+
+def _implied(data: dict, tiny_model: str) -> tuple[list[str], str]:
+    from streamrl.engine.config import build
+    from streamrl.rollout.envs.libraries import implied
+
+    data = {**data, "model": {"path": tiny_model, **data.get("model", {})}}
+    return implied(data, build(data))
+
+
+def test_a_reasoning_gym_source_brings_its_scorer_and_prompt_length(tiny_model):
+    pytest.importorskip("reasoning_gym")
+    from streamrl.engine.config import build
+
+    extra, said = _implied({"data": {"path": "reasoning_gym:basic_arithmetic:8"}}, tiny_model)
+    assert extra[0] == 'reward.functions=["streamrl.rollout.envs.reasoning_gym:score"]'
+    (length,) = [int(e.split("=")[1]) for e in extra if e.startswith("data.max_prompt_tokens=")]
+    assert 256 < length < 512 and "is a reasoning_gym source" in said  # ~430 tokens with the tiny tokenizer
+    cfg = build({"data": {"path": "reasoning_gym:basic_arithmetic:8"}}, extra)
+    assert cfg.reward.functions == ["streamrl.rollout.envs.reasoning_gym:score"]
+    # an explicit setting wins
+    path = "reasoning_gym:basic_arithmetic:8"
+    given = {"data": {"path": path, "max_prompt_tokens": 300}, "reward": {"functions": ["x:y"]}}
+    assert _implied(given, tiny_model) == ([], "")
+    # a prompt and a completion past model.max_model_len = 512 (the default) make room for both
+    extra, _ = _implied({"data": {"path": path}, "rollout": {"max_tokens": 200}}, tiny_model)
+    assert f"model.max_model_len={length + 200}" in extra
+    given = {"data": {"path": path}, "rollout": {"max_tokens": 200}, "model": {"max_model_len": 512}}
+    assert not [e for e in _implied(given, tiny_model)[0] if e.startswith("model.")]
+
+
+def test_skyrl_rows_bring_the_environment_and_a_plain_file_nothing(tmp_path, tiny_model):
+    row = {"prompt": [{"role": "user", "content": "2 + 2?"}], "env_class": "gsm8k", "reward_spec": {}}
+    (tmp_path / "sky.jsonl").write_text(json.dumps(row) + "\n")
+    (tmp_path / "plain.jsonl").write_text(json.dumps({"prompt": "2 + 2?", "answer": "4"}) + "\n")
+    extra, said = _implied({"data": {"path": str(tmp_path / "sky.jsonl")}}, tiny_model)
+    assert extra == ['env.name="skyrl_gym"', 'data.messages_column="prompt"'] and "is a skyrl_gym source" in said
+    assert _implied({"data": {"path": str(tmp_path / "plain.jsonl")}}, tiny_model) == ([], "")
+    assert _implied({"data": {"path": str(tmp_path / "missing.jsonl")}}, tiny_model) == ([], "")
+
+
+# ---- verifiers tasksets (rollout/envs/verifiers_tasks.py) ----
+
+TASKSETS = """
+import verifiers.v1 as vf
+
+
+class Data(vf.TaskData):
+    target: str = ""
+
+
+class Exact(vf.Task[Data, vf.State, vf.TaskConfig]):
+    @vf.reward(weight=2.0)
+    async def exact(self, task, trace) -> float:
+        return float(trace.last_reply == task.target)
+
+    @vf.reward(weight=0.5)
+    async def short(self, task, trace) -> float:
+        return float(len(trace.last_reply) < 4)
+
+
+class Boxed(Exact):
+    NEEDS_CONTAINER = True
+
+
+class Sandboxed(Exact):
+    @vf.reward
+    async def reads_a_file(self, task, trace, runtime) -> float:
+        return 1.0
+
+
+class {name}(vf.Taskset[{task}, vf.TasksetConfig]):
+    def load(self):
+        for word in ("cat", "dog"):
+            yield {task}(Data(prompt=[vf.UserMessage(content=f"say {{word}}")], system_prompt="Be brief.", target=word))
+
+
+__all__ = ["{name}"]
+"""
+
+
+@pytest.fixture
+def vf_tasksets(tmp_path, monkeypatch):
+    pytest.importorskip("verifiers.v1")
+    for module, task in [("vf_exact", "Exact"), ("vf_boxed", "Boxed"), ("vf_sandboxed", "Sandboxed")]:
+        (tmp_path / f"{module}.py").write_text(TASKSETS.format(name=f"{task}Set", task=task))
+    monkeypatch.syspath_prepend(str(tmp_path))
+
+
+def test_a_verifiers_taskset_is_rows_scored_by_its_rewards(vf_tasksets):
+    from streamrl.rewards.registry import resolve
+    from streamrl.rollout.envs import verifiers_tasks as vt
+
+    rows = json.loads(json.dumps(vt.rows("verifiers:vf_exact")))  # as they travel
+    assert rows[1] == {
+        "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "say dog"}],
+        "prompt": "say dog",
+        "vf_task": ["vf_exact", 1],
+    }
+    reward = resolve("streamrl.rollout.envs.verifiers_tasks:score", RewardConfig())
+    columns = {"vf_task": [r["vf_task"] for r in rows]}
+    # verifiers' weighted sum: exact (weight 2) + short (weight 0.5)
+    assert reward(["", ""], ["cat", "a dog"], [[], []], **columns) == [2.0 + 0.5, 0.0]
+
+
+@pytest.mark.parametrize(
+    "module, why",
+    [
+        ("vf_boxed", "it needs a container (NEEDS_CONTAINER or an image), which streamrl does not provide"),
+        ("vf_sandboxed", "its rewards ['reads_a_file'] read the sandbox (a runtime), which streamrl does not provide"),
+    ],
+)
+def test_a_verifiers_taskset_that_needs_a_sandbox_is_refused_in_one_line(vf_tasksets, tokenizer, module, why):
+    from streamrl.rollout.sources import PromptSourceError, scan
+
+    with pytest.raises(PromptSourceError) as e:
+        scan(DataConfig(path=f"verifiers:{module}"), tokenizer)
+    assert str(e.value) == f"data.path = 'verifiers:{module}' cannot run here: {why}"

@@ -222,3 +222,14 @@ def test_a_shared_gpu_that_fits_says_its_split(one_gpu):
     assert found.errors == []
     (line,) = [str(p) for p in found.problems if p.check == "gpu"]
     assert line.startswith("info: gpu: GPU 0 shared by the learner and node-0: 53.7 of 139.8 GiB (learner ≈ 50.6")
+
+
+def test_cuda_on_a_host_without_one_is_refused_by_preflight(tiny_model, monkeypatch):
+    """Before any run folder is made (`streamrl run` makes it only past preflight)."""
+    from streamrl.engine import placement
+
+    monkeypatch.setattr(placement, "visible_gpus", lambda: 0)
+    report = run_preflight(tiny_model, "run.device='cuda'", "rollout.backend='hf'")
+    assert only_error(report, "gpu") == (
+        "run.device = 'cuda' but this host has no CUDA device (nvidia-smi?); use run.device = 'cpu'"
+    )
