@@ -84,6 +84,7 @@ def doctor(
     config: ConfigOpt = None,
     overrides: SetOpt = None,
     redis_url: Annotated[str, typer.Option(help="Check this Redis (default: ledger.url, else the embedded one).")] = "",
+    deep: Annotated[bool, typer.Option(help="Also import the model's transformers class and vLLM (slower).")] = False,
 ) -> None:
     """Check the environment; every failing row names the command that fixes it."""
     from streamrl.ops.doctor import render, run_checks
@@ -95,6 +96,7 @@ def doctor(
         host=cfg.transport.host,
         ports=[cfg.transport.trajectory_port, cfg.transport.control_port],
         tensorboard=cfg.telemetry.tensorboard,
+        deep=deep,
     )
     raise typer.Exit(render(results))
 
@@ -106,6 +108,10 @@ def make_tiny_model(
     shape: Annotated[
         str, typer.Option(help="Model body from engine/models.py's SHAPES, e.g. tiny, or 0.5b (Qwen2-0.5B's layers).")
     ] = "tiny",
+    dtype: Annotated[str, typer.Option(help="Weights' dtype: float32, or bfloat16 (half the bytes to write).")] = (
+        "float32"
+    ),
+    device: Annotated[str, typer.Option(help="Where to initialise it: cpu, or cuda (seconds for a 7B shape).")] = "cpu",
 ) -> None:
     """Write a random-init Qwen2 with a BPE tokenizer (for tests, first runs and GPU benchmarks; no hub needed)."""
     from streamrl.engine.models import SHAPES
@@ -114,7 +120,7 @@ def make_tiny_model(
     if shape not in SHAPES:
         typer.secho(f"error: --shape {shape!r}: choose one of {', '.join(SHAPES)}", fg="red", err=True)
         raise typer.Exit(2)
-    folder = make(path, seed=seed, **SHAPES[shape])
+    folder = make(path, seed=seed, dtype=dtype, device=device, **SHAPES[shape])
     typer.echo(f"tiny model written to {folder}")
 
 
@@ -213,16 +219,17 @@ def status(
     """The run's books: generated, in flight, trained, dropped by reason; exit 1 when they do not balance."""
     from streamrl.ops.status import status_command
 
+    run_dir = pathlib.Path(runs_dir) / run
     if redis_url:
-        raise typer.Exit(status_command(run, redis_url, deep=deep))
+        raise typer.Exit(status_command(run, redis_url, deep=deep, run_dir=run_dir))
     from streamrl.engine.redis_server import RedisServer
 
-    folder = pathlib.Path(runs_dir) / run / "redis"
+    folder = run_dir / "redis"
     if not folder.is_dir():
         typer.secho(f"error: no ledger at {folder}; give --redis-url for a run on another server", fg="red", err=True)
         raise typer.Exit(2)
     with RedisServer(folder) as server:
-        raise typer.Exit(status_command(run, server.url, deep=deep))
+        raise typer.Exit(status_command(run, server.url, deep=deep, run_dir=run_dir))
 
 
 @app.command()
@@ -279,15 +286,19 @@ def export(
     out: Annotated[pathlib.Path, typer.Argument(help="Folder to write the HF model to.")],
     max_shard_size: Annotated[str, typer.Option(help="Largest safetensors shard, e.g. 2GB, 500MB.")] = "2GB",
     overwrite: Annotated[bool, typer.Option(help="Replace a non-empty OUT.")] = False,
+    merge: Annotated[bool, typer.Option(help="LoRA: the base model with the adapter merged in, not the adapter.")] = (
+        False
+    ),
+    base: Annotated[str, typer.Option(help="LoRA: the base model folder (default: the run's model.path).")] = "",
 ) -> None:
     """Write a checkpoint as an HF model folder (sharded safetensors, config, tokenizer) that
-    transformers and vLLM load without streamrl."""
+    transformers and vLLM load without streamrl; a LoRA run's as a PEFT adapter folder (or --merge)."""
     from streamrl.learner.checkpoint import CheckpointError
     from streamrl.learner.export import ExportError
     from streamrl.ops.export import export_checkpoint
 
     try:
-        folder = export_checkpoint(checkpoint, out, max_shard_size, overwrite)
+        folder = export_checkpoint(checkpoint, out, max_shard_size, overwrite, merge, base)
     except (CheckpointError, ExportError) as e:
         typer.secho(f"error: {e}", fg="red", err=True)
         raise typer.Exit(2) from None

@@ -288,6 +288,12 @@ def check_listeners(cfg: Config) -> None:
         )
 
 
+NO_CURVE_WARNING = (
+    "transport.curve = false: the control and trajectory sockets take any local process; node ids are "
+    "held by first registration alone and nodes get no ledger credentials from the learner"
+)
+
+
 def keys_folder(cfg: Config) -> pathlib.Path:
     """`transport.keys`, else the run's own keys in RUN/keys (made by the learner: one-host runs)."""
     return pathlib.Path(cfg.transport.keys) if cfg.transport.keys else cfg.run.path / "keys"
@@ -297,6 +303,7 @@ def open_gate(cfg: Config) -> CurveGate | None:
     """The learner's gate when `transport.curve` is on (None otherwise), after `check_listeners`."""
     check_listeners(cfg)
     if not cfg.transport.curve:
+        log.warning(NO_CURVE_WARNING)
         return None
     folder = keys_folder(cfg)
     if not cfg.transport.keys:

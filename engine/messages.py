@@ -63,6 +63,9 @@ class Trajectory(_Wire):
     tool_calls: int = 0
     tool_failed: int = 0
     tool_timeouts: int = 0
+    # Why `reward` is None: the failing reward and its first error, e.g. "my.py:f: ValueError: ..." (the
+    # learner stops a run whose reward fails on nearly every sample, naming it).
+    reward_error: str = ""
 
     def __post_init__(self) -> None:
         n = len(self.completion_ids)
@@ -135,6 +138,7 @@ class Heartbeat(_Wire, tag="heartbeat"):
     generate_s: float = 0.0  # seconds the engine spent generating since the node started
     idle_s: float = 0.0  # seconds it had nothing to generate
     swap_s: float = 0.0  # seconds generation was paused to swap weights in
+    peak_gib: float = 0.0  # the node process's peak CUDA memory allocated through torch (0 on CPU)
 
 
 class TensorSpec(_Wire):

@@ -197,3 +197,20 @@ def read_metrics(path: str | pathlib.Path) -> list[dict[str, Any]]:
     tail = MetricsTail(path)
     tail.poll()
     return tail.records
+
+
+def write_ending(run_dir: str | pathlib.Path, ended: str, code: int, detail: str) -> None:
+    """RUN/end.json, written by the learner as it exits: how the run ended (`ended`: finished, interrupted,
+    stopped by the stall alarm, ledger lost, ...), the learner's `exit` status, `detail`, `time`."""
+    record = {"ended": ended, "exit": code, "detail": detail, "time": time.time()}
+    path = pathlib.Path(run_dir) / "end.json"
+    path.with_suffix(".tmp").write_text(json.dumps(record) + "\n")
+    path.with_suffix(".tmp").replace(path)
+
+
+def read_ending(run_dir: str | pathlib.Path) -> dict[str, Any] | None:
+    """RUN/end.json, or None while the run runs (a learner removes it when it starts) or never ran here."""
+    try:
+        return json.loads((pathlib.Path(run_dir) / "end.json").read_text())
+    except (OSError, ValueError):
+        return None

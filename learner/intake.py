@@ -22,6 +22,7 @@ from collections.abc import Callable
 from streamrl.engine.ledger import Counts, Ledger, is_stale
 from streamrl.engine.messages import Trajectory
 from streamrl.engine.transport import TrajectoryReceiver
+from streamrl.learner.overdue import OverdueGroups
 
 log = logging.getLogger("streamrl.learner")
 
@@ -76,6 +77,33 @@ class StallAlarm:
         )
 
 
+class RewardFailingError(LearnerStalledError):
+    """The reward failed on nearly every sample of a window: nothing can be trained, stop now."""
+
+
+class RewardWatch:
+    """Stops a run whose reward fails on nearly every sample, long before the stall alarm would:
+    at least `share` of the last `window` samples received (2 steps' worth of groups) came without a
+    reward. A reward that fails now and then is counted (`reward_error` drops) and the run goes on."""
+
+    def __init__(self, window: int, share: float = 0.95):
+        self.window, self.share = window, share
+        self.failed: collections.deque[bool] = collections.deque(maxlen=window)
+        self.first_error = ""
+
+    def add(self, batch: list[Trajectory]) -> None:
+        for traj in batch:
+            self.failed.append(traj.reward is None)
+            if traj.reward is None and not self.first_error:
+                self.first_error = traj.reward_error or "no error given by the node"
+        failed = sum(self.failed)
+        if len(self.failed) == self.window and failed >= self.share * self.window:
+            raise RewardFailingError(
+                f"the reward failed on {failed} of the last {self.window} samples (2 steps' worth of groups), so "
+                f"nothing can be trained; its first error: {self.first_error}"
+            )
+
+
 @dataclasses.dataclass
 class _Group:
     first_seen: float
@@ -98,8 +126,11 @@ class Intake:
         max_staleness: int,
         alarm: StallAlarm,
         order_patience_s: float = GROUP_PATIENCE_S,
+        rewards: RewardWatch | None = None,
+        overdue: OverdueGroups | None = None,
     ):
         self.receiver, self.ledger, self.max_staleness, self.alarm = receiver, ledger, max_staleness, alarm
+        self.rewards, self.overdue = rewards, overdue
         self.order_patience_s = order_patience_s
         self.groups: dict[str, _Group] = {}
         self.counters = collections.Counter()
@@ -165,6 +196,10 @@ class Intake:
                 group.fresh.append(traj)
             else:
                 group.resolved += 1
+        if self.overdue is not None:
+            self.overdue.measure(batch)
+        if self.rewards is not None:  # once the batch is held here: a stop resolves what it holds
+            self.rewards.add(batch)
 
     def _take_ready(self, n_groups: int, version: int, holding: set[str]) -> list[list[Trajectory]] | None:
         now = time.monotonic()
@@ -196,11 +231,16 @@ class Intake:
         newer group that finished sooner must not take an older one's place: the older one would miss its
         step and go stale. The learner waits for an oldest group of which nothing has arrived yet (it is
         being generated, or its members are arriving), at most `order_patience_s` (a node that died holding
-        it is reaped by then); a group partly here for longer is not waited for (its node died mid-send:
-        the group patience covers it). What is ready among the oldest goes first, then the oldest weights."""
+        it is reaped by then), less once the node holding it fell silent (`overdue.py`); a group partly here
+        for longer is not waited for (its node died mid-send: the group patience covers it). What is ready
+        among the oldest goes first, then the oldest weights."""
         oldest = [g for g in self.ledger.oldest_open_groups(n_groups + len(holding)) if g not in holding]
         ready = set(usable)
         in_flight = [g for g in oldest if g not in self.groups or self._arriving(self.groups[g], now)]
+        if in_flight and self.overdue is not None:  # a silent node's group past its deadline: not waited for
+            given_up = self.overdue.give_up([g for g in in_flight if g not in self.groups], now)
+            self.counters.update(overdue=sum(given_up.values()))
+            in_flight = [g for g in in_flight if g not in given_up]
         if in_flight:
             if self._order_wait_since is None:
                 self._order_wait_since = now

@@ -10,6 +10,7 @@ successful step, and rank 0 publishes it.
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import sys
 import time
@@ -21,9 +22,9 @@ from streamrl.engine.config import rules as config_rules
 from streamrl.engine.ledger import LedgerUnavailableError
 from streamrl.engine.messages import AdapterSpec
 from streamrl.engine.models import default_tiny_model, load_model
-from streamrl.engine.telemetry import setup_logging
+from streamrl.engine.telemetry import setup_logging, write_ending
 from streamrl.learner import checkpoint, lora, parallel
-from streamrl.learner.intake import LearnerStalledError
+from streamrl.learner.intake import LearnerStalledError, RewardFailingError
 from streamrl.learner.orchestrator import Orchestrator
 from streamrl.learner.reference import build_reference
 from streamrl.learner.train_step import Trainer
@@ -42,19 +43,24 @@ def run_learner(cfg: Config, resume: str = "") -> int:
     rank0 = parallel.is_rank0()
     setup_logging(cfg.run.path, f"learner-rank{parallel.rank()}", console=rank0, level=cfg.telemetry.log_level)
     if rank0:
+        (cfg.run.path / "end.json").unlink(missing_ok=True)  # running again (a resume): not ended
+    if rank0:
         log.info("%s", presets.describe(cfg))  # every field a recipe set, and which an explicit setting overrode
     torch.manual_seed(cfg.run.seed)
     model_path = cfg.model.path or str(default_tiny_model())
     compute = getattr(torch, cfg.model.dtype)  # the learner's compute dtype = what the engines serve
-    model = load_model(model_path, "float32", "cpu", cfg.model.trust_remote_code)  # fp32 master weights
+    # fp32 master weights; LoRA: a frozen base in the compute dtype (read as such: half the host memory and
+    # time for a bf16 model), fp32 adapters (learner/lora.py)
+    master = cfg.model.dtype if cfg.lora.enabled else "float32"
+    model = load_model(model_path, master, "cpu", cfg.model.trust_remote_code)
     adapter = None
-    if cfg.lora.enabled:  # frozen base in the compute dtype, fp32 adapters (learner/lora.py)
+    if cfg.lora.enabled:
         model, adapter = lora.apply(model, cfg.lora, compute)
     sampling = dict(temperature=cfg.rollout.temperature, top_k=cfg.rollout.top_k, top_p=cfg.rollout.top_p)
     policy = parallel.wrap_model(model, cfg.learner, device, compute_dtype=compute, **sampling)
     reference = build_reference(cfg, device, compute, policy)  # None unless loss.kl_coef > 0
     trainer = _trainer(cfg, policy, device, reference)
-    keeper = checkpoint.Keeper(cfg.checkpoint, cfg.run.path, policy.lm, trainer, model_path, cfg.run.steps)
+    keeper = checkpoint.Keeper(cfg.checkpoint, cfg.run.path, policy.lm, trainer, model_path, cfg.run.steps, adapter)
     first = keeper.resume(resume, cfg.run.path).step + 1 if resume else 1  # steps continue from the checkpoint
     resumed_version = trainer.version if resume else None  # the ledger is rolled back to it
     orchestrator = _start_orchestrator(cfg, device, trainer, policy, resumed_version, first, adapter)
@@ -86,6 +92,9 @@ def run_learner(cfg: Config, resume: str = "") -> int:
         ending.update(reason="run finished", finished=True)
     except LedgerUnavailableError:
         ending.update(reason="the ledger (Redis) is unreachable", ledger_reachable=False)
+        raise
+    except RewardFailingError:
+        ending.update(reason="the reward fails on (nearly) every sample")
         raise
     except LearnerStalledError:
         ending.update(reason="nothing was trained for learner.stall_stop_s")
@@ -174,25 +183,38 @@ def _terminate_gracefully(signum, frame):
 
 def main(cfg: Config, resume: str = "") -> int:
     """The learner process: the exit status (2 for a config or checkpoint error, 3 when nothing was
-    trained for `learner.stall_stop_s`, 4 when the ledger's Redis stayed unreachable past
-    `ledger.retry_s`, 130 on a signal)."""
+    trained for `learner.stall_stop_s` or the reward failed on nearly every sample of 2 steps, 4 when
+    the ledger's Redis stayed unreachable past `ledger.retry_s`, 130 on a signal), also written with
+    how the run ended to RUN/end.json (`streamrl status` shows it)."""
     try:
         check_config(cfg)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 2
     signal.signal(signal.SIGTERM, _terminate_gracefully)
+    code, ended, detail = _run(cfg, resume)
+    if os.environ.get("RANK", "0") == "0" and cfg.run.path.is_dir():  # rank 0 speaks for the run
+        write_ending(cfg.run.path, ended, code, detail)
+    return code
+
+
+def _run(cfg: Config, resume: str) -> tuple[int, str, str]:
+    """The learner's exit status, how the run ended (RUN/end.json's `ended`) and what ended it."""
     try:
-        return run_learner(cfg, resume)
-    except KeyboardInterrupt:
+        run_learner(cfg, resume)
+        return 0, "finished", "every step trained"
+    except KeyboardInterrupt as e:
         log.warning("learner stopped by a signal")
-        return 130
+        return 130, "interrupted", f"stopped by {e}"
     except (ConfigError, checkpoint.CheckpointError) as e:
         log.error("%s", e)
-        return 2
+        return 2, "stopped by an error", str(e)
+    except RewardFailingError as e:
+        log.error("the run stops: %s", e)
+        return 3, "stopped: the reward fails", str(e)
     except LearnerStalledError as e:
         log.error("the run stalled: %s", e)
-        return 3
+        return 3, "stopped by the stall alarm", str(e)
     except LedgerUnavailableError as e:
         log.error("the learner stops: %s", e)
-        return 4
+        return 4, "ledger lost", str(e)

@@ -8,8 +8,10 @@ in the run": the orchestrator reads `events` (joined / left) and `forget`s an ev
 It is also the one owner of who a node is (`identity`): a node id is bound to the CURVE key that
 first registered it (for the whole run: a different key cannot take the id over, even after the
 node left) and to a secret made at each registration and sent in its `Welcome`, which signs its
-trajectory frames. A control message is taken only from the peer and key that registered its node;
-anything else is counted on the control socket's tally (`unregistered`, `spoofed`) and ignored.
+trajectory frames. Without CURVE (turned off by the user) there is no key: a live id is never
+registered again, so a local process cannot take a node's place. A control message is taken only
+from the peer and key that registered its node; anything else is counted on the control socket's
+tally (`unregistered`, `spoofed`) and ignored.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ class NodeInfo:
     generate_s: float = 0.0  # the node's own clock: seconds generating, idle, and paused for swaps
     idle_s: float = 0.0
     swap_s: float = 0.0
+    peak_gib: float = 0.0  # its peak CUDA memory, as it reported
     where: Location | None = None  # machine and device, as it registered: picks its weights' path
 
 
@@ -115,6 +118,7 @@ class NodeRegistry(threading.Thread):
             info = self.nodes[msg.node_id]
             info.last_seen, info.version, info.tokens_generated = now, msg.policy_version, msg.tokens_generated
             info.generate_s, info.idle_s, info.swap_s = msg.generate_s, msg.idle_s, msg.swap_s
+            info.peak_gib = msg.peak_gib
         elif isinstance(msg, WeightsApplied):
             self.applied[msg.node_id].put(msg)
         elif isinstance(msg, Goodbye):
@@ -126,6 +130,11 @@ class NodeRegistry(threading.Thread):
         if bound is not None and bound.key != key:
             self._refuse(peer, msg, "spoofed", "the id is bound to another key")
             self.server.send(peer, Stop(reason=f"node id {msg.node_id!r} is registered under another key"))
+            return
+        if bound is not None and not key and msg.node_id in self.nodes:
+            # Without CURVE no key proves that the newcomer is the node: a live id is never handed over.
+            self._refuse(peer, msg, "spoofed", "the id is live and there is no key to prove it")
+            self.server.send(peer, Stop(reason=f"node id {msg.node_id!r} is live in this run (no CURVE key)"))
             return
         now, identity = time.time(), Identity(key, new_secret())
         with self.lock:
@@ -183,6 +192,11 @@ class NodeRegistry(threading.Thread):
             return self.applied[node_id].get_nowait()
         except queue.Empty:
             return None
+
+    def silent_s(self, node_id: str) -> float:
+        """Seconds since the node was last heard (registration or heartbeat); inf when not registered."""
+        info = self.nodes.get(node_id)
+        return time.time() - info.last_seen if info is not None else float("inf")
 
     def location(self, node_id: str) -> Location | None:
         """Where the node said it runs (None once it left)."""

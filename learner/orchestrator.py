@@ -36,8 +36,9 @@ from streamrl.engine.redis_server import redact
 from streamrl.engine.telemetry import MetricsSink
 from streamrl.engine.transport import REFUSALS, TrajectoryReceiver, bind_address
 from streamrl.learner.batching import StepBatch, pack_for_ranks, sequence_cost
-from streamrl.learner.intake import Intake, StallAlarm
+from streamrl.learner.intake import Intake, RewardWatch, StallAlarm
 from streamrl.learner.nodes import NodeRegistry
+from streamrl.learner.overdue import OverdueGroups
 from streamrl.learner.publisher import Publisher
 from streamrl.learner.selection import Selection, select, warn_unfilled
 from streamrl.rewards.stats import batch_stats, warn_if_flat
@@ -96,7 +97,9 @@ class Orchestrator:
             alarm = StallAlarm(cfg.learner.stall_warn_s, cfg.learner.stall_stop_s, self.ledger.counts)
             # the wait for the oldest admitted groups: a node that died holding one is reaped within a TTL
             patience = min(cfg.ledger.heartbeat_ttl_s * 1.5, 30.0)
-            self.intake = Intake(receiver, self.ledger, cfg.ledger.max_staleness, alarm, order_patience_s=patience)
+            window = 2 * cfg.learner.groups_per_step * cfg.rollout.group_size  # 2 steps' worth of samples
+            rewards, overdue = RewardWatch(window), OverdueGroups(self.ledger, self.registry.silent_s, window)
+            self.intake = Intake(receiver, self.ledger, cfg.ledger.max_staleness, alarm, patience, rewards, overdue)
             self.publisher = Publisher(cfg, self.registry, device, adapter)
             self.sink = MetricsSink(cfg.run.path, cfg.telemetry)
         except BaseException:
@@ -163,7 +166,7 @@ class Orchestrator:
         return Welcome(
             node_id=node_id,
             trajectory_addr=self.intake.addr,
-            redis_url=self.redis_url,
+            redis_url=self.redis_url if self.gate is not None else "",  # the password only to an authenticated node
             run_name=self.cfg.run.name,
             policy_version=self.version_of(),
         )
@@ -326,6 +329,8 @@ class Orchestrator:
         out["time/push_pack_s"] = self.publisher.hold_s
         out["time/push_pack_device_s"] = self.publisher.pack_device_s()
         out["train_tokens_per_s"] = positions / max(timings.get("train_s", 0.0), 1e-9)
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            out["memory/learner_peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
         if self.peak_flops and self.params:
             out["mfu"] = self.flops_per_token * out["train_tokens_per_s"] / self.peak_flops
         return out
@@ -344,6 +349,8 @@ class Orchestrator:
                 out[f"node/{node_id}/generate_s"] = info.generate_s
                 out[f"node/{node_id}/idle_s"] = info.idle_s
                 out[f"node/{node_id}/swap_s"] = info.swap_s
+                if info.peak_gib:
+                    out[f"node/{node_id}/peak_gib"] = info.peak_gib
         return out
 
     # ---- end ------------------------------------------------------------------------------------

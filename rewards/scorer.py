@@ -70,6 +70,7 @@ class Scorer:
         self.model = model
         self.stats = ScorerStats(by_function={s: {"errors": 0, "timeouts": 0} for s in self.specs})
         self._logged: set[str] = set()
+        self.first_error = ""  # "SPEC: the exception's last line", of the first reward that failed
         self._lock = threading.Lock()  # one batch at a time: the pool's workers are shared state
         self.closed = False
 
@@ -138,6 +139,8 @@ class Scorer:
         self.stats.by_function[spec]["timeouts"] += timeouts
         if outcome.traceback and spec not in self._logged:
             self._logged.add(spec)
+            if outcome.errors and not self.first_error:
+                self.first_error = f"{spec}: {outcome.traceback.strip().splitlines()[-1]}"
             log.error(
                 "reward %r failed (first failure shown once; later ones are only counted in "
                 "reward/errors and reward/timeouts):\n%s",

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import queue
+import sys
 import threading
 import time
 
@@ -19,7 +20,7 @@ from streamrl.engine.transport import TransportError
 
 log = logging.getLogger("streamrl.rollout")
 
-HEARTBEAT_S = 1.0
+HEARTBEAT_S = 0.5  # the learner gives up the groups of a node silent for 2 s (learner/overdue.py)
 
 
 class ControlLoop(threading.Thread):
@@ -83,6 +84,7 @@ class ControlLoop(threading.Thread):
                     generate_s=generate_s,
                     idle_s=idle_s,
                     swap_s=swap_s,
+                    peak_gib=_peak_gib(),
                 ),
                 timeout_s=1.0,
             )
@@ -101,6 +103,9 @@ class ControlLoop(threading.Thread):
 
     def _outcome(self, ready: WeightsReady, done) -> WeightsApplied:
         error, seconds = "", 0.0
+        if done.cancelled():  # the node is stopping: not a failure of the weights
+            log.info("weights version %d not applied: the node is stopping", ready.version)
+            return WeightsApplied(node_id=self.node.node_id, version=ready.version, error="the node is stopping")
         try:
             seconds = done.result()
         except Exception as e:  # noqa: BLE001 - reported to the learner, which evicts the node
@@ -120,6 +125,14 @@ class ControlLoop(threading.Thread):
                 log.warning("could not confirm weights version %d: %s", applied.version, e)
             if not applied.error:
                 self.first_weights.set()
+
+
+def _peak_gib() -> float:
+    """This process's peak CUDA memory allocated through torch (an hf node's; vLLM's workers are their own)."""
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return 0.0
+    return torch.cuda.max_memory_allocated() / 2**30
 
 
 class LedgerHeartbeat(threading.Thread):

@@ -236,6 +236,7 @@ class RolloutNode:
             completion_ids=ep.completion_ids,
             behavior_logprobs=ep.logprobs,
             reward=ep.reward,
+            reward_error=self._reward_error() if ep.reward is None else "",
             policy_version=ep.versions[0],
             token_versions=ep.versions if len(set(ep.versions)) > 1 else [],
             finish_reason=ep.finish_reason,
@@ -273,7 +274,12 @@ class RolloutNode:
             finish_reason=c.finish_reason,
             group_size=self.cfg.rollout.group_size,
             timings=timings,
+            reward_error=self._reward_error() if reward is None else "",
         )
+
+    def _reward_error(self) -> str:
+        """Why a reward is None: the scorer's first failure (a test's scorer may not keep one)."""
+        return getattr(self.scorer, "first_error", "") or "a reward returned None"
 
     async def _send(self, trajectories: list[Trajectory]) -> None:
         """Send in the one sender thread (ZMQ sockets are not thread-safe); a blocked send is backpressure."""
@@ -310,12 +316,13 @@ class RolloutNode:
 
     async def _drain(self, grace_s: float) -> None:
         """Wait for in-flight groups: all of them at a normal end, `grace_s` once stopping."""
-        tasks = list(self.in_flight.values())
-        if not tasks:
+        groups = {task: group_id for group_id, task in self.in_flight.items()}  # a done task leaves in_flight
+        if not groups:
             return
-        _, pending = await asyncio.wait(tasks, timeout=grace_s if self._stopping.is_set() else None)
+        _, pending = await asyncio.wait(list(groups), timeout=grace_s if self._stopping.is_set() else None)
         for task in pending:
             task.cancel()
         if pending:
             await asyncio.wait(pending, timeout=grace_s)
-            log.warning("node %s abandoned %d groups: %s", self.node_id, len(pending), self.stats.abandoned)
+            cut = sorted(groups[task] for task in pending)
+            log.warning("node %s abandoned %d groups: %s", self.node_id, len(pending), cut)

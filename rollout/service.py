@@ -265,6 +265,16 @@ async def serve(cfg: Config, learner_addr: str, node_id: str, max_groups: int | 
     return 0
 
 
+def _ledger_url(cfg: Config, welcome: Welcome) -> str:
+    """The ledger's URL: from the Welcome (only sent over CURVE), else this node's own `ledger.url`."""
+    if welcome.redis_url or cfg.ledger.url:
+        return welcome.redis_url or cfg.ledger.url
+    raise TransportError(
+        "the learner runs without transport.curve, so its Welcome carries no ledger credentials: set "
+        "ledger.url on this node (RUN/config.toml has it), or turn transport.curve on on both sides"
+    )
+
+
 async def _session(
     cfg: Config, learner_addr: str, node_id: str, engine, device: str, inputs: _Inputs, prompts, signalled: _StopSignal,
     max_groups: int | None,
@@ -282,7 +292,7 @@ async def _session(
         log.info("phase: registering with the learner at %s", learner_addr)
         welcome = register(client, node_id, cfg.rollout.backend, device, cfg.transport.recv_timeout_s)
         log.info("phase: registered as %s at policy version %d", node_id, welcome.policy_version)
-        ledger = Ledger(connect(welcome.redis_url, cfg.ledger.connect_retries), welcome.run_name, cfg.ledger)
+        ledger = Ledger(connect(_ledger_url(cfg, welcome), cfg.ledger.connect_retries), welcome.run_name, cfg.ledger)
         ledger.heartbeat(node_id)
         beat = LedgerHeartbeat(ledger, node_id, ledger.learner().get("incarnation", ""))
         beat.start()

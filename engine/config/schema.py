@@ -138,10 +138,11 @@ class TransportConfig(_Section):
         bool,
         _doc(
             "Encrypt and authenticate the control and trajectory sockets with ZMQ CURVE: only nodes whose "
-            "key the learner allows can connect. Required when transport.host or weights.store_host is "
-            "beyond loopback."
+            "key the learner allows can connect, and only they get the ledger's credentials. On by default "
+            "(`streamrl run` makes the run's keys); off, any local process can connect and nodes need "
+            "ledger.url themselves. Required when transport.host or weights.store_host is beyond loopback."
         ),
-    ] = False
+    ] = True
     keys: Annotated[
         str,
         _doc(

@@ -38,6 +38,7 @@ DROP_REASONS = (
     "truncated",  # loss.mask_truncated: a completion cut by a length limit, kept out of the loss
     "no_gradient",  # in a step whose loss had no gradient: no update, no version (learner/train_step.py)
     "nonfinite_step",  # in a step whose every update had a non-finite gradient
+    "overdue",  # held by a node silent past the group deadline: given up so the step goes on (learner/overdue.py)
 )
 
 _REASON = re.compile(r"^[a-z][a-z0-9_]*$")
@@ -294,6 +295,11 @@ class LedgerBooks:
     def record(self, sample_id: str) -> dict[str, str]:
         """The sample's stored fields (empty when the ledger never saw it)."""
         return self.client.hgetall(self.prefix + "s:" + sample_id)
+
+    @retried
+    def group(self, group_id: str) -> dict[str, str]:
+        """The group's stored fields: node, n, open (empty once every sample is resolved)."""
+        return self.client.hgetall(self.prefix + "g:" + group_id)
 
     @retried
     def counts(self) -> Counts:

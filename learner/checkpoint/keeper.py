@@ -9,10 +9,11 @@ import pathlib
 from torch import nn
 
 from streamrl.engine.config import CheckpointConfig
+from streamrl.engine.messages import AdapterSpec
 from streamrl.learner import parallel
 from streamrl.learner.checkpoint.layout import LearnerState, check_writable, checkpoints_dir, estimate_bytes, resolve
 from streamrl.learner.checkpoint.store import _on_rank0_then_share, load, save, write_hf_files
-from streamrl.learner.export import export_state
+from streamrl.learner.export import export_adapter, export_state
 
 
 class Keeper:
@@ -30,8 +31,11 @@ class Keeper:
         trainer,
         model_source: str,
         last_step: int,
+        adapter: AdapterSpec | None = None,
     ):
+        """adapter: LoRA's spec; checkpoints then hold the adapters and their optimizer state alone."""
         self.cfg, self.lm, self.trainer, self.model_source = cfg, lm, trainer, model_source
+        self.adapter = adapter
         self.root, self.exports = checkpoints_dir(run_dir), pathlib.Path(run_dir) / "exports"
         self.last_step = last_step
         if cfg.every:
@@ -72,8 +76,16 @@ class Keeper:
                 self.model_source,
                 self.cfg.keep_last,
                 self.cfg.keep_every,
+                self.adapter,
             )
-        if due(self.cfg.export_every):
+        if due(self.cfg.export_every) and self.adapter is not None:  # LoRA: a PEFT adapter folder
+            from streamrl.learner.lora import adapter_state
+
+            tensors = {k: v.cpu() for k, v in adapter_state(self.lm).items()}
+            if parallel.is_rank0():
+                out = self.exports / f"step_{step}"
+                export_adapter(tensors, self.adapter, self.model_source, self.exports / ".hf", out, overwrite=True)
+        elif due(self.cfg.export_every):
             full_state = parallel.full_state_dict(policy)
             if parallel.is_rank0():
                 export_state(full_state, self.exports / ".hf", self.exports / f"step_{step}", overwrite=True)

@@ -193,6 +193,8 @@ def test_warnings_are_printed_and_the_command_goes_on(tmp_path, tiny_model):
         f"model.path='{tiny_model}'",
         "--set",
         f"data.path='{data}'",
+        "--set",
+        "transport.curve=false",  # no run folder with keys here: straight to the missing learner
         "--learner",
         "tcp://127.0.0.1:1",
     )

@@ -80,7 +80,8 @@ def test_a_killed_node_takes_its_engine_core_and_resource_tracker_with_it(tiny_m
     with open(log_path, "w") as log:
         node = subprocess.Popen(
             [sys.executable, "-m", "streamrl", "rollout", "--config", _config(tmp_path, tiny_model)]
-            + ["--learner", fake_learner.addr, "--node-id", "doomed", "--set", f"run.dir='{tmp_path}'"],
+            + ["--learner", fake_learner.addr, "--node-id", "doomed", "--set", f"run.dir='{tmp_path}'"]
+            + ["--set", "transport.curve=false"],  # the stand-in learner has no CURVE keys
             env=env,
             stdout=log,
             stderr=subprocess.STDOUT,

@@ -19,7 +19,7 @@ def _dead_addr() -> str:
 
 def _cfg(tmp_path, **sections) -> config.Config:
     run = {"device": "cpu", "dir": str(tmp_path), "name": "bad"}
-    return config.build({"run": run, "transport": {"send_timeout_s": 1.0}, **sections})
+    return config.build({"run": run, "transport": {"send_timeout_s": 1.0, "curve": False}, **sections})
 
 
 def _node_log(tmp_path) -> str:

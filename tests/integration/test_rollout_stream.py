@@ -70,6 +70,7 @@ def streamed(sharp_model, tmp_path_factory, redis_server, fake_learner_cls):
     receiver = learner.receiver
     command = [sys.executable, "-m", "streamrl", "rollout", "--config", config, "--learner", learner.addr]
     command += ["--node-id", "node-7", "--max-groups", str(GROUPS), "--set", f"run.dir='{folder}'"]
+    command += ["--set", "transport.curve=false"]  # the stand-in learner has no CURVE keys
     with open(log_path, "w") as log:
         proc = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
         try:

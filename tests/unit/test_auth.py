@@ -185,6 +185,31 @@ def test_the_registry_binds_an_id_to_its_key_and_ignores_messages_for_others(key
         registry.close()
 
 
+def test_without_curve_a_live_id_is_never_registered_again():
+    welcome = lambda node_id: Welcome(  # noqa: E731
+        node_id=node_id, trajectory_addr="tcp://x:1", redis_url="", run_name="r", policy_version=0
+    )
+    registry = NodeRegistry(ControlServer(fault_log_interval_s=0.01), welcome)
+    registry.start()
+    try:
+        with (
+            ControlClient(registry.addr, "a", timeout_s=10) as a,
+            ControlClient(registry.addr, "thief", timeout_s=10) as thief,
+        ):
+            got = a.request(Register(node_id="a", host="h"), expect=Welcome)
+            refusal = thief.request(Register(node_id="a", host="h"), expect=(Welcome, Stop))
+            assert isinstance(refusal, Stop) and "live" in refusal.reason
+            a.send(Heartbeat(node_id="a", policy_version=7))  # the real node still speaks for itself
+            _wait_for(lambda: registry.nodes["a"].version == 7)
+            assert registry.identity("a").secret == got.secret and registry.nodes["a"].peer == b"a"
+            assert registry.server.faults.by_sender() == {"node 'a' (claimed)": {"spoofed": 1}}
+            registry.forget("a")  # gone (left, or reaped): a restarted node may take its id again
+            again = thief.request(Register(node_id="a", host="h"), expect=(Welcome, Stop))
+            assert isinstance(again, Welcome) and again.secret != got.secret
+    finally:
+        registry.close()
+
+
 def test_a_welcome_from_before_the_secret_still_decodes():
     class OldWelcome(msgspec.Struct, array_like=True, tag="welcome"):  # the field list before this change
         node_id: str
@@ -202,10 +227,10 @@ def test_a_welcome_from_before_the_secret_still_decodes():
 @pytest.mark.parametrize(
     ("overrides", "field"),
     [
-        (["transport.host=10.1.2.3"], "transport.host = '10.1.2.3'"),
-        (["transport.host=0.0.0.0"], "transport.host = '0.0.0.0'"),
-        (["weights.store_host=node7.cluster"], "weights.store_host = 'node7.cluster'"),
-        (["ledger.url='redis://:pw@10.0.0.5:6379/0'", "transport.curve=true"], "ledger.url = 'redis://:***@10.0.0.5"),
+        (["transport.host=10.1.2.3", "transport.curve=false"], "transport.host = '10.1.2.3'"),
+        (["transport.host=0.0.0.0", "transport.curve=false"], "transport.host = '0.0.0.0'"),
+        (["weights.store_host=node7.cluster", "transport.curve=false"], "weights.store_host = 'node7.cluster'"),
+        (["ledger.url='redis://:pw@10.0.0.5:6379/0'"], "ledger.url = 'redis://:***@10.0.0.5"),
     ],
 )
 def test_listeners_beyond_loopback_are_refused_at_start_naming_the_fields(overrides, field):
@@ -219,7 +244,7 @@ def test_what_loopback_and_curve_allow():
     for overrides in (
         [],
         ["transport.host=localhost", "weights.store_host=127.0.0.2"],
-        ["transport.host=10.1.2.3", "weights.store_host=10.1.2.3", "transport.curve=true"],
+        ["transport.host=10.1.2.3", "weights.store_host=10.1.2.3"],  # CURVE is on by default
         ["ledger.url='rediss://:pw@10.0.0.5:6379/0'"],
         ["ledger.url='redis://:pw@10.0.0.5:6379/0'", "ledger.allow_plaintext=true"],
     ):

@@ -40,10 +40,10 @@ def test_a_single_turn_frame_is_unchanged_by_the_new_field():
         completion_ids=[10, 11], behavior_logprobs=[-0.5, -0.25], token_versions=[], loss_mask=[], policy_version=3
     )
     fields = msgspec.to_builtins(single)
-    # the mask and the episode counts (turns, tool calls) are the last fields: a frame from before them
-    # decodes with their defaults
+    # the mask, the episode counts (turns, tool calls) and reward_error are the last fields: a frame from
+    # before them decodes with their defaults
     first_new = m.Trajectory.__struct_fields__.index("loss_mask")
-    assert fields[first_new:] == [[], 0, 0, 0, 0]
+    assert fields[first_new:] == [[], 0, 0, 0, 0, ""]
     for old in (fields[:first_new], fields[: first_new + 1]):
         assert m.decode_trajectory(msgspec.msgpack.encode(old)) == single and single.model_tokens == 2
 

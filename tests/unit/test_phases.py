@@ -127,6 +127,7 @@ def test_the_learner_loads_comes_up_waits_trains_and_finishes(tmp_path):
         "one with `streamrl rollout --config runs/cap/config.toml --learner runs/cap`",
     )
     assert (str(watch.poll()), watch.came_up) == ("up", True)
+    assert watch.take_warnings() == []  # the waiting hint is the view's note, not a warning printed above it
     assert watch.waiting.startswith("0 groups partly here; no rollout node registered; start one with `streamrl")
     child.write("16:36:30 INFO: node node-0 joined (1 nodes)", "16:36:30 INFO: node hand-7 joined (2 nodes)")
     watch.poll()
@@ -229,3 +230,42 @@ def test_the_table_shows_phases_before_the_first_step_and_figures_after(tmp_path
     records = [{"step": 1, "reward/mean": 0.25, "reward/std": 0.1, "loss": -0.5, "version": 1}]
     text = render(live_table(board.poll(steps_done=1), records, steps=10, elapsed_s=60))
     assert "streamrl — step 1/10 — 60 s" in text and "0.250 ± 0.100" in text and "-0.5000" in text
+
+
+def test_episode_figures_have_their_rows(tmp_path):
+    launcher = FakeLauncher()
+    launcher.ledger_url = "redis://x"
+    launcher.learner = FakeChild(tmp_path / "learner.out", "learner")
+    board = Board(launcher, requested_nodes=0)
+    figures = {"env/episodes": 16.0, "env/turns_mean": 2.5, "env/reward_mean": 0.25, "env/tool_calls": 12.0}
+    records = [{"step": 1, "reward/mean": 0.25, **figures, "env/tool_failed": 3.0, "env/tool_timeouts": 1.0}]
+    text = render(live_table(board.poll(steps_done=1), records, steps=10, elapsed_s=60))
+    assert "2.50 turns, environment reward 0.250" in text and "12 (3 failed, 1 timed out)" in text
+
+
+def test_without_a_terminal_lines_are_not_wrapped_at_80_columns(monkeypatch):
+    from streamrl.ops.live import NO_TERMINAL_WIDTH, plain_console
+
+    monkeypatch.delenv("COLUMNS", raising=False)
+    console = plain_console()  # pytest captures stdout: no terminal
+    assert not console.is_terminal and console.width == NO_TERMINAL_WIDTH
+    monkeypatch.setenv("COLUMNS", "100")
+    assert plain_console().width == 100
+
+
+def test_the_view_prints_each_kind_of_learner_warning_once(tmp_path):
+    from streamrl.ops.run import _View
+
+    launcher = FakeLauncher()
+    launcher.learner = child = FakeChild(tmp_path / "learner.out", "learner")
+    launcher.run_dir = tmp_path
+    board = Board(launcher, requested_nodes=0)
+    console = Console(record=True, width=300)
+    view = _View(SimpleNamespace(console=console), board, steps=10, started=0.0)
+    zero = "step {} : all 4 groups have zero reward variance (every reward = 0 in its group)"
+    child.write(*(f"16:36:{40 + i} WARNING: {zero.format(i)}" for i in range(1, 4)), "16:36:44 INFO: step 3 v3")
+    board.poll()
+    view.print_warnings()
+    printed = console.export_text()
+    assert printed.count("learner warning: ") == 1 and zero.format(1) in printed
+    assert view.warned == {zero.format("N").replace("4 groups", "N groups").replace("= 0", "= N"): 3}

@@ -91,6 +91,9 @@ def test_inline_scorer_counts_errors_and_none():
     scorer = Scorer(RewardConfig(functions=["exact_match"], workers=0))
     assert scorer.score(["p"], ["x"], [[1]], [{"not_answer": "x"}]) == [None]  # no `answer` column: TypeError
     assert scorer.stats.errors == 1 and scorer.stats.none == 1
+    assert scorer.first_error.startswith("exact_match: TypeError")  # what a None reward's trajectory carries
+    scorer.score(["p"], ["x"], [[1]], [{"answer": "x"}])
+    assert scorer.first_error.startswith("exact_match: TypeError")  # the first, kept
 
 
 def test_score_async_from_an_event_loop_and_per_function_metrics():

@@ -8,7 +8,8 @@ import time
 import pytest
 
 from streamrl.engine.ledger import Counts
-from streamrl.learner.intake import LearnerStalledError, StallAlarm
+from streamrl.engine.messages import Trajectory
+from streamrl.learner.intake import LearnerStalledError, RewardFailingError, RewardWatch, StallAlarm
 
 
 class _Books:
@@ -64,3 +65,23 @@ def test_a_stop_bound_below_the_warning_is_refused_naming_both_fields():
     with pytest.raises(ConfigError, match=r"learner.stall_stop_s = 50 is below learner.stall_warn_s = 100"):
         build({}, ["learner.stall_warn_s=100", "learner.stall_stop_s=50"])
     assert build({}, ["learner.stall_warn_s=100", "learner.stall_stop_s=0"]).learner.stall_stop_s == 0
+
+
+def _sample(reward: float | None, error: str = "") -> Trajectory:
+    return Trajectory(sample_id="s", group_id="g", node_id="n", seq=0, prompt_ids=[1], completion_ids=[2],
+                      behavior_logprobs=[-0.5], reward=reward, policy_version=0, reward_error=error)  # fmt: skip
+
+
+def test_a_reward_failing_on_nearly_every_sample_of_the_window_stops_the_run_naming_its_first_error():
+    watch = RewardWatch(window=40)  # 95% of 40 = 38 failures
+    watch.add([_sample(1.0)] * 3 + [_sample(None, "f.py:f: ValueError: boom")] * 36)  # 39 < 40: window not full
+    watch.add([_sample(None, "f.py:f: KeyError: later")])  # 40 seen, 37 failed (3 scored): 92.5% < 95%
+    assert issubclass(RewardFailingError, LearnerStalledError)  # exit 3, as the stall alarm
+    with pytest.raises(RewardFailingError, match=r"failed on 38 of the last 40 samples.*f\.py:f: ValueError: boom"):
+        watch.add([_sample(None)])  # the window slides: 2 scored, 38 failed
+
+
+def test_a_reward_that_fails_now_and_then_never_stops_the_run():
+    watch = RewardWatch(window=20)
+    for _ in range(50):
+        watch.add([_sample(None, "e")] * 18 + [_sample(0.5)] * 2)  # 90% failing: counted, not fatal

@@ -54,3 +54,15 @@ def test_prometheus_binds_only_the_configured_address(tmp_path):
                 pass
     finally:
         sink.close()
+
+
+def test_how_a_run_ended_is_written_for_status_and_gone_while_it_runs(tmp_path):
+    from streamrl.engine.telemetry import read_ending, write_ending
+    from streamrl.ops.status import _state
+
+    assert read_ending(tmp_path) is None and _state(None, None) == "running"
+    write_ending(tmp_path, "stopped by the stall alarm", 3, "no sample trained for 1800 s: ...")
+    ending = read_ending(tmp_path)
+    assert (ending["ended"], ending["exit"]) == ("stopped by the stall alarm", 3)
+    shown = _state(finished=None, ending=ending)  # the ledger never marked it finished: not "running"
+    assert shown.startswith("stopped by the stall alarm ") and "(learner exit 3: no sample trained" in shown

@@ -4,7 +4,7 @@ by `ops.launcher.Launcher`), waiting on it, the training stall around a fault, a
 Each test injects its fault into real processes and asserts a number: the longest gap between two
 step records around the fault (the stall), samples lost (a sample whose record and counters disagree,
 or that the run ended without resolving) and samples unresolved at the end. The figures are printed as
-one JSON line per test (`FIGURE {...}`), the source of docs/RELIABILITY.md.
+one JSON line per test (`FIGURE {...}`, with the settings it ran at), the source of docs/RELIABILITY.md.
 """
 
 from __future__ import annotations
@@ -24,15 +24,14 @@ from streamrl.engine.telemetry import read_metrics
 from streamrl.ops.launcher import Launcher
 from streamrl.ops.run import DEMO
 
-# A run that keeps going until a test stops it; nodes lost within seconds, weights evicted within seconds.
-FAULT_RUN = [
-    *DEMO,
-    "run.device='cpu'",
-    "telemetry.tensorboard=false",
-    "ledger.heartbeat_ttl_s=4.0",
-    "weights.timeout_s=8.0",
-    "rollout.max_concurrent_groups=4",
-]
+# Which settings the fault runs use: "test" (CI: nodes lost within seconds, weights evicted within
+# seconds, so each fault costs seconds) or "default" (what a user gets: STREAMRL_FAULT_SETTINGS=default,
+# the figures of docs/RELIABILITY.md's default column; slower).
+SETTINGS = os.environ.get("STREAMRL_FAULT_SETTINGS", "test")
+assert SETTINGS in ("test", "default"), f"STREAMRL_FAULT_SETTINGS={SETTINGS!r}: use test or default"
+TEST_SETTINGS = ["ledger.heartbeat_ttl_s=4.0", "weights.timeout_s=8.0", "rollout.max_concurrent_groups=4"]
+# A run that keeps going until a test stops it.
+FAULT_RUN = [*DEMO, "run.device='cpu'", "telemetry.tensorboard=false", *(TEST_SETTINGS * (SETTINGS == "test"))]
 
 
 class FaultRun:
@@ -120,7 +119,12 @@ def kill(pid: int, sig: int = signal.SIGKILL) -> None:
 
 
 def figure(name: str, **values) -> None:
-    print(f"FIGURE {json.dumps({'test': name, **values}, sort_keys=True)}")
+    print(f"FIGURE {json.dumps({'test': name, 'settings': SETTINGS, **values}, sort_keys=True)}")
+
+
+def at_test_settings(sets: list[str]) -> list[str]:
+    """A test's own shortened settings (a retry bound, ...), only when the suite runs at the test settings."""
+    return list(sets) if SETTINGS == "test" else []
 
 
 def log_time(text: str, needle: str, after: float = 0.0) -> float:
@@ -159,4 +163,5 @@ def fault_tools():
     """The helpers above, for test modules (a conftest is not importable under importlib mode)."""
     import types
 
-    return types.SimpleNamespace(kill=kill, figure=figure, log_time=log_time)
+    return types.SimpleNamespace(kill=kill, figure=figure, log_time=log_time, settings=SETTINGS, run_settings=FAULT_RUN,
+                                 at_test_settings=at_test_settings)  # fmt: skip

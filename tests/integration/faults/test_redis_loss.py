@@ -4,12 +4,17 @@
    the nodes wait for it and carry on; the stall is the outage plus a step.
 2. Gone for longer: the learner stops with exit 4 and an error naming the server, the nodes exit with
    an error too, and the ledger is intact: once Redis is back, every record agrees with the counters.
+3. Gone for good under `streamrl run`: one line saying so, exit 4, no traceback, no process of the run
+   left (checked by pid: learner, node, its engine, Redis).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import os
 import re
+import subprocess
+import sys
 import time
 
 import pytest
@@ -58,7 +63,8 @@ def test_a_restarted_redis_pauses_the_reaper_for_one_ttl(tmp_path, fault_tools):
 @pytest.mark.vllm
 @pytest.mark.slow
 def test_redis_killed_mid_run_back_within_the_bound_then_gone_for_good(fault_run, fault_tools):
-    run = fault_run(["run.steps=100000", f"ledger.retry_s={RETRY_S}"])
+    run = fault_run(["run.steps=100000", *fault_tools.at_test_settings([f"ledger.retry_s={RETRY_S}"])])
+    retry_s = run.cfg.ledger.retry_s
     launcher = run.launcher
     launcher.start(nodes=2)
     run.wait_steps(3)
@@ -81,9 +87,9 @@ def test_redis_killed_mid_run_back_within_the_bound_then_gone_for_good(fault_run
     gone = time.time()
     fault_tools.kill(server.pid)
     server.process.wait(timeout=10)
-    code = launcher.learner.process.wait(timeout=RETRY_S * 3 + 30)
+    code = launcher.learner.process.wait(timeout=retry_s * 3 + 30)
     learner_exit_s = time.time() - gone
-    node_codes = [c.process.wait(timeout=RETRY_S * 4 + 60) for c in launcher.nodes.values()]
+    node_codes = [c.process.wait(timeout=retry_s * 4 + 60) for c in launcher.nodes.values()]
     log = run.learner_log()
     server.start()
     books = run.ledger.check(deep=True)
@@ -103,7 +109,81 @@ def test_redis_killed_mid_run_back_within_the_bound_then_gone_for_good(fault_run
     assert code == 4, launcher.learner.log_tail(30)
     # the URL as logged: its password (the embedded Redis has one per run) redacted
     assert re.search(rf"Redis at redis://(:\*\*\*@)?127\.0\.0\.1:{server.port}", log) and "did not answer" in log
-    assert learner_exit_s < RETRY_S * 2 + 15
+    assert learner_exit_s < retry_s * 2 + 15
     assert all(c == 1 for c in node_codes), node_codes
     assert books == [], books  # intact: every record agrees with the counters (in flight is allowed: unfinished)
     assert run.ledger.finished() is None
+
+
+def _descendants(pid: int) -> dict[int, str]:
+    """Every process below `pid` (pid -> command line), from /proc."""
+    parents: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = open(f"/proc/{entry}/stat").read()
+            except OSError:
+                continue
+            parents[int(entry)] = int(stat.rsplit(")", 1)[1].split()[1])
+    found, todo = {}, [pid]
+    while todo:
+        parent = todo.pop()
+        for child in (p for p, pp in parents.items() if pp == parent):
+            try:
+                found[child] = open(f"/proc/{child}/cmdline").read().replace("\0", " ")
+            except OSError:
+                continue
+            todo.append(child)
+    return found
+
+
+def _running(pid: int) -> bool:
+    try:
+        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_streamrl_run_with_its_redis_gone_for_good_says_so_in_one_line_and_leaves_no_process(tmp_path, fault_tools):
+    sets = [*fault_tools.run_settings, *fault_tools.at_test_settings([f"ledger.retry_s={RETRY_S}"])]
+    sets += ["run.steps=100000", f"run.dir='{tmp_path}'", "run.name='lost'"]
+    out = tmp_path / "run.out"
+    command = [
+        sys.executable,
+        "-m",
+        "streamrl",
+        "run",
+        "--rollout-nodes",
+        "1",
+        *(a for s in sets for a in ("--set", s)),
+    ]
+    with out.open("wb") as sink:
+        run = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    metrics = tmp_path / "lost" / "metrics.jsonl"
+    try:
+        deadline = time.monotonic() + 400
+        while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):
+            assert run.poll() is None and time.monotonic() < deadline, out.read_text()[-3000:]
+            time.sleep(0.5)
+        children = _descendants(run.pid)
+        redis = [pid for pid, line in children.items() if "redis-server" in line]
+        assert len(redis) == 1 and any("rollout" in line for line in children.values()), children
+        gone = time.time()
+        fault_tools.kill(redis[0])
+        code = run.wait(timeout=600)
+        exit_s = time.time() - gone
+    finally:
+        if run.poll() is None:
+            run.kill()
+    said = out.read_text(errors="replace")
+    deadline = time.monotonic() + 15  # orphans are reaped by init
+    while any(_running(pid) for pid in children) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    left = {pid: line for pid, line in children.items() if _running(pid)}
+    fault_tools.figure("run_redis_gone", exit_code=code, exit_s=round(exit_s, 1), children=len(children),
+                       left=len(left), traceback="Traceback" in said)  # fmt: skip
+    assert code == 4, said[-3000:]
+    assert "Traceback" not in said and "stopped answering" in said, said[-3000:]
+    assert left == {}, left

@@ -1,0 +1,77 @@
+"""Groups held by a silent node, given up once overdue: a frozen node must not hold the learner's step.
+
+The learner trains groups in their admission order and waits for the oldest (`intake.py`). A node
+that froze (SIGSTOP, swapped out, a hung host) holding one of them would hold every step until its
+heartbeat expired in the ledger (`ledger.heartbeat_ttl_s`, 15 s by default) and the reaper resolved its
+samples. Instead a group is given up once both hold:
+- the learner has waited for it longer than the slowest group measured lately (submitted to the
+  engine -> rewarded, on the nodes' clocks) plus `MARGIN_S`: a live node would have delivered it;
+- the node holding it has been silent on the control channel for `SILENT_S` (it beats every 0.5 s,
+  `rollout/control.py`), so a node that is alive but slow is never cut off.
+Its samples not yet received are dropped as `overdue`, which returns the group's credit, and the step
+goes on with the next groups. A node that wakes finds the samples no longer its own in the ledger and
+does not send them (`rollout/service.py` `LedgerSink`); if it stays silent the reaper takes the rest
+(`node_lost`) once its heartbeat expires.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+from collections.abc import Callable
+
+from streamrl.engine.ledger import Ledger, sample_ids
+from streamrl.engine.messages import Trajectory
+
+log = logging.getLogger("streamrl.learner")
+
+SILENT_S = 2.0  # four missed control heartbeats
+MARGIN_S = 0.5
+
+
+class OverdueGroups:
+    """`measure` every received batch; `give_up` the overdue among the groups the learner waits for.
+    `silent_s(node_id)`: seconds since the node was last heard on the control channel (inf: not registered)."""
+
+    def __init__(self, ledger: Ledger, silent_s: Callable[[str], float], window: int):
+        self.ledger, self.silent_s = ledger, silent_s
+        self.durations: collections.deque[float] = collections.deque(maxlen=window)  # the last samples'
+        self.waiting: dict[str, float] = {}  # group -> when the learner began waiting for it (its clock)
+        self.given_up = 0  # groups
+
+    def measure(self, batch: list[Trajectory]) -> None:
+        for traj in batch:
+            t = traj.timings
+            if t.submitted > 0 and t.rewarded >= t.submitted:
+                self.durations.append(t.rewarded - t.submitted)
+
+    @property
+    def deadline_s(self) -> float | None:
+        """How long a group may be waited for (None until a group time was measured)."""
+        return max(self.durations) + MARGIN_S if self.durations else None
+
+    def give_up(self, waited_for: list[str], now: float) -> dict[str, int]:
+        """Of `waited_for` (groups of which nothing has arrived), drop those overdue; group -> samples dropped."""
+        self.waiting = {group: self.waiting.get(group, now) for group in waited_for}
+        deadline = self.deadline_s
+        if deadline is None:
+            return {}
+        dropped: dict[str, int] = {}
+        for group, since in self.waiting.items():
+            if now - since < deadline:
+                continue
+            record = self.ledger.group(group)
+            node = record.get("node", "")
+            if not record or self.silent_s(node) < SILENT_S:
+                continue
+            n = sum(self.ledger.drop(sample_ids(group, int(record.get("n", 0))), "overdue"))
+            log.warning(
+                "group %s: node %s silent for %.1f s, the group waited for %.1f s (deadline %.1f s): "
+                "%d samples dropped as overdue",
+                group, node, self.silent_s(node), now - since, deadline, n,
+            )  # fmt: skip
+            dropped[group] = n
+        for group in dropped:
+            del self.waiting[group]
+        self.given_up += len(dropped)
+        return dropped
