@@ -108,6 +108,10 @@ def make_tiny_model(
     shape: Annotated[
         str, typer.Option(help="Model body from engine/models.py's SHAPES, e.g. tiny, or 0.5b (Qwen2-0.5B's layers).")
     ] = "tiny",
+    dtype: Annotated[str, typer.Option(help="Weights' dtype: float32, or bfloat16 (half the bytes to write).")] = (
+        "float32"
+    ),
+    device: Annotated[str, typer.Option(help="Where to initialise it: cpu, or cuda (seconds for a 7B shape).")] = "cpu",
 ) -> None:
     """Write a random-init Qwen2 with a BPE tokenizer (for tests, first runs and GPU benchmarks; no hub needed)."""
     from streamrl.engine.models import SHAPES
@@ -116,7 +120,7 @@ def make_tiny_model(
     if shape not in SHAPES:
         typer.secho(f"error: --shape {shape!r}: choose one of {', '.join(SHAPES)}", fg="red", err=True)
         raise typer.Exit(2)
-    folder = make(path, seed=seed, **SHAPES[shape])
+    folder = make(path, seed=seed, dtype=dtype, device=device, **SHAPES[shape])
     typer.echo(f"tiny model written to {folder}")
 
 
@@ -282,15 +286,19 @@ def export(
     out: Annotated[pathlib.Path, typer.Argument(help="Folder to write the HF model to.")],
     max_shard_size: Annotated[str, typer.Option(help="Largest safetensors shard, e.g. 2GB, 500MB.")] = "2GB",
     overwrite: Annotated[bool, typer.Option(help="Replace a non-empty OUT.")] = False,
+    merge: Annotated[bool, typer.Option(help="LoRA: the base model with the adapter merged in, not the adapter.")] = (
+        False
+    ),
+    base: Annotated[str, typer.Option(help="LoRA: the base model folder (default: the run's model.path).")] = "",
 ) -> None:
     """Write a checkpoint as an HF model folder (sharded safetensors, config, tokenizer) that
-    transformers and vLLM load without streamrl."""
+    transformers and vLLM load without streamrl; a LoRA run's as a PEFT adapter folder (or --merge)."""
     from streamrl.learner.checkpoint import CheckpointError
     from streamrl.learner.export import ExportError
     from streamrl.ops.export import export_checkpoint
 
     try:
-        folder = export_checkpoint(checkpoint, out, max_shard_size, overwrite)
+        folder = export_checkpoint(checkpoint, out, max_shard_size, overwrite, merge, base)
     except (CheckpointError, ExportError) as e:
         typer.secho(f"error: {e}", fg="red", err=True)
         raise typer.Exit(2) from None

@@ -59,8 +59,11 @@ def _tiny() -> dict:
 def make_model(device, dtype, attn="sdpa", shape="0.5b", vocab: int = 0):
     from transformers import AutoModelForCausalLM
 
+    from streamrl.engine.models import SHAPES
+
     torch.manual_seed(0)
-    config = qwen2_05b_config(**{**(_tiny() if shape == "tiny" else {}), **({"vocab_size": vocab} if vocab else {})})
+    body = _tiny() if shape == "tiny" else dict(SHAPES["7b"], vocab_size=152064) if shape == "7b" else {}
+    config = qwen2_05b_config(**{**body, **({"vocab_size": vocab} if vocab else {})})
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn)
     return model, sum(p.numel() for p in model.parameters())
@@ -86,11 +89,27 @@ def timed(fn, warmup: int, steps: int) -> float:
     return (time.perf_counter() - start) / steps
 
 
+def lora_flops(model, rank: int) -> tuple[int, str]:
+    """FLOPs per token of a LoRA step: 4 per frozen parameter (forward + input gradients), 6 per adapter one."""
+    trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    frozen = sum(p.numel() for p in model.parameters()) - trained
+    return 4 * frozen + 6 * trained, f"4 x {frozen} frozen + 6 x {trained} adapter parameters (rank {rank})"
+
+
 def baseline(args):
-    model, params = make_model("cuda", torch.bfloat16)
+    model, params = make_model("cuda", torch.bfloat16, shape=args.shape, vocab=args.vocab)
+    flops, formula = 6 * params, "6 x params"
+    if args.lora:  # HF + PEFT, eager, bf16 base: the reference LoRA learner
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=args.lora, lora_alpha=2 * args.lora, target_modules="all-linear"))
+        flops, formula = lora_flops(model, args.lora)
+        if args.ac:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            model.enable_input_require_grads()
     model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-6, fused=True)
-    ids = torch.randint(0, 151936, (args.batch, args.seq), device="cuda")
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-6, fused=True)
+    ids = torch.randint(0, model.config.vocab_size, (args.batch, args.seq), device="cuda")
 
     def step():
         model(input_ids=ids, labels=ids).loss.backward()
@@ -100,9 +119,13 @@ def baseline(args):
     seconds = timed(step, args.warmup, args.steps)
     tps = args.batch * args.seq / seconds
     emit(
-        figure="learner_step_baseline_eager_hf",
+        figure="learner_step_baseline_eager_hf"
+        + (f"_peft_r{args.lora}_{args.shape}" if args.lora else "")
+        + ("_ac" if args.ac and args.lora else ""),
         tokens_per_s=round(tps),
-        mfu=round(6 * params * tps / PEAK_FLOPS, 4),
+        mfu=round(flops * tps / PEAK_FLOPS, 4),
+        mfu_4n=round(4 * params * tps / PEAK_FLOPS, 4),
+        flops_formula=formula,
         params=params,
         tokens_per_step=args.batch * args.seq,
         seconds_per_step=round(seconds, 4),
@@ -150,7 +173,16 @@ def streamrl(args):
         logprobs.TRITON_HEAD = False
     device = parallel.init_distributed()
     world, rank = dist.get_world_size(), dist.get_rank()
-    model, params = make_model(device, torch.float32, shape=args.shape, vocab=args.vocab)
+    model, params = make_model(
+        device, torch.bfloat16 if args.lora else torch.float32, shape=args.shape, vocab=args.vocab
+    )
+    flops, formula = 6 * params, "6 x params"
+    if args.lora:  # a frozen bf16 base, fp32 adapters (learner/lora.py), as the learner builds it
+        from streamrl.engine.config import LoraConfig
+        from streamrl.learner import lora
+
+        model, _ = lora.apply(model, LoraConfig(enabled=True, rank=args.lora, alpha=2.0 * args.lora), torch.bfloat16)
+        flops, formula = lora_flops(model, args.lora)
     cfg = LearnerConfig(
         lr=1e-6,
         micro_batch_tokens=args.budget,
@@ -186,6 +218,7 @@ def streamrl(args):
         + ("_model" if args.compile_model else "")
         + (f"_{units}units" if units > 1 else "")
         + (f"_{args.shape}" if args.shape != "0.5b" else "")
+        + (f"_lora_r{args.lora}" if args.lora else "")
         + (f"_vocab{args.vocab}" if args.vocab else "")
         + (f"_len{longest}" if args.longest else "")
         + ("_nogatherahead" if args.no_gather_ahead else "")
@@ -194,7 +227,9 @@ def streamrl(args):
     fields = dict(
         figure=name,
         tokens_per_s=round(tps),
-        mfu=round(6 * params * tps / (PEAK_FLOPS * world), 4),
+        mfu=round(flops * tps / (PEAK_FLOPS * world), 4),
+        mfu_4n=round(4 * params * tps / (PEAK_FLOPS * world), 4),
+        flops_formula=formula,
         params=params,
         gpus=world,
         tokens_per_step=tokens,
@@ -365,7 +400,8 @@ def main():
     ap.add_argument("--head-logits-gib", type=float, default=16.0, help="learner.head_logits_gib (0: recompute)")
     ap.add_argument("--unit-params", type=int, default=10**9, help="learner.fsdp_unit_params (1: a unit per layer)")
     ap.add_argument("--compile-model", action="store_true", help="compile the whole decoder, not layer by layer")
-    ap.add_argument("--shape", choices=["0.5b", "tiny"], default="0.5b", help="tiny: a CPU smoke run")
+    ap.add_argument("--shape", choices=["0.5b", "7b", "tiny"], default="0.5b", help="tiny: a CPU smoke run")
+    ap.add_argument("--lora", type=int, default=0, help="train LoRA adapters of this rank on every linear layer")
     ap.add_argument("--vocab", type=int, default=0, help="vocabulary size (0: the shape's own)")
     ap.add_argument("--longest", type=int, default=0, help="longest sample in tokens (0: min(2048, budget))")
     ap.add_argument("--warmup", type=int, default=2)

@@ -56,6 +56,7 @@ def figures(run: pathlib.Path, skip: int, standalone_mfu: float, raw_ms: float, 
         "push_pack_device_ms": _median([1000 * r.get("time/push_pack_device_s", 0) for r in steady]),
         "transfer_ms": _median([1000 * r.get("weights_s", 0) for r in steady]),
         "evicted": records[-1].get("evicted"),
+        "learner_peak_gib": round(max(r.get("memory/learner_peak_gib", 0.0) for r in records), 2),
         "nodes": _node_figures(records[-1]),
         "wall_s": round(records[-1]["time"] - records[0]["time"], 1),
     }

@@ -12,6 +12,7 @@ TCPStore to the later of the two sides finishing (perf_counter is one monotonic 
     python bench/weight_transfer.py --device cpu --shapes tiny qwen2-0.5b   # gloo, CPU
     python bench/weight_transfer.py --paths collective shared --device cpu  # gloo vs shared memory, one host
     python bench/weight_transfer.py --paths shared --receiver-device cuda:0  # CUDA IPC, one GPU
+    python bench/weight_transfer.py --lora 16 ...        # a LoRA push: rank-16 adapters on every linear layer
 
 Prints one JSON line per (path, shape, bucket size), with `ratio` = transfer / raw. The shared paths
 (`engine/weights/ipc.py`) have no broadcast: their line says what the learner is held for (`pack_ms`:
@@ -105,9 +106,25 @@ def qwen2_shapes(s: dict) -> dict[str, list[int]]:
     return out
 
 
-def qwen2_state_dict(s: dict, dtype: torch.dtype, device: str) -> dict[str, torch.Tensor]:
-    sd = {name: torch.full(shape, _fill(name), dtype=dtype, device=device) for name, shape in qwen2_shapes(s).items()}
-    if s["tied"]:
+def lora_shapes(s: dict, rank: int) -> dict[str, list[int]]:
+    """A LoRA adapter of `rank` on every linear layer of the decoder, under PEFT's saved names (what a push holds)."""
+    h, q, kv, inter = s["hidden"], s["heads"] * s["head_dim"], s["kv_heads"] * s["head_dim"], s["inter"]
+    sides = {"self_attn.q_proj": (h, q), "self_attn.k_proj": (h, kv), "self_attn.v_proj": (h, kv),
+             "self_attn.o_proj": (q, h), "mlp.gate_proj": (h, inter), "mlp.up_proj": (h, inter),
+             "mlp.down_proj": (inter, h)}  # fmt: skip
+    out = {}
+    for i in range(s["layers"]):
+        for module, (d_in, d_out) in sides.items():
+            p = f"base_model.model.model.layers.{i}.{module}."
+            out.update({p + "lora_A.weight": [rank, d_in], p + "lora_B.weight": [d_out, rank]})
+    return out
+
+
+def qwen2_state_dict(s: dict, dtype: torch.dtype, device: str, lora: int = 0) -> dict[str, torch.Tensor]:
+    """The full weights, or with `lora` > 0 an adapter of that rank alone (never tied)."""
+    shapes = lora_shapes(s, lora) if lora else qwen2_shapes(s)
+    sd = {name: torch.full(shape, _fill(name), dtype=dtype, device=device) for name, shape in shapes.items()}
+    if s["tied"] and not lora:
         sd["lm_head.weight"] = sd["model.embed_tokens.weight"]
     return sd
 
@@ -215,8 +232,8 @@ class Bench:
 
 
 def bench_shape(args, bench: Bench, name: str) -> None:
-    shape = model_shape(name)
-    sd = qwen2_state_dict(shape, torch.bfloat16, args.device)
+    shape = dict(model_shape(name), tied=model_shape(name)["tied"] and not args.lora)
+    sd = qwen2_state_dict(shape, torch.bfloat16, args.device, args.lora)
     check = {k: _fill(k if not (shape["tied"] and k == "lm_head.weight") else "model.embed_tokens.weight") for k in sd}
     nbytes = sum(t.numel() * t.element_size() for k, t in sd.items() if not (shape["tied"] and k == "lm_head.weight"))
     flat = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=args.device)
@@ -236,6 +253,7 @@ def bench_shape(args, bench: Bench, name: str) -> None:
                 {
                     "figure": "weight_transfer",
                     "shape": name,
+                    "lora_rank": args.lora,
                     "backend": bench.sender.backend,
                     "bytes": nbytes,
                     "bucket_mb": bucket_mb,
@@ -287,8 +305,8 @@ def _pack_foreach(packed: PackedBuckets, sd: dict) -> None:
 def bench_shared(args, bench: Bench, sender: IpcSender, name: str) -> None:
     """The shared path (`cuda_ipc` on one GPU, `shm` on CPU): the learner packs into one of two buffer
     sets (as the publisher cycles them) and the node copies out of it, against a plain copy_ of the bytes."""
-    sd = qwen2_state_dict(model_shape(name), torch.bfloat16, args.device)
-    tied = model_shape(name)["tied"]
+    sd = qwen2_state_dict(model_shape(name), torch.bfloat16, args.device, args.lora)
+    tied = model_shape(name)["tied"] and not args.lora
     check = {k: _fill("model.embed_tokens.weight" if tied and k == "lm_head.weight" else k) for k in sd}
     nbytes = sum(t.numel() * t.element_size() for k, t in sd.items() if not (tied and k == "lm_head.weight"))
     src, dst = (torch.empty(nbytes // 2, dtype=torch.bfloat16, device=args.device) for _ in range(2))
@@ -312,7 +330,8 @@ def bench_shared(args, bench: Bench, sender: IpcSender, name: str) -> None:
         med = [statistics.median(col) * 1e3 for col in zip(*rows)]
         raw_ms, pack_ms, pack_dev_ms, foreach_host_ms, foreach_ms, copy_ms, copy_dev_ms, transfer_ms = med
         hold_ms = max(pack_ms, pack_dev_ms)  # the learner's stream is busy for the device time too
-        out = {"figure": "weight_transfer_shared", "path": sender.path, "shape": name, "bytes": nbytes,
+        out = {"figure": "weight_transfer_shared", "path": sender.path, "shape": name, "lora_rank": args.lora,
+               "bytes": nbytes,
                "bucket_mb": bucket_mb, "buckets": len(specs), "raw_copy_ms": raw_ms, "pack_ms": pack_ms,
                "pack_device_ms": pack_dev_ms, "pack_foreach_ms": foreach_host_ms, "pack_foreach_device_ms": foreach_ms,
                "hold_ms": hold_ms,
@@ -357,6 +376,7 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=120.0)
     parser.add_argument("--port", type=int, default=0)
     parser.add_argument("--paths", nargs="+", default=["collective"], choices=["collective", "shared"])
+    parser.add_argument("--lora", type=int, default=0, help="push a LoRA adapter of this rank (all linear layers)")
     args = parser.parse_args()
     if args.receiver_device is None:
         args.receiver_device = "cuda:1" if args.device.startswith("cuda") else args.device

@@ -95,6 +95,15 @@ def learner(cfg: Config, shape: Shape, tokens: int | None = None) -> Estimate:
     parts = {
         "weights, gradients, AdamW": (16 * p / lc.ranks + 2 * p) / GIB,
         "weight push buffers": 2 * p * nbytes / GIB,  # two packed sets (learner/publisher.py), rank 0
+    }
+    if cfg.lora.enabled:  # a frozen base in model.dtype; fp32 adapters, their gradients and AdamW; adapter pushes
+        a = adapter_params(cfg, shape)
+        parts = {
+            "frozen base weights (model.dtype)": (p * nbytes / lc.ranks + p * nbytes) / GIB,
+            "adapters, gradients, AdamW": (16 * a / lc.ranks + 2 * a) / GIB,
+            "adapter push buffers": 2 * a * nbytes / GIB,
+        }
+    parts |= {
         f"activations of learner.micro_batch_tokens = {tokens}": activations / GIB,
         "LM head": (kept + 2 * min(tokens, HEAD_CHUNK) * shape.vocab * 4) / GIB,
     }
@@ -112,7 +121,7 @@ def hf_node(cfg: Config, shape: Shape) -> Estimate:
     return Estimate(
         {
             "weights": shape.params * nbytes / GIB,
-            "staging copy": shape.params * nbytes / GIB,
+            "staging copy": (adapter_params(cfg, shape) if cfg.lora.enabled else shape.params) * nbytes / GIB,
             f"static cache ({MAX_BATCH} rows x {width + cfg.rollout.max_tokens} tokens)": (
                 positions * shape.layers * 2 * shape.kv_width * nbytes / GIB
             ),
@@ -122,6 +131,13 @@ def hf_node(cfg: Config, shape: Shape) -> Estimate:
             "CUDA context and graphs": CONTEXT_GIB,
         }
     )
+
+
+def adapter_params(cfg: Config, shape: Shape) -> int:
+    """LoRA parameters on every linear layer of the decoder (rank x (in + out) each; an upper bound when
+    lora.target_modules names fewer): q, o h+h; k, v h+kv; gate, up, down h+intermediate."""
+    h, kv, i = shape.hidden, shape.kv_width, shape.intermediate
+    return cfg.lora.rank * shape.layers * (8 * h + 2 * kv + 3 * i)
 
 
 def node(cfg: Config, shape: Shape, device_gib: float) -> Estimate:

@@ -138,6 +138,7 @@ class Heartbeat(_Wire, tag="heartbeat"):
     generate_s: float = 0.0  # seconds the engine spent generating since the node started
     idle_s: float = 0.0  # seconds it had nothing to generate
     swap_s: float = 0.0  # seconds generation was paused to swap weights in
+    peak_gib: float = 0.0  # the node process's peak CUDA memory allocated through torch (0 on CPU)
 
 
 class TensorSpec(_Wire):

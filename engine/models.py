@@ -218,6 +218,9 @@ def tiny_config(vocab_size: int, **overrides):
 # caller's: `make_tiny_model(..., **SHAPES[name])` takes the tokenizer's). The CLI's --shape and bench/ use it.
 SHAPES: dict[str, dict] = {
     "tiny": {},  # hidden 64, intermediate 128, 2 layers, 2 heads, 1 kv head, head_dim 32, tied
+    # the tiny body with 10x the init scale: a frozen output layer (LoRA) can still make one token likely; at
+    # 0.02 its logits stay within about +-1.3 whatever the hidden state (examples/lora.toml)
+    "tiny-sharp": dict(initializer_range=0.2),
     "tiny-4h": dict(  # the learner-step bench's CPU shape: four query heads of 16
         hidden_size=64,
         intermediate_size=128,
@@ -270,8 +273,16 @@ SHAPES: dict[str, dict] = {
 }
 
 
-def make_tiny_model(path: str | os.PathLike, seed: int = 0, vocab_size: int = 512, **config_overrides) -> pathlib.Path:
-    """Write a random-init Qwen2 + BPE tokenizer to `path`; the same seed gives byte-identical files.
+def make_tiny_model(
+    path: str | os.PathLike,
+    seed: int = 0,
+    vocab_size: int = 512,
+    dtype: str = "float32",
+    device: str = "cpu",
+    **config_overrides,
+) -> pathlib.Path:
+    """Write a random-init Qwen2 + BPE tokenizer to `path`; the same seed (dtype, device) gives byte-identical
+    files. device "cuda" initialises a large shape in seconds; dtype "bfloat16" halves the bytes written.
 
     `config_overrides` go to the Qwen2 config (e.g. the Qwen2-0.5B body: hidden_size=896, ...);
     `model_vocab_size` makes the embedding larger than the tokenizer's vocabulary.
@@ -291,9 +302,9 @@ def make_tiny_model(path: str | os.PathLike, seed: int = 0, vocab_size: int = 51
         **config_overrides,
     )
     fork_devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
-    with torch.random.fork_rng(devices=fork_devices):
+    with torch.random.fork_rng(devices=fork_devices), torch.device(device):
         torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
     model.generation_config = GenerationConfig(
         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, do_sample=True
     )

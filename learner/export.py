@@ -78,3 +78,54 @@ def _tied(config, key: str) -> bool:
 
 def _dtype_of(state: Mapping[str, Tensor]) -> torch.dtype:
     return next(iter(state.values())).dtype if state else torch.float32
+
+
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+
+
+def export_adapter(
+    tensors: Mapping[str, Tensor],
+    spec,
+    base: str,
+    hf_files: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    overwrite: bool = False,
+) -> pathlib.Path:
+    """LoRA: a PEFT adapter folder (`adapter_config.json`, `adapter_model.safetensors` under PEFT's saved names,
+    the tokenizer files) that `PeftModel.from_pretrained` and vLLM's `LoRARequest` load; `tensors` under the
+    model's names (`...q_proj.lora_A.default.weight`) or PEFT's; `base` the model they adapt."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from streamrl.engine.lora import peft_config, wire_name
+
+    out = pathlib.Path(out_dir)
+    _check_out(out, overwrite)
+    tmp = out.with_name(f".{out.name}.tmp")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    save_file({wire_name(k): v.detach().contiguous().cpu() for k, v in tensors.items()}, str(tmp / ADAPTER_WEIGHTS))
+    (tmp / "adapter_config.json").write_text(json.dumps({**peft_config(spec), "base_model_name_or_path": base}))
+    for file in pathlib.Path(hf_files).iterdir():
+        if file.is_file() and "token" in file.name:  # the tokenizer, for serving the adapter alone
+            shutil.copy2(file, tmp / file.name)
+    if out.exists():
+        shutil.rmtree(out)
+    os.rename(tmp, out)
+    return out
+
+
+def merge_adapter(adapter_dir: str | os.PathLike, base: str, out_dir: str | os.PathLike, overwrite: bool = False):
+    """The base model with the adapter merged in (W + alpha / r * B A), as a plain HF model folder."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out = pathlib.Path(out_dir)
+    _check_out(out, overwrite)
+    model = AutoModelForCausalLM.from_pretrained(base, dtype="auto")
+    merged = PeftModel.from_pretrained(model, str(adapter_dir)).merge_and_unload()
+    merged.save_pretrained(out, safe_serialization=True)
+    AutoTokenizer.from_pretrained(base).save_pretrained(out)
+    return out

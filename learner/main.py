@@ -49,22 +49,25 @@ def run_learner(cfg: Config, resume: str = "") -> int:
     torch.manual_seed(cfg.run.seed)
     model_path = cfg.model.path or str(default_tiny_model())
     compute = getattr(torch, cfg.model.dtype)  # the learner's compute dtype = what the engines serve
-    model = load_model(model_path, "float32", "cpu", cfg.model.trust_remote_code)  # fp32 master weights
+    # fp32 master weights; LoRA: a frozen base in the compute dtype (read as such: half the host memory and
+    # time for a bf16 model), fp32 adapters (learner/lora.py)
+    master = cfg.model.dtype if cfg.lora.enabled else "float32"
+    model = load_model(model_path, master, "cpu", cfg.model.trust_remote_code)
     adapter = None
-    if cfg.lora.enabled:  # frozen base in the compute dtype, fp32 adapters (learner/lora.py)
+    if cfg.lora.enabled:
         model, adapter = lora.apply(model, cfg.lora, compute)
     sampling = dict(temperature=cfg.rollout.temperature, top_k=cfg.rollout.top_k, top_p=cfg.rollout.top_p)
     policy = parallel.wrap_model(model, cfg.learner, device, compute_dtype=compute, **sampling)
     reference = build_reference(cfg, device, compute, policy)  # None unless loss.kl_coef > 0
     trainer = _trainer(cfg, policy, device, reference)
-    keeper = checkpoint.Keeper(cfg.checkpoint, cfg.run.path, policy.lm, trainer, model_path, cfg.run.steps)
+    keeper = checkpoint.Keeper(cfg.checkpoint, cfg.run.path, policy.lm, trainer, model_path, cfg.run.steps, adapter)
     first = keeper.resume(resume, cfg.run.path).step + 1 if resume else 1  # steps continue from the checkpoint
     resumed_version = trainer.version if resume else None  # the ledger is rolled back to it
     orchestrator = _start_orchestrator(cfg, device, trainer, policy, resumed_version, first, adapter)
     ending = {"reason": "the learner stopped", "finished": False, "ledger_reachable": True}
     try:
         push_weights = parallel.PushWeights(policy, compute, adapters=adapter is not None)
-        _continue_versions(trainer, orchestrator, push_weights)
+        _hand_restored_weights(trainer, orchestrator, push_weights)
         if parallel.compiles(cfg.learner, device) and cfg.simulate.train_s <= 0:  # while the nodes start
             log.info("learner compiled ahead of step 1 in %.1f s", trainer.warm_up())
         for step in range(first, cfg.run.steps + 1):
@@ -163,11 +166,11 @@ def _start_orchestrator(
     return orchestrator
 
 
-def _continue_versions(trainer: Trainer, orchestrator: Orchestrator | None, push_weights: parallel.PushWeights) -> None:
-    """A resumed learner hands joining nodes its restored weights. The ledger's version equals the
-    weights' (a resume rolled the ledger back to the checkpoint); the max only guards a ledger ahead."""
-    ledger_version = orchestrator.ledger_version if orchestrator is not None else 0
-    trainer.version = parallel.from_rank0(max(trainer.version, ledger_version))
+def _hand_restored_weights(
+    trainer: Trainer, orchestrator: Orchestrator | None, push_weights: parallel.PushWeights
+) -> None:
+    """A resumed learner hands joining nodes its restored weights. The ledger's version is the
+    trainer's by now: the orchestrator refused a ledger behind the checkpoint and rolled back one ahead."""
     if trainer.version > 0:
         weights = push_weights()
         if orchestrator is not None:

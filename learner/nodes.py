@@ -46,6 +46,7 @@ class NodeInfo:
     generate_s: float = 0.0  # the node's own clock: seconds generating, idle, and paused for swaps
     idle_s: float = 0.0
     swap_s: float = 0.0
+    peak_gib: float = 0.0  # its peak CUDA memory, as it reported
     where: Location | None = None  # machine and device, as it registered: picks its weights' path
 
 
@@ -117,6 +118,7 @@ class NodeRegistry(threading.Thread):
             info = self.nodes[msg.node_id]
             info.last_seen, info.version, info.tokens_generated = now, msg.policy_version, msg.tokens_generated
             info.generate_s, info.idle_s, info.swap_s = msg.generate_s, msg.idle_s, msg.swap_s
+            info.peak_gib = msg.peak_gib
         elif isinstance(msg, WeightsApplied):
             self.applied[msg.node_id].put(msg)
         elif isinstance(msg, Goodbye):

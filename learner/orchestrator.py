@@ -125,10 +125,6 @@ class Orchestrator:
         """Steps still to train from `next_step` on: the ledger admits no group beyond what they train."""
         return max(0, self.cfg.run.steps - next_step + 1)
 
-    @property
-    def ledger_version(self) -> int:
-        return self.ledger.current_version()
-
     def _claim_run(self, resumed_version: int | None) -> dict[str, int]:
         """A fresh learner refuses a run that already trained (it would continue its versions with fresh
         weights). A learner resumed from a checkpoint of policy `resumed_version` makes the books match
@@ -333,6 +329,8 @@ class Orchestrator:
         out["time/push_pack_s"] = self.publisher.hold_s
         out["time/push_pack_device_s"] = self.publisher.pack_device_s()
         out["train_tokens_per_s"] = positions / max(timings.get("train_s", 0.0), 1e-9)
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            out["memory/learner_peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
         if self.peak_flops and self.params:
             out["mfu"] = self.flops_per_token * out["train_tokens_per_s"] / self.peak_flops
         return out
@@ -351,6 +349,8 @@ class Orchestrator:
                 out[f"node/{node_id}/generate_s"] = info.generate_s
                 out[f"node/{node_id}/idle_s"] = info.idle_s
                 out[f"node/{node_id}/swap_s"] = info.swap_s
+                if info.peak_gib:
+                    out[f"node/{node_id}/peak_gib"] = info.peak_gib
         return out
 
     # ---- end ------------------------------------------------------------------------------------

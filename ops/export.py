@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import os
 import pathlib
+import tempfile
 
 from streamrl.learner import checkpoint
-from streamrl.learner.export import DEFAULT_SHARD_SIZE, ExportError, export_state
+from streamrl.learner.export import DEFAULT_SHARD_SIZE, ExportError, export_adapter, export_state, merge_adapter
 
 
 def export_checkpoint(
@@ -14,8 +15,12 @@ def export_checkpoint(
     out_dir: str | os.PathLike,
     max_shard_size: str | int = DEFAULT_SHARD_SIZE,
     overwrite: bool = False,
+    merge: bool = False,
+    base: str = "",
 ) -> pathlib.Path:
-    """A checkpoint (a step folder, or a run / checkpoints folder: its newest) → an HF model folder at `out_dir`.
+    """A checkpoint (a step folder, or a run / checkpoints folder: its newest) → an HF model folder at `out_dir`;
+    a LoRA checkpoint → a PEFT adapter folder, or with `merge` the base model (`base`, default the run's
+    model.path) with the adapter merged in.
 
     Raises `checkpoint.CheckpointError` for a checkpoint that cannot be read, `ExportError` for a
     folder that cannot be written."""
@@ -25,4 +30,15 @@ def export_checkpoint(
         raise ExportError(
             f"checkpoint {path} has no hf/config.json: it cannot be exported (was it copied without its hf/ folder?)"
         )
-    return export_state(checkpoint.load_weights(path), hf_files, out_dir, max_shard_size, overwrite)
+    meta = checkpoint.read_meta(path)
+    if meta.adapter is None:
+        return export_state(checkpoint.load_weights(path), hf_files, out_dir, max_shard_size, overwrite)
+    base = base or meta.base
+    if not merge:
+        return export_adapter(checkpoint.load_weights(path), meta.adapter, base, hf_files, out_dir, overwrite)
+    if not base or not pathlib.Path(base).exists():
+        raise ExportError(f"--merge needs the base model the adapters were trained on: {base!r} is not there; "
+                          "pass --base FOLDER")  # fmt: skip
+    with tempfile.TemporaryDirectory() as tmp:
+        adapter = export_adapter(checkpoint.load_weights(path), meta.adapter, base, hf_files, pathlib.Path(tmp) / "a")
+        return merge_adapter(adapter, base, out_dir, overwrite)

@@ -134,7 +134,7 @@ class LearnerWatch(RoleWatch):
         return taken
 
     def read(self, line: str) -> None:
-        if (found := WARNING.search(line)) is not None:
+        if (found := WARNING.search(line)) is not None and not WAITING.search(line):  # that one is the note
             self.warnings.append(found.group(1))
         if "learner up:" in line:
             self.state.state, self.came_up = "up", True

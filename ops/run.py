@@ -92,7 +92,8 @@ def run_local(
                 launcher.stop_all(keep_redis=True)
                 view.show(force=True)  # the last table: every role as it ended
         if not console.is_terminal:
-            console.line()  # without a terminal the last table ends without a newline        if failure:
+            console.line()  # without a terminal the last table ends without a newline
+        if failure:
             console.print(f"[red]error:[/] {failure}")
         elif code == LEDGER_LOST:
             console.print(f"[red]error:[/] {_ledger_lost(launcher, cfg)}")

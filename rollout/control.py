@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import queue
+import sys
 import threading
 import time
 
@@ -83,6 +84,7 @@ class ControlLoop(threading.Thread):
                     generate_s=generate_s,
                     idle_s=idle_s,
                     swap_s=swap_s,
+                    peak_gib=_peak_gib(),
                 ),
                 timeout_s=1.0,
             )
@@ -123,6 +125,14 @@ class ControlLoop(threading.Thread):
                 log.warning("could not confirm weights version %d: %s", applied.version, e)
             if not applied.error:
                 self.first_weights.set()
+
+
+def _peak_gib() -> float:
+    """This process's peak CUDA memory allocated through torch (an hf node's; vLLM's workers are their own)."""
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return 0.0
+    return torch.cuda.max_memory_allocated() / 2**30
 
 
 class LedgerHeartbeat(threading.Thread):

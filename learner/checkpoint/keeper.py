@@ -9,17 +9,18 @@ import pathlib
 from torch import nn
 
 from streamrl.engine.config import CheckpointConfig
+from streamrl.engine.messages import AdapterSpec
 from streamrl.learner import parallel
 from streamrl.learner.checkpoint.layout import LearnerState, check_writable, checkpoints_dir, estimate_bytes, resolve
 from streamrl.learner.checkpoint.store import _on_rank0_then_share, load, save, write_hf_files
-from streamrl.learner.export import export_state
+from streamrl.learner.export import export_adapter, export_state
 
 
 class Keeper:
     """When the learner saves, exports and resumes (`checkpoint.every`, `export_every`, `--resume`).
 
     Built before training: an unwritable folder or a full disk fails the run at start, not at the
-    first save an hour in. `trainer` needs `.optimizer`, `.scheduler`, `.version`, `.skipped_steps`.
+    first save an hour in. `trainer` needs `.optimizer`, `.scheduler`, `.state_dict()`, `.load_state_dict()`.
     """
 
     def __init__(
@@ -30,8 +31,11 @@ class Keeper:
         trainer,
         model_source: str,
         last_step: int,
+        adapter: AdapterSpec | None = None,
     ):
+        """adapter: LoRA's spec; checkpoints then hold the adapters and their optimizer state alone."""
         self.cfg, self.lm, self.trainer, self.model_source = cfg, lm, trainer, model_source
+        self.adapter = adapter
         self.root, self.exports = checkpoints_dir(run_dir), pathlib.Path(run_dir) / "exports"
         self.last_step = last_step
         if cfg.every:
@@ -45,7 +49,7 @@ class Keeper:
         """Every rank: load the checkpoint `spec` names (`latest`, or a path) into the model and trainer."""
         path = resolve(spec, run_dir)
         state = load(path, self.lm, self.trainer.optimizer, self.trainer.scheduler)
-        self.trainer.version, self.trainer.skipped_steps = state.version, state.skipped_steps
+        self.trainer.load_state_dict(state.trainer_state())
         if parallel.is_rank0():
             logging.getLogger("streamrl.learner").info(
                 "resumed from %s: step %d, version %d, saved by %d ranks, loaded on %d",
@@ -62,12 +66,7 @@ class Keeper:
         export needs is made only then (`parallel.full_state_dict`, every rank takes part)."""
         due = lambda every: every and (step % every == 0 or step == self.last_step)  # noqa: E731
         if due(self.cfg.every):
-            state = LearnerState(
-                step=step,
-                version=self.trainer.version,
-                skipped_steps=self.trainer.skipped_steps,
-                ledger_version=self.trainer.version,
-            )
+            state = LearnerState(step=step, **self.trainer.state_dict())
             save(
                 self.root,
                 self.lm,
@@ -77,8 +76,16 @@ class Keeper:
                 self.model_source,
                 self.cfg.keep_last,
                 self.cfg.keep_every,
+                self.adapter,
             )
-        if due(self.cfg.export_every):
+        if due(self.cfg.export_every) and self.adapter is not None:  # LoRA: a PEFT adapter folder
+            from streamrl.learner.lora import adapter_state
+
+            tensors = {k: v.cpu() for k, v in adapter_state(self.lm).items()}
+            if parallel.is_rank0():
+                out = self.exports / f"step_{step}"
+                export_adapter(tensors, self.adapter, self.model_source, self.exports / ".hf", out, overwrite=True)
+        elif due(self.cfg.export_every):
             full_state = parallel.full_state_dict(policy)
             if parallel.is_rank0():
                 export_state(full_state, self.exports / ".hf", self.exports / f"step_{step}", overwrite=True)

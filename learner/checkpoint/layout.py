@@ -5,7 +5,7 @@ Layout of a checkpoint folder:
   *.distcp, .metadata   model + optimizer, sharded by torch.distributed.checkpoint (DCP); each rank
                         writes only its own shards, and a load reshards to any number of ranks
   extra.pt              LR schedule and every rank's RNG states (rank 0 writes it)
-  meta.json             learner state (step, policy version, ledger position), the model's
+  meta.json             learner state (step, policy version, skipped steps), the model's
                         fingerprint and parameter shapes; written last, so its presence marks a
                         complete checkpoint
   hf/                   config, generation config and tokenizer files: what an HF export needs
@@ -24,6 +24,8 @@ import shutil
 
 import msgspec
 from torch import nn
+
+from streamrl.engine.messages import AdapterSpec
 
 FORMAT = 1
 META = "meta.json"
@@ -51,9 +53,12 @@ class LearnerState(msgspec.Struct):
     step: int
     version: int
     skipped_steps: int = 0
-    ledger_version: int = 0  # the ledger's version when the checkpoint was taken
     world_size: int = 1
     time: float = 0.0
+
+    def trainer_state(self) -> dict[str, int]:
+        """What `Trainer.load_state_dict` takes back (`Trainer.state_dict` wrote it)."""
+        return {"version": self.version, "skipped_steps": self.skipped_steps}
 
 
 class Meta(msgspec.Struct):
@@ -62,6 +67,15 @@ class Meta(msgspec.Struct):
     model: dict[str, object]  # architecture fingerprint: a resumed model must match every field
     params: dict[str, list[int]]  # HF parameter name -> full shape
     dtypes: dict[str, str]  # HF parameter name -> torch dtype name
+    # LoRA: the checkpoint holds the adapters alone (`params`), of this spec, trained on the base model `base`
+    adapter: AdapterSpec | None = None
+    base: str = ""
+
+
+def trained_names(lm: nn.Module) -> set[str] | None:
+    """The parameters a checkpoint holds when some are frozen (LoRA: the adapters); None: all of them."""
+    names = {n for n, p in lm.named_parameters() if p.requires_grad}
+    return names if len(names) < sum(1 for _ in lm.parameters()) else None
 
 
 def fingerprint(lm: nn.Module) -> dict[str, object]:
@@ -71,8 +85,10 @@ def fingerprint(lm: nn.Module) -> dict[str, object]:
 
 
 def param_shapes(lm: nn.Module) -> tuple[dict[str, list[int]], dict[str, str]]:
-    shapes, dtypes = {}, {}
+    shapes, dtypes, trained = {}, {}, trained_names(lm)
     for name, value in lm.state_dict().items():
+        if trained is not None and name not in trained:
+            continue
         shapes[name] = list(value.shape)  # a DTensor reports its full shape
         dtypes[name] = str(value.dtype).removeprefix("torch.")
     return shapes, dtypes
@@ -172,6 +188,6 @@ def check_writable(root: pathlib.Path, need_bytes: int) -> None:
 
 
 def estimate_bytes(lm: nn.Module) -> int:
-    """Weights plus AdamW's two moments, with 10% and 16 MiB to spare."""
-    weights = sum(p.numel() * p.element_size() for p in lm.parameters())
+    """Trained weights plus AdamW's two moments, with 10% and 16 MiB to spare (LoRA: the adapters')."""
+    weights = sum(p.numel() * p.element_size() for p in lm.parameters() if p.requires_grad)
     return int(weights * 3 * 1.1) + (16 << 20)

@@ -14,6 +14,7 @@ import msgspec
 import torch
 from torch import nn
 
+from streamrl.engine.messages import AdapterSpec
 from streamrl.learner import parallel
 from streamrl.learner.checkpoint.layout import (
     FORMAT,
@@ -30,6 +31,7 @@ from streamrl.learner.checkpoint.layout import (
     read_meta,
     resolve,
     step_dir,
+    trained_names,
 )
 
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".h5", ".msgpack", ".gguf")
@@ -48,15 +50,18 @@ def save(
     model_source: str = "",
     keep_last: int = 2,
     keep_every: int = 0,
+    adapter: AdapterSpec | None = None,
 ) -> pathlib.Path:
     """Every rank calls: write `root/step_{state.step}` (model, optimizer, schedule, RNG, state), then
-    apply the retention policy. Returns the checkpoint folder."""
+    apply the retention policy. Returns the checkpoint folder. LoRA (`adapter`): the trained adapters and
+    their optimizer state alone; the frozen base is `model_source`'s."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     root = pathlib.Path(root)
     final, tmp = step_dir(root, state.step), root / f".tmp-step_{state.step}"
-    model_sd, optim_sd = get_state_dict(lm, optimizer)  # first: FSDP2's hook shows the sharded fp32 parameters
+    # first: FSDP2's hook shows the sharded fp32 parameters
+    model_sd, optim_sd = _trained(lm, *get_state_dict(lm, optimizer, options=_options(lm)))
     _on_rank0_then_share(lambda: _prepare(root, tmp, estimate_bytes(lm)))
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
     rngs = parallel.gather_objects(_rng_state())
@@ -70,6 +75,8 @@ def save(
             fingerprint(lm),
             shapes,
             dtypes,
+            adapter=adapter,
+            base=model_source if adapter is not None else "",
         )
         _write_atomic(tmp / META, msgspec.json.encode(meta))
         if final.exists():
@@ -129,9 +136,10 @@ def load(path: str | os.PathLike, lm: nn.Module, optimizer, scheduler) -> Learne
     path = pathlib.Path(path)
     meta = read_meta(path)
     check_compatible(meta, lm, path)
-    model_sd, optim_sd = get_state_dict(lm, optimizer)
+    options = _options(lm)
+    model_sd, optim_sd = _trained(lm, *get_state_dict(lm, optimizer, options=options))
     dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(path))
-    set_state_dict(lm, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
+    set_state_dict(lm, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd, options=options)
     extra = _load_extra(path / "extra.pt")
     scheduler.load_state_dict(extra["scheduler"])
     rngs = extra["rng"]
@@ -157,6 +165,21 @@ def load_weights(spec: str | os.PathLike) -> dict[str, torch.Tensor]:
 
 
 # ---- ranks, RNG, files -----------------------------------------------------------------------
+
+
+def _trained(lm: nn.Module, model_sd: dict, optim_sd: dict) -> tuple[dict, dict]:
+    """LoRA: a tied output layer is listed under its own name though frozen (it is not among the named
+    parameters that ignore_frozen_params filters): only the trained parameters stay."""
+    trained = trained_names(lm)
+    return ({k: v for k, v in model_sd.items() if k in trained} if trained is not None else model_sd), optim_sd
+
+
+def _options(lm: nn.Module):
+    """State-dict options: with frozen parameters (LoRA's base) only the trained ones are saved and loaded."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    frozen = trained_names(lm) is not None
+    return StateDictOptions(ignore_frozen_params=frozen, strict=not frozen)
 
 
 def _on_rank0_then_share(fn) -> None:

@@ -45,4 +45,5 @@ def build_backend(cfg: Config, device: str = "cpu") -> GenerationBackend:
         seed=cfg.run.seed,
         device=device,
         max_prompt_tokens=cfg.data.max_prompt_tokens,
+        lora=cfg.lora,
     )

@@ -29,10 +29,12 @@ import logging
 import time
 
 from streamrl.engine import lora
-from streamrl.engine.config import ModelConfig, RolloutConfig
+from streamrl.engine.config import LoraConfig, ModelConfig, RolloutConfig
+from streamrl.engine.lora import linear_modules as lora_modules
+from streamrl.engine.lora import resolve as lora_spec
 from streamrl.engine.messages import AdapterSpec, WeightsReady
 from streamrl.engine.weights import Staged, Stager
-from streamrl.rollout.backends.protocol import BackendClock, Completion
+from streamrl.rollout.backends.protocol import BackendClock, Completion, LiveVersion
 
 log = logging.getLogger("streamrl.rollout")
 
@@ -49,6 +51,10 @@ class _Request:
 class HFBackend:
     """`GenerationBackend` over `transformers` generate; one batch at a time, in a worker thread."""
 
+    @property
+    def policy_version(self) -> int:
+        return self.live.version
+
     def __init__(
         self,
         model_path: str,
@@ -59,9 +65,11 @@ class HFBackend:
         max_batch: int = 256,
         static: bool | None = None,
         max_prompt_tokens: int = WIDTH_STEP,
+        lora: LoraConfig | None = None,
     ):
         """static: bucketed shapes and a static (compiled) cache; default on CUDA. max_prompt_tokens: the
-        prompt width every static batch is padded to (rounded up to a multiple of `WIDTH_STEP`)."""
+        prompt width every static batch is padded to (rounded up to a multiple of `WIDTH_STEP`). lora
+        (enabled): PEFT layers injected now, before anything is compiled, each version copied into them."""
         import torch
 
         from streamrl.engine.models import load_model, load_tokenizer
@@ -76,11 +84,13 @@ class HFBackend:
         self.width = _round_up(max(max_prompt_tokens, 1), WIDTH_STEP)
         self.tokenizer = load_tokenizer(model_path, model.trust_remote_code)
         self.model = load_model(model_path, model.dtype, device, model.trust_remote_code)
-        self.policy_version = 0
+        self.live = LiveVersion()
         self.tokens_generated = 0
         self.clock = BackendClock()
         self.stager = Stager(device)
-        self._adapter_spec: AdapterSpec | None = None  # LoRA: the adapter injected, once the first arrives
+        self._adapter_spec: AdapterSpec | None = None  # LoRA: the adapter injected
+        if lora is not None and lora.enabled:
+            self._inject(lora_spec(lora, lora_modules(self.model)))
         self._queue: list[_Request] = []
         self._lock_and_loop: tuple[asyncio.Lock, asyncio.AbstractEventLoop] | None = None
         # Every generate and every swap on one thread: on CUDA the static cache runs compiled CUDA
@@ -261,14 +271,14 @@ class HFBackend:
                 # the copies are done before the next batch reads the weights, and before the staging
                 # buffers, released below, take the next version (on a stream of its own)
                 torch.cuda.synchronize(self.device)
-            self.policy_version = staged.version
+            self.live.went_live(staged.version)
         finally:
             self.stager.release()
             self.clock.swapped(time.perf_counter() - start)
 
     def _inject(self, spec: AdapterSpec) -> None:
-        """PEFT's LoRA layers (adapter `default`) in the model, once: every version is copied into them at a
-        batch boundary, so a batch samples from one version's adapter."""
+        """PEFT's LoRA layers (adapter `default`) in the model, once (B = 0: the base model until the first
+        version): every version is copied into them at a batch boundary, so a batch samples from one version."""
         if self._adapter_spec == spec:
             return
         if self._adapter_spec is not None:
@@ -278,6 +288,10 @@ class HFBackend:
 
         config = PeftLoraConfig(r=spec.rank, lora_alpha=spec.alpha, target_modules=list(spec.target_modules))
         inject_adapter_in_model(config, self.model, adapter_name=lora.ADAPTER)
+        dtype = next(self.model.parameters()).dtype
+        for name, param in self.model.named_parameters():
+            if lora.is_adapter(name):  # in the served dtype, where PEFT made them fp32
+                param.data = param.data.to(dtype)
         self.model.eval()
         self._adapter_spec = spec
 

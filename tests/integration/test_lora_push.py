@@ -111,7 +111,7 @@ def setup(tiny_model, loop):
     learner = Learner(tiny_model)
     nodes = {
         "vllm": VLLMBackend(tiny_model, MODEL, RolloutConfig(), seed=0, lora=LORA, max_staleness=1),
-        "hf": HFBackend(tiny_model, MODEL, RolloutConfig(), seed=0),
+        "hf": HFBackend(tiny_model, MODEL, RolloutConfig(), seed=0, lora=LORA),
     }
     learner.senders = {
         "vllm": WeightSender("vllm", backend="gloo", timeout_s=TIMEOUT_S),

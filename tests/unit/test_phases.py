@@ -127,7 +127,7 @@ def test_the_learner_loads_comes_up_waits_trains_and_finishes(tmp_path):
         "one with `streamrl rollout --config runs/cap/config.toml --learner runs/cap`",
     )
     assert (str(watch.poll()), watch.came_up) == ("up", True)
-    assert watch.take_warnings()[0].startswith("waited 30 s for trajectories") and watch.take_warnings() == []
+    assert watch.take_warnings() == []  # the waiting hint is the view's note, not a warning printed above it
     assert watch.waiting.startswith("0 groups partly here; no rollout node registered; start one with `streamrl")
     child.write("16:36:30 INFO: node node-0 joined (1 nodes)", "16:36:30 INFO: node hand-7 joined (2 nodes)")
     watch.poll()
