@@ -15,11 +15,14 @@ import argparse
 import json
 import os
 import pathlib
+import re
 import subprocess
 import sys
 import time
 
 import streamrl
+
+FIGURE = re.compile(r"FIGURE (\{.*\})\s*$")
 
 
 def run_suite(settings: str, select: str, log: pathlib.Path) -> tuple[list[dict], int, float]:
@@ -31,9 +34,8 @@ def run_suite(settings: str, select: str, log: pathlib.Path) -> tuple[list[dict]
     started = time.monotonic()
     with log.open("w") as out:
         code = subprocess.run(command, stdout=out, stderr=subprocess.STDOUT, env=env).returncode
-    figures = [
-        json.loads(line[len("FIGURE ") :]) for line in log.read_text().splitlines() if line.startswith("FIGURE ")
-    ]
+    # a FIGURE line may follow pytest's progress dots on the same line
+    figures = [json.loads(found.group(1)) for found in map(FIGURE.search, log.read_text().splitlines()) if found]
     return figures, code, time.monotonic() - started
 
 
