@@ -16,21 +16,21 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > 
 MODEL_PID=$!
 
 for lora in 0 16; do
-  timeout 75 python3 bench/weight_transfer.py --paths shared --receiver-device cuda:0 --shapes qwen2-0.5b \
+  timeout 55 python3 bench/weight_transfer.py --paths shared --receiver-device cuda:0 --shapes qwen2-0.5b \
     --bucket-mb 256 --warmup 2 --iters 10 --lora $lora >> "$F" 2>> "$OUT/errors.txt"
 done
 tail -n 2 "$F"
 wait $MODEL_PID
-timeout 100 python3 bench/learner_step.py --mode baseline --shape 7b --lora 16 --batch 8 --seq 1024 --warmup 1 \
+timeout 90 python3 bench/learner_step.py --mode baseline --shape 7b --lora 16 --batch 8 --seq 1024 --warmup 1 \
   --steps 3 >> "$F" 2>> "$OUT/errors.txt"
-timeout 150 python3 bench/learner_step.py --mode streamrl --shape 7b --lora 16 --compile --budget 8192 \
+timeout 140 python3 bench/learner_step.py --mode streamrl --shape 7b --lora 16 --compile --budget 8192 \
   --micro-batches 1 --longest 1024 --samples 32 --warmup 2 --steps 3 >> "$F" 2>> "$OUT/errors.txt"
 tail -n 2 "$F"
 
 nvidia-smi --query-compute-apps=pid,process_name,used_memory --format=csv,noheader -lms 500 > "$OUT/smi.txt" 2>&1 &
 SMI=$!
 (sleep 120; ps -eo pid,args | grep -E "streamrl (learner|rollout)" > "$OUT/ps.txt") &
-timeout "${RUN_LIMIT:-200}" python3 -m streamrl run --config examples/gpu.toml --rollout-nodes 1 --steps "${STEPS:-10}" \
+timeout "${RUN_LIMIT:-190}" python3 -m streamrl run --config examples/gpu.toml --rollout-nodes 1 --steps "${STEPS:-10}" \
   --set "run.dir='$RUNS'" --set "run.name='lora7b'" --set "model.path='$M'" --set lora.enabled=true \
   --set lora.rank=16 --set learner.lr=1e-4 --set learner.groups_per_step=8 --set learner.micro_batch_tokens=8192 \
   --set rollout.max_concurrent_groups=8 --set rollout.max_tokens=64 --set learner.head_logits_gib=4.0 \
