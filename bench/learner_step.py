@@ -16,8 +16,9 @@ FSDP unit per decoder layer (how large models shard); --compile-model compiles t
 region instead of layer by layer.
 Measured figures and the commands behind them: bench/RESULTS.md.
 
-MFU = 6 * params * tokens/s / peak (989 TFLOP/s dense bf16). The streamrl figures carry
-`vs_baseline` when --baseline-tps (from a baseline line of the same run) is given.
+MFU = 6 * params * tokens/s / peak (989 TFLOP/s dense bf16); with --lora (PEFT adapters on every linear layer,
+HF + PEFT as the baseline) 4 FLOPs per frozen parameter and 6 per adapter one, and `mfu_4n` at 4 * params.
+The streamrl figures carry `vs_baseline` when --baseline-tps (from a baseline line of the same run) is given.
 """
 
 from __future__ import annotations
@@ -30,13 +31,13 @@ import time
 
 import torch
 
+from streamrl.engine.models import SHAPES
+
 PEAK_FLOPS = 989e12
 
 
 def qwen2_05b_config(**overrides):
     from transformers import Qwen2Config
-
-    from streamrl.engine.models import SHAPES
 
     fields = dict(
         vocab_size=151936,
@@ -51,15 +52,11 @@ def qwen2_05b_config(**overrides):
 
 
 def _tiny() -> dict:
-    from streamrl.engine.models import SHAPES
-
     return dict(vocab_size=4096, **SHAPES["tiny-4h"])
 
 
 def make_model(device, dtype, attn="sdpa", shape="0.5b", vocab: int = 0):
     from transformers import AutoModelForCausalLM
-
-    from streamrl.engine.models import SHAPES
 
     torch.manual_seed(0)
     body = _tiny() if shape == "tiny" else dict(SHAPES["7b"], vocab_size=152064) if shape == "7b" else {}
@@ -91,8 +88,7 @@ def timed(fn, warmup: int, steps: int) -> float:
 
 def lora_flops(model, rank: int) -> tuple[int, str]:
     """FLOPs per token of a LoRA step: 4 per frozen parameter (forward + input gradients), 6 per adapter one."""
-    trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    frozen = sum(p.numel() for p in model.parameters()) - trained
+    trained, frozen = (sum(p.numel() for p in model.parameters() if p.requires_grad is t) for t in (True, False))
     return 4 * frozen + 6 * trained, f"4 x {frozen} frozen + 6 x {trained} adapter parameters (rank {rank})"
 
 
@@ -104,9 +100,6 @@ def baseline(args):
 
         model = get_peft_model(model, LoraConfig(r=args.lora, lora_alpha=2 * args.lora, target_modules="all-linear"))
         flops, formula = lora_flops(model, args.lora)
-        if args.ac:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-            model.enable_input_require_grads()
     model.train()
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-6, fused=True)
     ids = torch.randint(0, model.config.vocab_size, (args.batch, args.seq), device="cuda")
@@ -119,9 +112,7 @@ def baseline(args):
     seconds = timed(step, args.warmup, args.steps)
     tps = args.batch * args.seq / seconds
     emit(
-        figure="learner_step_baseline_eager_hf"
-        + (f"_peft_r{args.lora}_{args.shape}" if args.lora else "")
-        + ("_ac" if args.ac and args.lora else ""),
+        figure="learner_step_baseline_eager_hf" + (f"_peft_r{args.lora}_{args.shape}" if args.lora else ""),
         tokens_per_s=round(tps),
         mfu=round(flops * tps / PEAK_FLOPS, 4),
         mfu_4n=round(4 * params * tps / PEAK_FLOPS, 4),
