@@ -67,7 +67,7 @@ def run_learner(cfg: Config, resume: str = "") -> int:
     ending = {"reason": "the learner stopped", "finished": False, "ledger_reachable": True}
     try:
         push_weights = parallel.PushWeights(policy, compute, adapters=adapter is not None)
-        _continue_versions(trainer, orchestrator, push_weights)
+        _hand_restored_weights(trainer, orchestrator, push_weights)
         if parallel.compiles(cfg.learner, device) and cfg.simulate.train_s <= 0:  # while the nodes start
             log.info("learner compiled ahead of step 1 in %.1f s", trainer.warm_up())
         for step in range(first, cfg.run.steps + 1):
@@ -166,11 +166,11 @@ def _start_orchestrator(
     return orchestrator
 
 
-def _continue_versions(trainer: Trainer, orchestrator: Orchestrator | None, push_weights: parallel.PushWeights) -> None:
-    """A resumed learner hands joining nodes its restored weights. The ledger's version equals the
-    weights' (a resume rolled the ledger back to the checkpoint); the max only guards a ledger ahead."""
-    ledger_version = orchestrator.ledger_version if orchestrator is not None else 0
-    trainer.version = parallel.from_rank0(max(trainer.version, ledger_version))
+def _hand_restored_weights(
+    trainer: Trainer, orchestrator: Orchestrator | None, push_weights: parallel.PushWeights
+) -> None:
+    """A resumed learner hands joining nodes its restored weights. The ledger's version is the
+    trainer's by now: the orchestrator refused a ledger behind the checkpoint and rolled back one ahead."""
     if trainer.version > 0:
         weights = push_weights()
         if orchestrator is not None:

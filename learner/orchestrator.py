@@ -125,10 +125,6 @@ class Orchestrator:
         """Steps still to train from `next_step` on: the ledger admits no group beyond what they train."""
         return max(0, self.cfg.run.steps - next_step + 1)
 
-    @property
-    def ledger_version(self) -> int:
-        return self.ledger.current_version()
-
     def _claim_run(self, resumed_version: int | None) -> dict[str, int]:
         """A fresh learner refuses a run that already trained (it would continue its versions with fresh
         weights). A learner resumed from a checkpoint of policy `resumed_version` makes the books match

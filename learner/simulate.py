@@ -22,7 +22,7 @@ class SimulatedTrainer(Trainer):
     def step(self, micro_batches, global_token_count=None) -> dict[str, float]:
         start = time.perf_counter()
         time.sleep(max(0.0, self.rng.gauss(self.simulate.train_s, self.simulate.train_sd)))
-        self.version += 1
+        self._advance()
         tokens = float(sum(mb.num_loss_tokens for mb in micro_batches))
         return {"loss": 0.0, "skipped": 0.0, "skipped_steps": 0.0, "skipped_nonfinite": 0.0, "skipped_no_gradient": 0.0,
                 "grad_norm": 0.0, "tokens": tokens,

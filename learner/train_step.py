@@ -88,10 +88,29 @@ class Trainer:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda s: min(1.0, (s + 1) / warmup) if warmup else 1.0
         )
-        self.version = 0
+        self._advance(to=0)
         self.skipped_steps = 0  # updates skipped for a non-finite gradient (kept in checkpoints)
         self.no_gradient_updates = 0  # updates skipped for a zero gradient, since this process started
         self.last_nonfinite: list[str] = []  # parameters named by the last skipped step
+
+    @property
+    def version(self) -> int:
+        """The policy version: optimizer steps that applied an update (a resumed run's included). Read-only;
+        the publisher, checkpoints and the nodes' welcome ask it here."""
+        return self._version
+
+    def _advance(self, to: int | None = None) -> None:
+        """The one write of the version: a step that applied an update moves it by one; the start and
+        `load_state_dict` set it."""
+        self._version = self._version + 1 if to is None else to
+
+    def state_dict(self) -> dict[str, int]:
+        """What a checkpoint keeps of the trainer besides the model, optimizer and schedule."""
+        return {"version": self.version, "skipped_steps": self.skipped_steps}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self._advance(to=int(state["version"]))
+        self.skipped_steps = int(state["skipped_steps"])
 
     def global_normalizer(self, micro_batches: list[MicroBatch], global_token_count: float | None) -> float:
         """Loss tokens (or sequences) of the whole step over all ranks: one all-reduce.
@@ -195,7 +214,7 @@ class Trainer:
         applied = sum(1 for r in results if r.applied)
         if applied:
             self.scheduler.step()
-            self.version += 1
+            self._advance()
         local = {f"{u}/{k}": v for u, r in enumerate(results) for k, v in r.sums.items()}
         local["positions"] = float(sum(mb.num_tokens for mb in micro_batches))
         reduced = parallel.reduce_metrics(local, self.device)

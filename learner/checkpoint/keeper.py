@@ -20,7 +20,7 @@ class Keeper:
     """When the learner saves, exports and resumes (`checkpoint.every`, `export_every`, `--resume`).
 
     Built before training: an unwritable folder or a full disk fails the run at start, not at the
-    first save an hour in. `trainer` needs `.optimizer`, `.scheduler`, `.version`, `.skipped_steps`.
+    first save an hour in. `trainer` needs `.optimizer`, `.scheduler`, `.state_dict()`, `.load_state_dict()`.
     """
 
     def __init__(
@@ -49,7 +49,7 @@ class Keeper:
         """Every rank: load the checkpoint `spec` names (`latest`, or a path) into the model and trainer."""
         path = resolve(spec, run_dir)
         state = load(path, self.lm, self.trainer.optimizer, self.trainer.scheduler)
-        self.trainer.version, self.trainer.skipped_steps = state.version, state.skipped_steps
+        self.trainer.load_state_dict(state.trainer_state())
         if parallel.is_rank0():
             logging.getLogger("streamrl.learner").info(
                 "resumed from %s: step %d, version %d, saved by %d ranks, loaded on %d",
@@ -66,12 +66,7 @@ class Keeper:
         export needs is made only then (`parallel.full_state_dict`, every rank takes part)."""
         due = lambda every: every and (step % every == 0 or step == self.last_step)  # noqa: E731
         if due(self.cfg.every):
-            state = LearnerState(
-                step=step,
-                version=self.trainer.version,
-                skipped_steps=self.trainer.skipped_steps,
-                ledger_version=self.trainer.version,
-            )
+            state = LearnerState(step=step, **self.trainer.state_dict())
             save(
                 self.root,
                 self.lm,

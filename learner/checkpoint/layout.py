@@ -5,7 +5,7 @@ Layout of a checkpoint folder:
   *.distcp, .metadata   model + optimizer, sharded by torch.distributed.checkpoint (DCP); each rank
                         writes only its own shards, and a load reshards to any number of ranks
   extra.pt              LR schedule and every rank's RNG states (rank 0 writes it)
-  meta.json             learner state (step, policy version, ledger position), the model's
+  meta.json             learner state (step, policy version, skipped steps), the model's
                         fingerprint and parameter shapes; written last, so its presence marks a
                         complete checkpoint
   hf/                   config, generation config and tokenizer files: what an HF export needs
@@ -53,9 +53,12 @@ class LearnerState(msgspec.Struct):
     step: int
     version: int
     skipped_steps: int = 0
-    ledger_version: int = 0  # the ledger's version when the checkpoint was taken
     world_size: int = 1
     time: float = 0.0
+
+    def trainer_state(self) -> dict[str, int]:
+        """What `Trainer.load_state_dict` takes back (`Trainer.state_dict` wrote it)."""
+        return {"version": self.version, "skipped_steps": self.skipped_steps}
 
 
 class Meta(msgspec.Struct):

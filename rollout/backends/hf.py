@@ -34,7 +34,7 @@ from streamrl.engine.lora import linear_modules as lora_modules
 from streamrl.engine.lora import resolve as lora_spec
 from streamrl.engine.messages import AdapterSpec, WeightsReady
 from streamrl.engine.weights import Staged, Stager
-from streamrl.rollout.backends.protocol import BackendClock, Completion
+from streamrl.rollout.backends.protocol import BackendClock, Completion, LiveVersion
 
 log = logging.getLogger("streamrl.rollout")
 
@@ -50,6 +50,10 @@ class _Request:
 
 class HFBackend:
     """`GenerationBackend` over `transformers` generate; one batch at a time, in a worker thread."""
+
+    @property
+    def policy_version(self) -> int:
+        return self.live.version
 
     def __init__(
         self,
@@ -80,7 +84,7 @@ class HFBackend:
         self.width = _round_up(max(max_prompt_tokens, 1), WIDTH_STEP)
         self.tokenizer = load_tokenizer(model_path, model.trust_remote_code)
         self.model = load_model(model_path, model.dtype, device, model.trust_remote_code)
-        self.policy_version = 0
+        self.live = LiveVersion()
         self.tokens_generated = 0
         self.clock = BackendClock()
         self.stager = Stager(device)
@@ -267,7 +271,7 @@ class HFBackend:
                 # the copies are done before the next batch reads the weights, and before the staging
                 # buffers, released below, take the next version (on a stream of its own)
                 torch.cuda.synchronize(self.device)
-            self.policy_version = staged.version
+            self.live.went_live(staged.version)
         finally:
             self.stager.release()
             self.clock.swapped(time.perf_counter() - start)

@@ -56,6 +56,26 @@ class GenerationBackend(Protocol):
     async def close(self) -> None: ...
 
 
+class LiveVersion:
+    """The policy version whose weights a backend serves: the one place a node sets it.
+
+    Each backend holds one (`live`) and reports it as `policy_version`. `went_live(v)` is called once
+    the weights of `v` answer requests, never before: a token stamped with the older version in the
+    instant between the swap and the call only overstates its staleness. Versions may go back (a
+    learner resumed from an older checkpoint pushes its own).
+    """
+
+    def __init__(self) -> None:
+        self._version = 0
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    def went_live(self, version: int) -> None:
+        self._version = version
+
+
 class BackendClock:
     """Where a generation engine's time goes: generating, paused for weight swaps, idle (the rest).
 

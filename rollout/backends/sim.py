@@ -16,7 +16,7 @@ import time
 from streamrl.engine.config import Config
 from streamrl.engine.messages import WeightsReady
 from streamrl.engine.weights import Stager
-from streamrl.rollout.backends.protocol import BackendClock, Completion
+from streamrl.rollout.backends.protocol import BackendClock, Completion, LiveVersion
 
 SIM_TOKEN = 7
 
@@ -27,11 +27,15 @@ class SimBackend:
         self.mean_s = sim.gen_s / cfg.learner.groups_per_step
         self.sd_s = sim.gen_sd / cfg.learner.groups_per_step
         self.rng = random.Random(cfg.run.seed)
-        self.policy_version = 0
+        self.live = LiveVersion()
         self.tokens_generated = 0
         self.clock = BackendClock()
         self.stager = Stager(device)
         self._lock: asyncio.Lock | None = None
+
+    @property
+    def policy_version(self) -> int:
+        return self.live.version
 
     async def generate(self, prompt_ids: list[int], n: int, max_tokens: int) -> list[Completion]:
         self._lock = self._lock or asyncio.Lock()
@@ -56,7 +60,7 @@ class SimBackend:
     async def update_weights(self, ready: WeightsReady) -> float:
         start = time.perf_counter()
         staged = await asyncio.to_thread(self.stager.receive, ready)
-        self.policy_version = staged.version
+        self.live.went_live(staged.version)
         self.stager.release()
         return time.perf_counter() - start
 

@@ -28,7 +28,7 @@ from streamrl.engine.config import LoraConfig, ModelConfig, RolloutConfig
 from streamrl.engine.lora import engine_rank
 from streamrl.engine.messages import WeightsReady
 from streamrl.engine.workers.lifeline import children_die_with_me
-from streamrl.rollout.backends.protocol import BackendClock, Completion
+from streamrl.rollout.backends.protocol import BackendClock, Completion, LiveVersion
 from streamrl.rollout.backends.vllm_support import check_servable
 
 log = logging.getLogger(__name__)
@@ -130,7 +130,7 @@ class VLLMBackend:
         from vllm.v1.engine.async_llm import AsyncLLM
 
         self.rollout, self.max_model_len = rollout, model.max_model_len
-        self.policy_version = 0
+        self.live = LiveVersion()
         self.tokens_generated = 0
         self.clock = BackendClock()
         self.staging_bytes = 0
@@ -142,6 +142,10 @@ class VLLMBackend:
         self._running: dict[int, int] = {}  # LoRA: version -> requests that use its adapter
         args = engine_args(model_path, model, rollout, seed, device, lora, max_staleness)
         self._engine = AsyncLLM.from_engine_args(args)
+
+    @property
+    def policy_version(self) -> int:
+        return self.live.version
 
     def _params(self, n: int, max_tokens: int):
         from vllm import SamplingParams
@@ -211,7 +215,7 @@ class VLLMBackend:
             from streamrl.rollout.backends.vllm_worker import adapter_request
 
             self._adapter = adapter_request(ready.version)
-        self.policy_version = ready.version
+        self.live.went_live(ready.version)
         if self.lora:
             self._running.setdefault(ready.version, 0)
             await self._drop_unused()

@@ -75,7 +75,7 @@ def main(model_dir: str, run_dir: str, mode: str, out_file: str) -> None:
             out["saved"] = snapshot(trainer)
         else:
             state = checkpoint.load(checkpoint.resolve("latest", run_dir), lm, trainer.optimizer, trainer.scheduler)
-            trainer.version = state.version
+            trainer.load_state_dict(state.trainer_state())
             out["loaded"] = snapshot(trainer)
             out["state"] = (state.step, state.version, state.world_size)
         trainer.step(*batch(3, rank, world))

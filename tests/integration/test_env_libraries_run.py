@@ -31,7 +31,7 @@ def run(cwd: pathlib.Path, model: str, data: str, pythonpath: str = "") -> tuple
     )
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
-    assert "books balance: " in out, out[-2000:]
+    assert "books balance: " in out and "error:" not in out, out[-2000:]
     (folder,) = (cwd / "runs").iterdir()
     records = read_metrics(folder / "metrics.jsonl")
     print(json.dumps({"data": data, "rewards": [r.get("reward/mean") for r in records]}))

@@ -61,14 +61,14 @@ def optim_state(trainer):
 
 
 def save(trainer, root, step, model_dir):
-    state = checkpoint.LearnerState(step=step, version=trainer.version, skipped_steps=trainer.skipped_steps)
+    state = checkpoint.LearnerState(step=step, **trainer.state_dict())
     return checkpoint.save(root, trainer.model.lm, trainer.optimizer, trainer.scheduler, state, model_dir)
 
 
 def resume(path, model_dir):
     trainer = make_trainer(model_dir, seed=99)  # other init: everything must come from the checkpoint
     state = checkpoint.load(path, trainer.model.lm, trainer.optimizer, trainer.scheduler)
-    trainer.version, trainer.skipped_steps = state.version, state.skipped_steps
+    trainer.load_state_dict(state.trainer_state())
     return trainer, state
 
 

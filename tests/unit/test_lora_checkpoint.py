@@ -69,7 +69,7 @@ def test_adapter_checkpoint_resumes_bit_for_bit_and_exports_for_peft(tiny_model,
     first, spec = make(tiny_model, seed=0)
     for step in (1, 2):
         first.step(batch(step))
-    state = checkpoint.LearnerState(step=2, version=first.version, ledger_version=first.version)
+    state = checkpoint.LearnerState(step=2, **first.state_dict())
     path = checkpoint.save(
         tmp_path / "ck", first.model.lm, first.optimizer, first.scheduler, state, tiny_model, adapter=spec
     )
