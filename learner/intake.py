@@ -19,7 +19,7 @@ import logging
 import time
 from collections.abc import Callable
 
-from streamrl.engine.ledger import Counts, Ledger, is_stale
+from streamrl.engine.ledger import Counts, Ledger
 from streamrl.engine.messages import Trajectory
 from streamrl.engine.transport import TrajectoryReceiver
 from streamrl.learner.overdue import OverdueGroups
@@ -123,13 +123,12 @@ class Intake:
         self,
         receiver: TrajectoryReceiver,
         ledger: Ledger,
-        max_staleness: int,
         alarm: StallAlarm,
         order_patience_s: float = GROUP_PATIENCE_S,
         rewards: RewardWatch | None = None,
         overdue: OverdueGroups | None = None,
     ):
-        self.receiver, self.ledger, self.max_staleness, self.alarm = receiver, ledger, max_staleness, alarm
+        self.receiver, self.ledger, self.alarm = receiver, ledger, alarm
         self.rewards, self.overdue = rewards, overdue
         self.order_patience_s = order_patience_s
         self.groups: dict[str, _Group] = {}
@@ -253,12 +252,11 @@ class Intake:
         return (first + rest)[:n_groups]
 
     def _fresh_members(self, group: _Group, version: int) -> list[Trajectory]:
-        """Drop members that went stale while they waited here (staleness is judged at consumption)."""
-        stale = [t for t in group.fresh if is_stale(t.min_version, version, self.max_staleness)]
-        if stale:
-            self.ledger.drop([t.sample_id for t in stale], "stale")
-            self.counters.update(stale=len(stale))
-            group.fresh = [t for t in group.fresh if t not in stale]
+        """Drop members that went stale while they waited here: the ledger judges them against the
+        version that trains them (`Ledger.drop_stale`, the check that guarantees the bound)."""
+        held = len(group.fresh)
+        group.fresh = self.ledger.drop_stale(group.fresh, version)
+        self.counters.update(stale=held - len(group.fresh))
         return group.fresh
 
     def forget_sender(self, node_id: str) -> None:

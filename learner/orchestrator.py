@@ -99,7 +99,7 @@ class Orchestrator:
             patience = min(cfg.ledger.heartbeat_ttl_s * 1.5, 30.0)
             window = 2 * cfg.learner.groups_per_step * cfg.rollout.group_size  # 2 steps' worth of samples
             rewards, overdue = RewardWatch(window), OverdueGroups(self.ledger, self.registry.silent_s, window)
-            self.intake = Intake(receiver, self.ledger, cfg.ledger.max_staleness, alarm, patience, rewards, overdue)
+            self.intake = Intake(receiver, self.ledger, alarm, patience, rewards, overdue)
             self.publisher = Publisher(cfg, self.registry, device, adapter)
             self.sink = MetricsSink(cfg.run.path, cfg.telemetry)
         except BaseException:
