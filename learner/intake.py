@@ -21,6 +21,7 @@ from collections.abc import Callable
 
 from streamrl.engine.ledger import Counts, Ledger
 from streamrl.engine.messages import Trajectory
+from streamrl.engine.telemetry import EventLog
 from streamrl.engine.transport import TrajectoryReceiver
 from streamrl.learner.overdue import OverdueGroups
 
@@ -133,6 +134,7 @@ class Intake:
         self.order_patience_s = order_patience_s
         self.groups: dict[str, _Group] = {}
         self.counters = collections.Counter()
+        self.events: EventLog | None = None  # the live view's note while the learner waits (RUN/events.jsonl)
         self._order_wait_since: float | None = None
 
     @property
@@ -163,12 +165,10 @@ class Intake:
             if ready is not None:
                 return ready
             if time.monotonic() - last_warn > WAITING_WARN_S:
-                log.warning(
-                    "waited %.0f s for trajectories: %d groups partly here; %s",
-                    time.monotonic() - waiting_since,
-                    len(self.groups),
-                    waiting_hint(),
-                )
+                note = f"{len(self.groups)} groups partly here; {waiting_hint()}"
+                log.warning("waited %.0f s for trajectories: %s", time.monotonic() - waiting_since, note)
+                if self.events is not None:
+                    self.events.emit("waiting", note=note)
                 last_warn = time.monotonic()
 
     def drain(self, timeout_s: float, limit: int = 4096) -> list[Trajectory]:
