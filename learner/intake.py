@@ -29,6 +29,7 @@ log = logging.getLogger("streamrl.learner")
 
 WAITING_WARN_S = 30.0
 GROUP_PATIENCE_S = 30.0  # a group missing members this long is used with the members it has
+OPEN_GROUPS_MAX = 4096  # more than any credit capacity: every open group
 ARRIVAL_GRACE_S = 2.0  # a group whose first members came this recently is still arriving
 
 
@@ -212,6 +213,7 @@ class Intake:
             else:
                 del self.groups[group_id]
         if len(usable) < n_groups:
+            self._give_up_overdue(self.ledger.oldest_open_groups(OPEN_GROUPS_MAX), now)  # credits a silent node holds
             return None
         chosen = self._in_admission_order(usable, n_groups, now, holding)
         return None if chosen is None else [self.groups.pop(g).fresh for g in chosen]
@@ -236,9 +238,8 @@ class Intake:
         oldest = [g for g in self.ledger.oldest_open_groups(n_groups + len(holding)) if g not in holding]
         ready = set(usable)
         in_flight = [g for g in oldest if g not in self.groups or self._arriving(self.groups[g], now)]
-        if in_flight and self.overdue is not None:  # a silent node's group past its deadline: not waited for
-            given_up = self.overdue.give_up([g for g in in_flight if g not in self.groups], now)
-            self.counters.update(overdue=sum(given_up.values()))
+        if in_flight:  # a silent node's group past its deadline: not waited for
+            given_up = self._give_up_overdue(self.ledger.oldest_open_groups(OPEN_GROUPS_MAX), now)
             in_flight = [g for g in in_flight if g not in given_up]
         if in_flight:
             if self._order_wait_since is None:
@@ -250,6 +251,14 @@ class Intake:
         rest = sorted(ready - set(first), key=lambda g: (min(t.min_version for t in self.groups[g].fresh),
                                                        self.groups[g].first_seen))  # fmt: skip
         return (first + rest)[:n_groups]
+
+    def _give_up_overdue(self, open_groups: list[str], now: float) -> set[str]:
+        """Drop the open groups (nothing of them here) that a silent node holds past their deadline."""
+        if self.overdue is None:
+            return set()
+        given_up = self.overdue.give_up([g for g in open_groups if g not in self.groups], now)
+        self.counters.update(overdue=sum(given_up.values()))
+        return set(given_up)
 
     def _fresh_members(self, group: _Group, version: int) -> list[Trajectory]:
         """Drop members that went stale while they waited here: the ledger judges them against the

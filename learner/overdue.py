@@ -3,9 +3,11 @@
 The learner trains groups in their admission order and waits for the oldest (`intake.py`). A node
 that froze (SIGSTOP, swapped out, a hung host) holding one of them would hold every step until its
 heartbeat expired in the ledger (`ledger.heartbeat_ttl_s`, 15 s by default) and the reaper resolved its
-samples. Instead a group is given up once both hold:
-- the learner has waited for it longer than the slowest group measured lately (submitted to the
-  engine -> rewarded, on the nodes' clocks) plus `MARGIN_S`: a live node would have delivered it;
+samples; and the credits it holds keep the other nodes from generating in its place. Instead an open
+group of which nothing has arrived is given up once both hold:
+- it has been open (seen by the learner while waiting) longer than the slowest group measured lately
+  (submitted to the engine -> rewarded, on the nodes' clocks) plus `MARGIN_S`: a live node would have
+  delivered it;
 - the node holding it has been silent on the control channel for `SILENT_S` (it beats every 0.5 s,
   `rollout/control.py`), so a node that is alive but slow is never cut off.
 Its samples not yet received are dropped as `overdue`, which returns the group's credit, and the step
@@ -36,7 +38,8 @@ class OverdueGroups:
     def __init__(self, ledger: Ledger, silent_s: Callable[[str], float], window: int):
         self.ledger, self.silent_s = ledger, silent_s
         self.durations: collections.deque[float] = collections.deque(maxlen=window)  # the last samples'
-        self.waiting: dict[str, float] = {}  # group -> when the learner began waiting for it (its clock)
+        self.waiting: dict[str, float] = {}  # group -> since when it is open with nothing here (learner's clock)
+        self.holders: dict[str, str] = {}  # group -> its node, as last read from the ledger
         self.given_up = 0  # groups
 
     def measure(self, batch: list[Trajectory]) -> None:
@@ -50,18 +53,19 @@ class OverdueGroups:
         """How long a group may be waited for (None until a group time was measured)."""
         return max(self.durations) + MARGIN_S if self.durations else None
 
-    def give_up(self, waited_for: list[str], now: float) -> dict[str, int]:
-        """Of `waited_for` (groups of which nothing has arrived), drop those overdue; group -> samples dropped."""
-        self.waiting = {group: self.waiting.get(group, now) for group in waited_for}
+    def give_up(self, open_here_not: list[str], now: float) -> dict[str, int]:
+        """Of the open groups of which nothing has arrived, drop those overdue; group -> samples dropped."""
+        self.waiting = {group: self.waiting.get(group, now) for group in open_here_not}
+        self.holders = {group: held for group, held in self.holders.items() if group in self.waiting}
         deadline = self.deadline_s
         if deadline is None:
             return {}
         dropped: dict[str, int] = {}
         for group, since in self.waiting.items():
-            if now - since < deadline:
-                continue
-            record = self.ledger.group(group)
-            node = record.get("node", "")
+            if now - since < deadline or group in self.holders and self.silent_s(self.holders[group]) < SILENT_S:
+                continue  # not due, or its node still beats (no ledger read: the usual case)
+            record = self.ledger.group(group)  # who holds it now (a re-admitted group changes hands)
+            node = self.holders[group] = record.get("node", "")
             if not record or self.silent_s(node) < SILENT_S:
                 continue
             n = sum(self.ledger.drop(sample_ids(group, int(record.get("n", 0))), "overdue"))

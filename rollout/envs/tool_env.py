@@ -7,6 +7,11 @@ per turn. A turn without a tool call is the final answer, scored against the row
 (1.0 when its last number equals the answer, else 0.0), and ends the episode. A call that is not
 valid JSON, names an unknown tool, raises or misses its deadline is answered with an error the
 model reads; it is the model's mistake to learn from, not an environment failure.
+
+For a model too small to write a JSON call (the built-in tiny model, examples/calculator.toml),
+`short_call` names a marker (e.g. "="): a turn that holds it and no full call calls the first tool on
+the row's `expression_column`, and `reward_tool_answer` credits 1.0 the first time a tool's result is
+the answer, so that calling the tool is the way to the reward (an episode's reward stays at most 1.0).
 """
 
 from __future__ import annotations
@@ -64,12 +69,17 @@ class ToolEnv:
         prompt_column: str = "prompt",
         answer_column: str = "answer",
         max_calls_per_turn: int = 4,
+        short_call: str = "",
+        expression_column: str = "expression",
+        reward_tool_answer: bool = False,
     ):
         if toolbox is None:
             raise ValueError("the tools environment runs tools: set env.tools (e.g. ['calculator'])")
         self.toolbox, self.system = toolbox, system
         self.prompt_column, self.answer_column = prompt_column, answer_column
         self.max_calls_per_turn = max_calls_per_turn
+        self.short_call, self.expression_column = short_call, expression_column
+        self.reward_tool_answer, self.credited = reward_tool_answer, False
         self.tools = toolbox.schemas  # for the chat template (Qwen renders them into its system prompt)
         self.answer = None
         self.tool_counts = {"calls": 0, "failed": 0, "timed_out": 0}  # this episode's, read by the runner
@@ -79,14 +89,19 @@ class ToolEnv:
         if not isinstance(question, str) or not question:
             raise ValueError(f"row has no question in column {self.prompt_column!r} (columns: {sorted(row)})")
         self.answer = row.get(self.answer_column)
+        self.expression = row.get(self.expression_column)
+        if self.short_call and not isinstance(self.expression, str):
+            raise ValueError(f"short_call needs the row's expression in column {self.expression_column!r}")
         system = [{"role": "system", "content": self.system}] if self.system else []
         return [*system, {"role": "user", "content": question}]
 
     async def step(self, completion: str) -> tuple[list[dict] | None, float, bool]:
         calls = parse_tool_calls(completion)
+        if not calls and self.short_call and self.short_call in completion:
+            calls = [(self.toolbox.names[0], {"expression": self.expression})]
         if not calls:
-            return None, last_number_matches(completion, self.answer), True
-        results = []
+            return None, 0.0 if self.credited else last_number_matches(completion, self.answer), True
+        results, reward = [], 0.0
         for call in calls[: self.max_calls_per_turn]:
             self.tool_counts["calls"] += 1
             if isinstance(call, str):
@@ -96,6 +111,8 @@ class ToolEnv:
             outcome = await self.toolbox.call(*call)
             self.tool_counts["timed_out" if outcome.timed_out else "failed"] += bool(outcome.error)
             results.append(outcome.text)
+            if self.reward_tool_answer and not self.credited and not outcome.error:
+                self.credited = reward = last_number_matches(outcome.output, self.answer) == 1.0
         if len(calls) > self.max_calls_per_turn:
             results.append(f"error: at most {self.max_calls_per_turn} tool calls per turn; the rest were not run")
-        return [{"role": "tool", "content": r} for r in results], 0.0, False
+        return [{"role": "tool", "content": r} for r in results], float(reward), False

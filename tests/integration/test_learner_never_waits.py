@@ -13,6 +13,7 @@ import time
 
 import pytest
 
+from streamrl.engine.auth import node_keys
 from streamrl.engine.config import build
 from streamrl.engine.control import ControlClient
 from streamrl.engine.messages import Heartbeat, Register, Stop, Welcome
@@ -25,8 +26,8 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 DEADLINE_S = 6.0
 
 
-def _silent_node(addr: str, stop: threading.Event, got: list) -> None:
-    client = ControlClient(addr, "silent", timeout_s=30.0)
+def _silent_node(addr: str, keys, stop: threading.Event, got: list) -> None:
+    client = ControlClient(addr, "silent", timeout_s=30.0, keys=keys)
     try:
         welcome = client.request(Register(node_id="silent", host="test"), expect=(Welcome, Stop))
         got.append(welcome)
@@ -49,7 +50,8 @@ def test_a_silent_node_is_evicted_after_one_deadline_while_the_learner_keeps_ste
     try:
         launcher.start(nodes=1)
         addr = launcher.wait_for_learner(60)["control_addr"]
-        thread = threading.Thread(target=_silent_node, args=(addr, stop, got), daemon=True)
+        keys = node_keys(launcher.run_dir / "keys")  # the run's own (CURVE is on): the stand-in is one of its nodes
+        thread = threading.Thread(target=_silent_node, args=(addr, keys, stop, got), daemon=True)
         thread.start()
         log = launcher.run_dir / "logs" / "learner-rank0.log"
         deadline = time.monotonic() + 400

@@ -123,3 +123,37 @@ def test_the_tool_environment_runs_a_tool_call_end_to_end():
     assert tokenizer.decode(env_ids) == "<|im_end|>\n<|im_start|>tool\n84<|im_end|>\n<|im_start|>assistant\n"
     model_text = tokenizer.decode([t for t, m in zip(episode.completion_ids, episode.mask) if m == 1])
     assert model_text == call + "It is 84"
+    assert episode.tools == {"calls": 1, "failed": 0, "timed_out": 0}
+
+
+def test_a_short_call_runs_the_tool_on_the_rows_expression_and_its_answer_is_credited_once():
+    """examples/calculator.toml's task: "=" calls the calculator on the row's expression; the first result that is
+    the answer earns 1.0, and nothing more does (a right final answer after it, another call)."""
+    from streamrl.engine.models import make_tokenizer
+
+    tokenizer = make_tokenizer(seed=0)
+    args = {"short_call": "=", "reward_tool_answer": True, "system": ""}
+    cfg = Config(
+        model=ModelConfig(max_model_len=1024),
+        rollout=RolloutConfig(max_tokens=64),
+        env=EnvConfig(name="tools", tools=["calculator"], args=args, max_turns=3),
+    )
+    row = {"prompt": "What is 12 times 7?", "answer": "84", "expression": "12 * 7"}
+    outcomes = []
+    for turns in (
+        ["a = b", "= again", "84"],
+        ["no call 84"],
+        ["no call 85"],
+        ['<tool_call>{"name": "x"}</tool_call>'] * 3,
+    ):
+        runner = build_runner(cfg, ScriptedModel(tokenizer, turns), tokenizer)
+        try:
+            episode = asyncio.run(runner.run([1], row))
+        finally:
+            runner.close()
+        outcomes.append((episode.turns, episode.reward, episode.tools["calls"], episode.tools["failed"]))
+        if turns[0] == "a = b":
+            env_text = tokenizer.decode([t for t, m in zip(episode.completion_ids, episode.mask) if m == 0])
+            assert env_text.count("<|im_start|>tool\n84<|im_end|>") == 2  # the tool's result, in the token stream
+    # a short call (1.0, once), a written answer (1.0) or a wrong one, a malformed call (failed; max_turns ends it)
+    assert outcomes == [(3, 1.0, 2, 0), (1, 1.0, 0, 0), (1, 0.0, 0, 0), (3, 0.0, 3, 3)]

