@@ -20,20 +20,11 @@ import time
 from streamrl.engine.config import LedgerConfig
 from streamrl.engine.ledger import Ledger
 from streamrl.engine.messages import Trajectory
+from streamrl.engine.models import SHAPES
 from streamrl.engine.redis_server import RedisServer, connect
 
-MODELS = {
-    "tiny": {},
-    "40M": dict(
-        hidden_size=512,
-        intermediate_size=1536,
-        num_hidden_layers=8,
-        num_attention_heads=8,
-        num_key_value_heads=4,
-        head_dim=64,
-        vocab_size=32000,
-    ),
-}
+# model name -> engine.models.SHAPES body and vocabulary
+MODELS = {"tiny": {}, "40M": dict(vocab_size=32000, **SHAPES["medium-kv4"])}
 
 
 def _trajectories(ids: list[str], node: str, version: int, tokens: int) -> list[Trajectory]:

@@ -216,60 +216,29 @@ def tiny_config(vocab_size: int, **overrides):
 
 # The one table of model bodies, as Qwen2Config fields over `tiny_config`'s defaults (the vocabulary is the
 # caller's: `make_tiny_model(..., **SHAPES[name])` takes the tokenizer's). The CLI's --shape and bench/ use it.
+def _qwen2_body(hidden: int, intermediate: int, layers: int, heads: int, kv_heads: int, head_dim: int, **more):
+    return dict(
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
+        **more,
+    )
+
+
 SHAPES: dict[str, dict] = {
     "tiny": {},  # hidden 64, intermediate 128, 2 layers, 2 heads, 1 kv head, head_dim 32, tied
     # the tiny body with 10x the init scale: a frozen output layer (LoRA) can still make one token likely; at
     # 0.02 its logits stay within about +-1.3 whatever the hidden state (examples/lora.toml)
     "tiny-sharp": dict(initializer_range=0.2),
-    "tiny-4h": dict(  # the learner-step bench's CPU shape: four query heads of 16
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-    ),
-    "small": dict(
-        hidden_size=256,
-        intermediate_size=768,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=64,
-    ),
-    "medium": dict(
-        hidden_size=512,
-        intermediate_size=1536,
-        num_hidden_layers=8,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        head_dim=64,
-    ),
-    "medium-kv4": dict(
-        hidden_size=512,
-        intermediate_size=1536,
-        num_hidden_layers=8,
-        num_attention_heads=8,
-        num_key_value_heads=4,
-        head_dim=64,
-    ),
-    "0.5b": dict(  # Qwen2-0.5B's layers (its own vocabulary is 151936)
-        hidden_size=896,
-        intermediate_size=4864,
-        num_hidden_layers=24,
-        num_attention_heads=14,
-        num_key_value_heads=2,
-        head_dim=64,
-    ),
-    "7b": dict(  # Qwen2-7B's layers (its own vocabulary is 152064)
-        hidden_size=3584,
-        intermediate_size=18944,
-        num_hidden_layers=28,
-        num_attention_heads=28,
-        num_key_value_heads=4,
-        head_dim=128,
-        tie_word_embeddings=False,
-    ),
+    "tiny-4h": _qwen2_body(64, 128, 2, 4, 2, 16),  # the learner-step bench's CPU shape: four query heads of 16
+    "small": _qwen2_body(256, 768, 4, 4, 2, 64),
+    "medium": _qwen2_body(512, 1536, 8, 8, 2, 64),
+    "medium-kv4": _qwen2_body(512, 1536, 8, 8, 4, 64),
+    "0.5b": _qwen2_body(896, 4864, 24, 14, 2, 64),  # Qwen2-0.5B's layers (its own vocabulary is 151936)
+    "7b": _qwen2_body(3584, 18944, 28, 28, 4, 128, tie_word_embeddings=False),  # Qwen2-7B's (vocabulary 152064)
 }
 
 

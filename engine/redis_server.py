@@ -24,7 +24,7 @@ import time
 import urllib.parse
 
 import redis
-from redis.backoff import ExponentialBackoff, NoBackoff
+from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from streamrl.engine.workers import lifeline
@@ -95,24 +95,24 @@ def free_port(host: str = "127.0.0.1") -> int:
 def connect(url: str, retries: int = 5, backoff_s: float = 0.2, timeout_s: float = 10.0) -> redis.Redis:
     """A client for `url` that answered PING, after up to `retries` attempts with doubling waits.
 
-    The client also retries a command once the connection drops (a Redis restart): every ledger
-    script is safe to repeat.
+    The client itself never retries a command: a dropped connection raises at once, and the one retry
+    layer is the ledger's (`LedgerBooks._retry`: every ledger call, for `ledger.retry_s`, with each
+    writing call's reply kept for its repeats). A client retry inside it would multiply the waits.
     """
     if retries < 1:
         raise ValueError(f"retries = {retries}: need at least 1 attempt")
 
-    def make(retry: Retry) -> redis.Redis:
+    def make() -> redis.Redis:
         return redis.Redis.from_url(
             url,
             decode_responses=True,
             socket_timeout=timeout_s,
             socket_connect_timeout=timeout_s,
-            retry=retry,
-            retry_on_error=[redis.ConnectionError, redis.TimeoutError],
+            retry=Retry(NoBackoff(), 0),
         )
 
     try:
-        probe = make(Retry(NoBackoff(), 0))
+        probe = make()
     except ValueError as e:
         raise RedisUnavailableError(
             f"bad Redis URL {redact(url)!r}: {e}; expected redis://[:PASSWORD@]HOST:PORT[/DB] or rediss:// for TLS"
@@ -122,7 +122,7 @@ def connect(url: str, retries: int = 5, backoff_s: float = 0.2, timeout_s: float
         try:
             probe.ping()
             probe.close()
-            return make(Retry(ExponentialBackoff(cap=2.0, base=backoff_s), retries))
+            return make()
         except redis.AuthenticationError as e:
             probe.close()
             raise RedisUnavailableError(f"Redis at {redact(url)} refused the password: {e}") from None

@@ -7,6 +7,10 @@
 - `MetricsTail`: reads a metrics.jsonl as it grows, only the new lines each time (the live view),
   through `LineTail` (the complete lines appended to a file, which the live view also reads logs with);
   `read_metrics(path)` reads a whole one (tests, benchmarks).
+- `EventLog`: `RUN/events.jsonl`, what the roles tell the live view (`ops/phases.py`), one JSON object a
+  line, `{"t", "role", "event", ...}`: a node's phases and live versions, the learner coming up, its
+  roster (nodes joined, left, evicted, lost: written by `NodeRegistry`, their one owner), its waits
+  and steps. The view reads these, not log lines; every role appends to the one file.
 """
 
 from __future__ import annotations
@@ -172,8 +176,29 @@ class LineTail:
         return [line.decode(errors="replace").rsplit("\r", 1)[-1] for line in lines]
 
 
+EVENTS_FILE = "events.jsonl"
+
+
+class EventLog:
+    """Appends this role's events to `RUN/events.jsonl` (module doc). Each event is one `write` of one line
+    to a file opened for appending, so the lines of several processes never interleave."""
+
+    def __init__(self, run_dir: str | pathlib.Path, role: str):
+        self.path, self.role = pathlib.Path(run_dir) / EVENTS_FILE, role
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+
+    def emit(self, event: str, **fields: Any) -> None:
+        line = json.dumps({"t": time.time(), "role": self.role, "event": event, **fields}) + "\n"
+        try:
+            with open(self.path, "a") as f:
+                f.write(line)
+        except OSError as e:  # the view loses a line; the run goes on
+            logging.getLogger("streamrl").debug("event %s not written to %s: %s", event, self.path, e)
+
+
 class MetricsTail:
-    """The records of a growing metrics.jsonl: `poll()` reads only what was appended since the last call."""
+    """The records of a growing JSON lines file (metrics.jsonl, events.jsonl): `poll()` reads only what was
+    appended since the last call."""
 
     def __init__(self, path: str | pathlib.Path):
         self.path = pathlib.Path(path)

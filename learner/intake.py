@@ -19,8 +19,9 @@ import logging
 import time
 from collections.abc import Callable
 
-from streamrl.engine.ledger import Counts, Ledger, is_stale
+from streamrl.engine.ledger import Counts, Ledger
 from streamrl.engine.messages import Trajectory
+from streamrl.engine.telemetry import EventLog
 from streamrl.engine.transport import TrajectoryReceiver
 from streamrl.learner.overdue import OverdueGroups
 
@@ -124,17 +125,17 @@ class Intake:
         self,
         receiver: TrajectoryReceiver,
         ledger: Ledger,
-        max_staleness: int,
         alarm: StallAlarm,
         order_patience_s: float = GROUP_PATIENCE_S,
         rewards: RewardWatch | None = None,
         overdue: OverdueGroups | None = None,
     ):
-        self.receiver, self.ledger, self.max_staleness, self.alarm = receiver, ledger, max_staleness, alarm
+        self.receiver, self.ledger, self.alarm = receiver, ledger, alarm
         self.rewards, self.overdue = rewards, overdue
         self.order_patience_s = order_patience_s
         self.groups: dict[str, _Group] = {}
         self.counters = collections.Counter()
+        self.events: EventLog | None = None  # the live view's note while the learner waits (RUN/events.jsonl)
         self._order_wait_since: float | None = None
 
     @property
@@ -165,12 +166,10 @@ class Intake:
             if ready is not None:
                 return ready
             if time.monotonic() - last_warn > WAITING_WARN_S:
-                log.warning(
-                    "waited %.0f s for trajectories: %d groups partly here; %s",
-                    time.monotonic() - waiting_since,
-                    len(self.groups),
-                    waiting_hint(),
-                )
+                note = f"{len(self.groups)} groups partly here; {waiting_hint()}"
+                log.warning("waited %.0f s for trajectories: %s", time.monotonic() - waiting_since, note)
+                if self.events is not None:
+                    self.events.emit("waiting", note=note)
                 last_warn = time.monotonic()
 
     def drain(self, timeout_s: float, limit: int = 4096) -> list[Trajectory]:
@@ -262,12 +261,11 @@ class Intake:
         return set(given_up)
 
     def _fresh_members(self, group: _Group, version: int) -> list[Trajectory]:
-        """Drop members that went stale while they waited here (staleness is judged at consumption)."""
-        stale = [t for t in group.fresh if is_stale(t.min_version, version, self.max_staleness)]
-        if stale:
-            self.ledger.drop([t.sample_id for t in stale], "stale")
-            self.counters.update(stale=len(stale))
-            group.fresh = [t for t in group.fresh if t not in stale]
+        """Drop members that went stale while they waited here: the ledger judges them against the
+        version that trains them (`Ledger.drop_stale`, the check that guarantees the bound)."""
+        held = len(group.fresh)
+        group.fresh = self.ledger.drop_stale(group.fresh, version)
+        self.counters.update(stale=held - len(group.fresh))
         return group.fresh
 
     def forget_sender(self, node_id: str) -> None:

@@ -3,7 +3,10 @@
 One thread (`NodeRegistry`) owns the ZMQ ROUTER socket, since sockets are not thread-safe: it answers
 `Register` with a `Welcome`, records heartbeats, routes `WeightsApplied` to whoever waits for them,
 and sends what other threads queue with `send`. The registry is the one owner of "which nodes are
-in the run": the orchestrator reads `events` (joined / left) and `forget`s an evicted node.
+in the run": a node joins by registering; it leaves (`leave`, after its Goodbye), is evicted
+(`evict`, for the publisher's report of a failed transfer) or is lost (`lost`, reaped by the ledger)
+only through the registry, which tells it `Stop` where it can and writes each change to the run's
+events (`RUN/events.jsonl`, the live view's roster). Others ask it: `count`, `nodes`, `take_events`.
 
 It is also the one owner of who a node is (`identity`): a node id is bound to the CURVE key that
 first registered it (for the whole run: a different key cannot take the id over, even after the
@@ -28,6 +31,7 @@ from collections.abc import Callable
 from streamrl.engine.auth import Identity, new_secret
 from streamrl.engine.control import ControlServer
 from streamrl.engine.messages import Goodbye, Heartbeat, Register, Stop, WeightsApplied, Welcome
+from streamrl.engine.telemetry import EventLog
 from streamrl.engine.transport import TransportError
 from streamrl.engine.weights.paths import Location
 
@@ -54,9 +58,10 @@ class NodeRegistry(threading.Thread):
     """Owns the control socket; `welcome()` builds each node's Welcome (the current version is asked
     of its owner at that moment, never copied)."""
 
-    def __init__(self, server: ControlServer, welcome: Callable[[str], Welcome]):
+    def __init__(self, server: ControlServer, welcome: Callable[[str], Welcome], events: EventLog | None = None):
         super().__init__(name="control", daemon=True)
-        self.server, self.welcome = server, welcome
+        self.server, self.welcome, self.run_events = server, welcome, events
+        self.evicted = 0  # nodes evicted so far
         self.nodes: dict[str, NodeInfo] = {}
         self.identities: dict[str, Identity] = {}  # kept after a node leaves: its id stays bound to its key
         self.departed: dict[str, tuple[bytes, str]] = {}  # connection and key of nodes that left
@@ -145,6 +150,7 @@ class NodeRegistry(threading.Thread):
         welcome.secret = identity.secret
         self.server.send(peer, welcome)
         self.events.put(("joined", msg.node_id))
+        self._record("node_joined", msg.node_id)
 
     def _speaks_for(self, peer: bytes, key: str, msg) -> bool:
         """The message comes from the connection and key that registered the node it names. A late
@@ -202,6 +208,43 @@ class NodeRegistry(threading.Thread):
         """Where the node said it runs (None once it left)."""
         info = self.nodes.get(node_id)
         return info.where if info is not None else None
+
+    # ---- membership: the one place nodes leave the run ------------------------------------------
+
+    @property
+    def count(self) -> int:
+        """Nodes in the run now."""
+        return len(self.nodes)
+
+    def leave(self, node_id: str) -> None:
+        """The node said goodbye (a `left` event): it is out of the run."""
+        self.forget(node_id)
+        self._record("node_left", node_id)
+
+    def evict(self, node_id: str, why: str) -> None:
+        """The node cannot take the run's weights (the publisher reported why): told `Stop`, then out."""
+        log.error("evicted node %s: %s", node_id, why)
+        self.evicted += 1
+        self.send(node_id, Stop(reason=f"evicted: {why}"), then_forget=True)
+        self._record("node_evicted", node_id, why=why)
+
+    def lost(self, node_id: str, why: str) -> None:
+        """The ledger reaped the node (no heartbeat): a frozen node that wakes up is told to stop, so it
+        leaves instead of generating for a run that sends it no weights; a dead one is just out."""
+        if node_id in self.nodes:
+            self.send(node_id, Stop(reason=why), then_forget=True)
+        else:
+            self.forget(node_id)
+        self._record("node_lost", node_id, why=why)
+
+    def stop_all(self, reason: str) -> None:
+        """Tell every node to stop; each leaves with its Goodbye (`take_events`)."""
+        for node_id in list(self.nodes):
+            self.send(node_id, Stop(reason=reason))
+
+    def _record(self, event: str, node_id: str, **fields) -> None:
+        if self.run_events is not None:
+            self.run_events.emit(event, node=node_id, **fields)
 
     def forget(self, node_id: str) -> None:
         with self.lock:

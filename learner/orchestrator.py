@@ -31,9 +31,9 @@ from streamrl.engine.config import Config, ConfigError
 from streamrl.engine.config.presets import completion_limit
 from streamrl.engine.control import ControlServer
 from streamrl.engine.ledger import LedgerUnavailableError, open_ledger
-from streamrl.engine.messages import AdapterSpec, Stop, Trajectory, Welcome
+from streamrl.engine.messages import AdapterSpec, Trajectory, Welcome
 from streamrl.engine.redis_server import redact
-from streamrl.engine.telemetry import MetricsSink
+from streamrl.engine.telemetry import EventLog, MetricsSink
 from streamrl.engine.transport import REFUSALS, TrajectoryReceiver, bind_address
 from streamrl.learner.batching import StepBatch, pack_for_ranks, sequence_cost
 from streamrl.learner.intake import Intake, RewardWatch, StallAlarm
@@ -41,20 +41,12 @@ from streamrl.learner.nodes import NodeRegistry
 from streamrl.learner.overdue import OverdueGroups
 from streamrl.learner.publisher import Publisher
 from streamrl.learner.selection import Selection, select, warn_unfilled
+from streamrl.learner.step_metrics import peak_flops
 from streamrl.rewards.stats import batch_stats, warn_if_flat
 
 log = logging.getLogger("streamrl.learner")
 
 REAP_EVERY_S = 2.0
-PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12}  # dense bf16, by device name
-
-
-def peak_flops(device: torch.device) -> float:
-    """The device's dense bf16 peak (for the MFU), when it is one we know; else 0 (no MFU reported)."""
-    if device.type != "cuda":
-        return 0.0
-    name = torch.cuda.get_device_name(device)
-    return next((flops for key, flops in PEAK_FLOPS.items() if key in name), 0.0)
 
 
 class Orchestrator:
@@ -89,7 +81,8 @@ class Orchestrator:
             self.gate = open_gate(cfg)  # CURVE keys and their gatekeeper; None on loopback without CURVE
             caps = dict(max_frame_mb=t.max_frame_mb, fault_log_interval_s=t.fault_log_interval_s, gate=self.gate)
             server = ControlServer(bind_address(t.host, t.control_port), t.send_timeout_s, **caps)
-            self.registry = NodeRegistry(server, self._welcome)
+            self.events = EventLog(cfg.run.path, "learner")  # what the live view reads (ops/phases.py)
+            self.registry = NodeRegistry(server, self._welcome, self.events)
             # frames are admitted only from registered nodes: the receiver asks the registry who they are
             receiver = TrajectoryReceiver(
                 bind_address(t.host, t.trajectory_port), hwm=t.hwm, identities=self.registry.identity, **caps
@@ -99,7 +92,8 @@ class Orchestrator:
             patience = min(cfg.ledger.heartbeat_ttl_s * 1.5, 30.0)
             window = 2 * cfg.learner.groups_per_step * cfg.rollout.group_size  # 2 steps' worth of samples
             rewards, overdue = RewardWatch(window), OverdueGroups(self.ledger, self.registry.silent_s, window)
-            self.intake = Intake(receiver, self.ledger, cfg.ledger.max_staleness, alarm, patience, rewards, overdue)
+            self.intake = Intake(receiver, self.ledger, alarm, patience, rewards, overdue)
+            self.intake.events = self.events
             self.publisher = Publisher(cfg, self.registry, device, adapter)
             self.sink = MetricsSink(cfg.run.path, cfg.telemetry)
         except BaseException:
@@ -113,7 +107,8 @@ class Orchestrator:
         self.ledger.announce_learner(self.incarnation, self.registry.addr, self.intake.addr)
         self.registry.start()
         self._write_address_file(cfg.run.path)
-        log.info(  # `learner up:` is what the live view reads (ops/phases.py)
+        self.events.emit("up", control=self.registry.addr, trajectories=self.intake.addr)
+        log.info(
             "learner up: control %s, trajectories %s, ledger %s (incarnation %s)",
             self.registry.addr,
             self.intake.addr,
@@ -204,7 +199,7 @@ class Orchestrator:
         self.intake.counters.update({reason: len(sample_ids)})
 
     def _hint(self) -> str:
-        nodes = len(self.publisher.nodes)
+        nodes = self.registry.count
         if nodes:
             return f"{nodes} nodes registered"
         run = self.cfg.run.path  # `streamrl learner` and `streamrl run` write its config.toml
@@ -214,17 +209,21 @@ class Orchestrator:
     # ---- nodes ----------------------------------------------------------------------------------
 
     def serve_nodes(self) -> None:
-        """Registrations, departures and lost nodes; a new node gets the current weights first."""
+        """Registrations, departures and lost nodes; a new node gets the current weights first. Who is in
+        the run is the registry's: the publisher reports the nodes that cannot take the weights, the ledger
+        those that stopped beating, and the registry moves each out."""
         for kind, node_id in self.registry.take_events():
             if kind == "joined":
                 self.intake.forget_sender(node_id)  # a restarted node numbers its messages from 0
                 self.registry.reset(node_id)
                 self.publisher.add(node_id, self.registry.location(node_id))
-                log.info("node %s joined (%d nodes)", node_id, len(self.publisher.nodes))
+                log.info("node %s joined (%d nodes)", node_id, self.registry.count)
             else:
-                self._remove(node_id)
-        for node_id in self.publisher.poll():  # a failed transfer, or a version never confirmed live
-            log.warning("node %s was evicted (%d nodes left)", node_id, len(self.publisher.nodes))
+                self.publisher.remove(node_id)
+                self.registry.leave(node_id)
+        for node_id, why in self.publisher.poll():  # a failed transfer, or a version never confirmed live
+            self.registry.evict(node_id, why)
+            log.warning("node %s was evicted (%d nodes left)", node_id, self.registry.count)
         if time.monotonic() - self._last_reap > REAP_EVERY_S:
             self._last_reap = time.monotonic()
             for node_id, samples in self.ledger.reap_lost_nodes().items():
@@ -234,17 +233,9 @@ class Orchestrator:
                     samples,
                     self.cfg.ledger.on_node_lost,
                 )
-                # A frozen node may wake up: told to stop, it leaves instead of generating for a run
-                # that sends it no weights (a dead one cannot be told; that is logged and forgotten).
                 ttl = self.cfg.ledger.heartbeat_ttl_s
-                self._remove(node_id, f"lost: no heartbeat in the ledger for {ttl:g} s (ledger.heartbeat_ttl_s)")
-
-    def _remove(self, node_id: str, stop_reason: str = "") -> None:
-        self.publisher.remove(node_id)
-        if stop_reason and node_id in self.registry.nodes:
-            self.registry.send(node_id, Stop(reason=stop_reason), then_forget=True)
-        else:
-            self.registry.forget(node_id)
+                self.publisher.remove(node_id)
+                self.registry.lost(node_id, f"lost: no heartbeat in the ledger for {ttl:g} s (ledger.heartbeat_ttl_s)")
 
     # ---- commit → push → report --------------------------------------------------------------
 
@@ -290,6 +281,7 @@ class Orchestrator:
         }
         self.resume_figures = {}  # in the first record of a resumed run only
         self.sink.log(step, record)
+        self.events.emit("step", step=step, version=self.version_of())
         log.info(
             "step %d v%d reward %.3f±%.3f loss %.4f tokens/s %.0f mismatch_kl %.2e staleness %.2f nodes %d idle %.0f%%",
             step,
@@ -338,7 +330,7 @@ class Orchestrator:
     def _node_figures(self) -> dict[str, float]:
         """Per node: the weight transfer (learner side) and where the node's own time went."""
         states = self.publisher.states()
-        out: dict[str, float] = {"nodes": len(states), "evicted": self.publisher.evicted}
+        out: dict[str, float] = {"nodes": self.registry.count, "evicted": self.registry.evicted}
         out["weights_s"] = max((w.last_transfer_s for w in states.values()), default=0.0)
         for node_id, weights in states.items():
             info = self.registry.nodes.get(node_id)
@@ -364,14 +356,14 @@ class Orchestrator:
         the ledger unreachable (Redis gone past `ledger.retry_s`) it is left as it was: a resumed
         learner settles it."""
         try:
-            for node_id in list(self.registry.nodes):
-                self.registry.send(node_id, Stop(reason=reason))
+            self.registry.stop_all(reason)
             deadline = time.monotonic() + drain_s
-            while self.registry.nodes and time.monotonic() < deadline:
+            while self.registry.count and time.monotonic() < deadline:
                 self.intake.drain(0.05)
                 for kind, node_id in self.registry.take_events():
                     if kind == "left":
-                        self._remove(node_id)
+                        self.publisher.remove(node_id)
+                        self.registry.leave(node_id)
             if ledger_reachable:
                 self._settle_books(finished)
             self.registry.close()

@@ -5,7 +5,8 @@ in the dtype the engines serve) into flat buckets of a staging set and returns. 
 (`_Link`) then pushes the newest published version to its node: layout over the control channel,
 the node posts its receives, the broadcast. A node that falls behind skips to the newest version;
 one whose transfer fails, or that does not confirm a version live within one deadline
-(`weights.timeout_s`) after its transfer, is evicted: told `Stop` and forgotten. The learner trains on.
+(`weights.timeout_s`) after its transfer, is reported by `poll` and dropped from the links; the
+orchestrator has the registry (the roster's one owner) evict it. The learner trains on.
 Each node's path is picked when it joins, from where it runs (engine/weights/paths.py): a broadcast
 (NCCL, gloo), or, on the learner's own machine or GPU, the node's copy from the shared buffers.
 
@@ -28,7 +29,7 @@ import torch
 from torch import Tensor
 
 from streamrl.engine.config import Config
-from streamrl.engine.messages import AdapterSpec, Stop
+from streamrl.engine.messages import AdapterSpec
 from streamrl.engine.weights import Location, WeightTransferError, choose, here, new_sender, resolve_backend
 from streamrl.engine.weights.ipc import shared_empty
 from streamrl.engine.weights.layout import BufferPool, PackedBuckets, plan_buckets
@@ -132,14 +133,9 @@ class Publisher:
         self._latest: _Set | None = None
         self._plans: dict[tuple, list] = {}
         self._cond = threading.Condition()
-        self.evicted = 0  # nodes evicted so far
         self.hold_s = 0.0  # the last publish's hold on the caller
         self._timers: list[_DeviceTimer] = []  # the packings whose device time is not read yet
         self._pack_device_s = 0.0
-
-    @property
-    def nodes(self) -> list[str]:
-        return list(self.links)
 
     @property
     def latest_version(self) -> int:
@@ -226,15 +222,16 @@ class Publisher:
             link.stopping.set()
             link.sender.close()
 
-    def poll(self) -> list[str]:
-        """Confirmations in, deadlines checked: the nodes evicted now (told `Stop`, forgotten)."""
-        now, evicted = time.monotonic(), []
+    def poll(self) -> list[tuple[str, str]]:
+        """Confirmations in, deadlines checked: the nodes that cannot take the weights, and why (their links
+        are closed; evicting them is the registry's)."""
+        now, failed = time.monotonic(), []
         for node_id, link in list(self.links.items()):
             why = self._check(link, now)
             if why:
-                self._evict(node_id, why)
-                evicted.append(node_id)
-        return evicted
+                self.remove(node_id)
+                failed.append((node_id, why))
+        return failed
 
     def _check(self, link: _Link, now: float) -> str:
         while (applied := self.registry.take_applied(link.node_id)) is not None:
@@ -249,12 +246,6 @@ class Publisher:
             return (f"version {link.state.sent} was transferred {now - link.state.sent_at:.0f} s ago and is not "
                     f"live on the node (weights.timeout_s = {self.cfg.weights.timeout_s:g})")  # fmt: skip
         return ""
-
-    def _evict(self, node_id: str, why: str) -> None:
-        log.error("evicted node %s: %s", node_id, why)
-        self.evicted += 1
-        self.remove(node_id)
-        self.registry.send(node_id, Stop(reason=f"evicted: {why}"), then_forget=True)
 
     def states(self) -> dict[str, NodeWeights]:
         return {node_id: link.state for node_id, link in self.links.items()}

@@ -36,6 +36,7 @@ from streamrl.learner.batching import MicroBatch, loss_free
 from streamrl.learner.losses import local_normalizer, policy_loss, summarize
 from streamrl.learner.minibatch import split_updates
 from streamrl.learner.reference import release
+from streamrl.learner.step_metrics import update_metrics
 
 log = parallel.rank0_logger("streamrl.learner")
 
@@ -218,7 +219,7 @@ class Trainer:
         local = {f"{u}/{k}": v for u, r in enumerate(results) for k, v in r.sums.items()}
         local["positions"] = float(sum(mb.num_tokens for mb in micro_batches))
         reduced = parallel.reduce_metrics(local, self.device)
-        metrics = _update_metrics(reduced, results, passes=self.cfg.epochs)
+        metrics = update_metrics(reduced, results, passes=self.cfg.epochs)
         metrics.update(positions=reduced["positions"], step_seconds=time.perf_counter() - start)
         return {**metrics, **self._counters(applied)}
 
@@ -342,45 +343,6 @@ class _Update:
         return not self.skipped
 
 
-def _update_metrics(reduced: dict[str, float], results: list[_Update], passes: int = 1) -> dict[str, float]:
-    """The step's metrics from every update's reduced sums; each update's too, under update/<k>/, when more
-    than one was taken. The step's loss is over all its updates' loss tokens (or sequences); its grad_norm is
-    the largest update's (a non-finite one if any); its `tokens` and `mismatch_samples` count the batch once
-    (the first pass), however many passes saw it."""
-    per_update = [
-        {k.partition("/")[2]: v for k, v in reduced.items() if k.startswith(f"{u}/")} for u in range(len(results))
-    ]
-    total: dict[str, float] = {}
-    for sums in per_update:
-        for key, value in sums.items():
-            total[key] = _merge(key, total.get(key), value)
-    norms = [r.grad_norm for r in results]
-    normalizers = [r.normalizer for r in results]
-    metrics = summarize(total)
-    first_pass = per_update[: len(results) // passes]
-    for key in ("tokens", "mismatch_samples"):
-        metrics[key] = sum(sums.get(key, 0.0) for sums in first_pass)
-    metrics.update(
-        loss=total.get("loss_sum", 0.0) / max(sum(normalizers), 1.0),
-        grad_norm=next((n for n in norms if not math.isfinite(n)), max(norms)),
-        normalizer=sum(normalizers),
-        updates=float(sum(r.applied for r in results)),
-        skipped_nonfinite=float(sum(r.skipped == "nonfinite" for r in results)),
-        skipped_no_gradient=float(sum(r.skipped == "no_gradient" for r in results)),
-    )
-    if len(results) > 1:
-        for u, (sums, result) in enumerate(zip(per_update, results), start=1):
-            one = summarize(sums)
-            one.update(
-                loss=sums.get("loss_sum", 0.0) / max(result.normalizer, 1.0),
-                grad_norm=result.grad_norm,
-                skipped=float(not result.applied),
-                normalizer=result.normalizer,
-            )
-            metrics.update({f"update/{u}/{k}": v for k, v in one.items()})
-    return metrics
-
-
 def _to_host(values: dict[str, Tensor]) -> dict[str, float]:
     """Device scalars to floats with one transfer."""
     keys = list(values)
@@ -390,13 +352,6 @@ def _to_host(values: dict[str, Tensor]) -> dict[str, float]:
 
 def _local(t: Tensor) -> Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
-
-
-def _merge(key: str, old: float | None, new: float) -> float:
-    """_combine for host floats (the updates' reduced sums)."""
-    if old is None:
-        return new
-    return max(old, new) if key.endswith("_max") else min(old, new) if key.endswith("_min") else old + new
 
 
 def _combine(key: str, old: Tensor | None, new: Tensor) -> Tensor:

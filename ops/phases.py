@@ -1,23 +1,26 @@
-"""What each process of a `streamrl run` is doing, read from its console log (`RUN/logs/<name>.out`) as it grows.
+"""What each process of a `streamrl run` is doing, read from the run's events (`RUN/events.jsonl`) as they come.
 
-The reader keys on lines the roles write for it, and on nothing else of their output:
-- a rollout node (rollout/service.py): `phase: loading ...`, `phase: registering ...`,
-  `phase: registered ...`, `phase: generating`, then `policy version N live` per weights version;
-- the learner (learner/orchestrator.py, nodes.py, intake.py): `learner up:` once its sockets are
-  bound (when it also writes RUN/learner.json), `node X joined` / `left` / `was evicted` /
-  `stopped beating`, `waited N s for trajectories: ...; HINT`, and its `WARNING:` lines (the view
-  prints them on the console: a step with zero reward variance, ...).
-Everything else a role prints (vLLM's own lines, tracebacks) only feeds the last error line shown
-for a role that died.
+The state is read from the structured events the roles write for it (engine/telemetry.py `EventLog`),
+each process's own (its role, from its start on):
+- a rollout node (rollout/service.py, node.py): `phase` (loading, registering, registered, generating),
+  then `live` per weights version;
+- the learner (learner/orchestrator.py, intake.py): `up` once its sockets are bound (when it also
+  writes RUN/learner.json), `waiting` (its note while it waits for trajectories), `step`; and its
+  roster from `NodeRegistry`, the roster's one owner: `node_joined`, `node_left`, `node_evicted`,
+  `node_lost`.
+The console log (`RUN/logs/<name>.out`) gives only what the view prints as it is: the learner's
+`WARNING:` lines (a step with zero reward variance, ...), and the last error line shown for a role
+that died (the streamrl format, vLLM's, a traceback's last line).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import pathlib
 import re
 import signal
 
-from streamrl.engine.telemetry import LineTail
+from streamrl.engine.telemetry import EVENTS_FILE, LineTail, MetricsTail
 
 NODE_PHASES = {
     "loading": "loading the engine",
@@ -26,11 +29,8 @@ NODE_PHASES = {
     "generating": "generating",
 }
 WARMING_UP = "warming up the engines"
-PHASE = re.compile(r"\bphase: (\w+)")
-LIVE = re.compile(r"\bpolicy version (\d+) live\b")
-JOINED = re.compile(r"\bnode (\S+) joined\b")
-GONE = re.compile(r"\bnode (\S+) (?:left|was evicted|stopped beating)\b|\bevicted node (\S+):")
-WAITING = re.compile(r"\bwaited \d+ s for trajectories: (.*)")
+GONE = ("node_left", "node_evicted", "node_lost")
+WAITING = re.compile(r"\bwaited \d+ s for trajectories: ")  # a warning the view shows as its note instead
 WARNING = re.compile(r"^\d\d:\d\d:\d\d WARNING: (.+)")  # the streamrl console format
 # the streamrl console format (HH:MM:SS LEVEL: message), vLLM's (... ERROR 11-30 12:00:00 [file.py:1] message),
 # a traceback's last line (module.SomeError: message), and `error: message` printed before logging starts
@@ -72,14 +72,21 @@ class RoleWatch:
     finished = "stopped"  # the state of a clean exit (code 0)
     stopped_codes: tuple[int, ...] = ()  # exit codes (besides 0) of a role that stopped when asked
 
-    def __init__(self, child, name: str = "", initial: str = "starting"):
+    role = ""  # whose events are this process's: the learner's, or a node's id (its name)
+
+    def __init__(self, child, events: pathlib.Path, name: str = "", initial: str = "starting"):
         self.child = child
         self.tail = LineTail(child.log_path, child.log_offset)
+        self.events = MetricsTail(events)
         self.state = RoleState(name or child.name, initial)
+        self.role = self.role or self.state.name
         self.last_error = ""
 
     def poll(self) -> RoleState:
-        exited = not self.child.alive  # first: every line it wrote is in the file once it exited
+        exited = not self.child.alive  # first: every line it wrote is in the files once it exited
+        for event in self.events.poll():
+            if event.get("role") == self.role and event.get("t", 0.0) >= self.child.started:
+                self.on_event(event)
         for line in self.tail.poll():
             error = error_text(line)
             if error:
@@ -99,21 +106,21 @@ class RoleWatch:
                 self.state.detail = self.state.detail[:MAX_DETAIL]
         return self.state
 
+    def on_event(self, event: dict) -> None:
+        """One of this process's events: move the state on."""
+
     def read(self, line: str) -> None:
-        """One line of the log: move the state on if it says so."""
+        """One line of the log, for what the view prints as it is."""
 
 
 class NodeWatch(RoleWatch):
     stopped_codes = (-signal.SIGTERM,)  # the launcher's stop, often while vLLM shuts down after the node's goodbye
 
-    def read(self, line: str) -> None:
-        phase = PHASE.search(line)
-        if phase and phase.group(1) in NODE_PHASES:
-            self.state.state = NODE_PHASES[phase.group(1)]
-            return
-        live = LIVE.search(line)
-        if live:
-            self.state.detail = f"policy v{live.group(1)}"
+    def on_event(self, event: dict) -> None:
+        if event["event"] == "phase" and event.get("phase") in NODE_PHASES:
+            self.state.state = NODE_PHASES[event["phase"]]
+        elif event["event"] == "live":
+            self.state.detail = f"policy v{event['version']}"
 
 
 class LearnerWatch(RoleWatch):
@@ -122,8 +129,10 @@ class LearnerWatch(RoleWatch):
     finished = "finished"
     stopped_codes = (130, -signal.SIGTERM)  # learner/main.py: stopped by a signal
 
-    def __init__(self, child):
-        super().__init__(child, "learner", initial="loading the model")
+    role = "learner"
+
+    def __init__(self, child, events: pathlib.Path):
+        super().__init__(child, events, "learner", initial="loading the model")
         self.registered: set[str] = set()
         self.waiting = ""  # the learner's last word while it waits for trajectories
         self.came_up = False  # its sockets were bound, and so the run's books opened in the ledger
@@ -133,20 +142,23 @@ class LearnerWatch(RoleWatch):
         taken, self.warnings = self.warnings, []
         return taken
 
+    def on_event(self, event: dict) -> None:
+        kind = event["event"]
+        if kind == "up":
+            self.state.state, self.came_up = "up", True
+        elif kind == "node_joined":
+            self.registered.add(event["node"])
+            self.waiting = ""
+        elif kind in GONE:
+            self.registered.discard(event["node"])
+        elif kind == "waiting":
+            self.waiting = event["note"]
+        elif kind == "step":
+            self.state.state, self.waiting = "training", ""
+
     def read(self, line: str) -> None:
         if (found := WARNING.search(line)) is not None and not WAITING.search(line):  # that one is the note
             self.warnings.append(found.group(1))
-        if "learner up:" in line:
-            self.state.state, self.came_up = "up", True
-        elif (found := JOINED.search(line)) is not None:
-            self.registered.add(found.group(1))
-            self.waiting = ""
-        elif (found := GONE.search(line)) is not None:
-            self.registered.discard(found.group(1) or found.group(2))
-        elif (found := WAITING.search(line)) is not None:
-            self.waiting = found.group(1)
-        elif re.search(r"\bstep \d+ v\d+ ", line):
-            self.state.state, self.waiting = "training", ""
 
 
 @dataclasses.dataclass
@@ -164,6 +176,7 @@ class Board:
 
     def __init__(self, launcher, requested_nodes: int):
         self.launcher, self.requested = launcher, requested_nodes
+        self.events = pathlib.Path(launcher.run_dir) / EVENTS_FILE
         self.learner: LearnerWatch | None = None
         self.nodes: dict[str, NodeWatch] = {}  # every node ever started, kept after it stopped
 
@@ -175,10 +188,10 @@ class Board:
     def poll(self, steps_done: int = 0) -> Snapshot:
         launcher = self.launcher
         if launcher.learner is not None and (self.learner is None or self.learner.child is not launcher.learner):
-            self.learner = LearnerWatch(launcher.learner)  # started, or restarted
+            self.learner = LearnerWatch(launcher.learner, self.events)  # started, or restarted
         for name, child in launcher.nodes.items():
             if name not in self.nodes or self.nodes[name].child is not child:
-                self.nodes[name] = NodeWatch(child, name)
+                self.nodes[name] = NodeWatch(child, self.events, name)
         learner = self.learner.poll() if self.learner is not None else None
         nodes = [watch.poll() for watch in self.nodes.values()]
         if self.learner is not None:  # nodes the learner registered that this launcher did not start

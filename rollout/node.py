@@ -30,6 +30,7 @@ from typing import Protocol
 from streamrl.engine.config import Config
 from streamrl.engine.ledger import sample_ids as ledger_sample_ids
 from streamrl.engine.messages import Timings, Trajectory, WeightsReady
+from streamrl.engine.telemetry import EventLog
 from streamrl.rollout.backends.protocol import Completion, GenerationBackend
 from streamrl.rollout.envs.episode import Episode, build_runner
 from streamrl.rollout.sources import Prompt, prompt_text
@@ -98,8 +99,10 @@ class RolloutNode:
         sink: TrajectorySink,
         tokenizer,
         credits: Credits | None = None,
+        events: EventLog | None = None,
     ):
-        self.cfg, self.node_id, self.engine = cfg, node_id, engine
+        """events: where the live view learns of each version going live (`RUN/events.jsonl`)."""
+        self.cfg, self.node_id, self.engine, self.events = cfg, node_id, engine, events
         self.source, self.scorer, self.sink, self.tokenizer = source, scorer, sink, tokenizer
         self.credits = credits or UnlimitedCredits()
         self.stats = NodeStats()
@@ -299,6 +302,8 @@ class RolloutNode:
         async with self._weights_lock:
             seconds = await self.engine.update_weights(ready)
         self.stats.weight_updates += 1
+        if self.events is not None:
+            self.events.emit("live", version=ready.version)
         log.info("policy version %d live on %s in %.2fs", ready.version, self.node_id, seconds)
         return seconds
 

@@ -34,6 +34,7 @@ from streamrl.engine.config import Config, ConfigError
 from streamrl.engine.control import ControlClient
 from streamrl.engine.ledger import Ledger, LedgerError, LedgerUnavailableError
 from streamrl.engine.messages import Goodbye, Register, Stop, Trajectory, Welcome
+from streamrl.engine.telemetry import EventLog
 from streamrl.engine.transport import SendTimeoutError, TrajectorySender, TransportError
 from streamrl.engine.weights.paths import here
 from streamrl.rollout.control import ControlLoop, LedgerHeartbeat
@@ -233,7 +234,8 @@ async def serve(cfg: Config, learner_addr: str, node_id: str, max_groups: int | 
     try:
         check_reachable(learner_addr, cfg.transport.send_timeout_s)
         device = resolve_device(cfg.run.device)
-        log.info("phase: loading the %s engine on %s", cfg.rollout.backend, device)  # `phase:` lines: the live view
+        EventLog(cfg.run.path, node_id).emit("phase", phase="loading")  # phase events: the live view
+        log.info("phase: loading the %s engine on %s", cfg.rollout.backend, device)
         engine = build_backend(cfg, device)  # before registering: weights can be taken at once
         warm_s = await engine.warm_up()  # compile before serving, so nothing compiles mid-run
         if warm_s:
@@ -288,9 +290,12 @@ async def _session(
     keys = client_keys(cfg)  # CURVE: this node's key pair and the learner's public key (None without)
     client = ControlClient(learner_addr, node_id, t.recv_timeout_s, max_frame_mb=t.max_frame_mb,
                            fault_log_interval_s=t.fault_log_interval_s, keys=keys)  # fmt: skip
+    events = EventLog(cfg.run.path, node_id)
     try:
+        events.emit("phase", phase="registering")
         log.info("phase: registering with the learner at %s", learner_addr)
         welcome = register(client, node_id, cfg.rollout.backend, device, cfg.transport.recv_timeout_s)
+        events.emit("phase", phase="registered")
         log.info("phase: registered as %s at policy version %d", node_id, welcome.policy_version)
         ledger = Ledger(connect(_ledger_url(cfg, welcome), cfg.ledger.connect_retries), welcome.run_name, cfg.ledger)
         ledger.heartbeat(node_id)
@@ -309,7 +314,7 @@ async def _session(
                 sink = LedgerSink(ledger, tx, t.send_timeout_s)
                 credits = LedgerCredits(ledger, node_id, version_of=lambda: engine.policy_version)
                 scorer, tokenizer = inputs.scorer, inputs.tokenizer
-                node = RolloutNode(cfg, node_id, engine, prompts, scorer, sink, tokenizer, credits=credits)
+                node = RolloutNode(cfg, node_id, engine, prompts, scorer, sink, tokenizer, credits, events)
                 control = ControlLoop(client, node, asyncio.get_running_loop(), beat, sink)
                 signalled.attach(node, control, sink)
                 await _generate(cfg, client, ledger, node, welcome, control, signalled, max_groups)
@@ -339,6 +344,8 @@ async def _generate(
                 raise TransportError(
                     f"no weights (version {welcome.policy_version}) from the learner within {timeout_s:g} s of joining"
                 )
+        if node.events is not None:
+            node.events.emit("phase", phase="generating")
         log.info("phase: generating")
         stats = node.stats if control.stop_reason or signalled.name else await node.run(max_groups, STOP_GRACE_S)
     except LedgerUnavailableError:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import pathlib
 
@@ -31,6 +32,14 @@ def tiny_model(tmp_path_factory) -> str:
     from streamrl.engine.models import make_tiny_model
 
     return str(make_tiny_model(tmp_path_factory.mktemp("models") / "tiny", seed=0))
+
+
+@pytest.fixture(scope="module")
+def loop():
+    """An event loop of the test module's own, for async backends driven from plain test functions."""
+    loop = asyncio.new_event_loop()
+    yield loop
+    loop.close()
 
 
 @pytest.fixture

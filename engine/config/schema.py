@@ -129,6 +129,19 @@ class LedgerConfig(_Section):
         ),
     ] = False
 
+    @property
+    def staleness_bound(self) -> int:
+        """The most versions a trained sample's oldest token may lag the policy that trains it; the one
+        bound every staleness check reads, in both modes.
+
+        `Ledger.drop_stale`, when the learner takes a group for a step, guarantees it: it judges against
+        the version that trains the group. The others only save work: the admission script (its run meta,
+        written by `Ledger.init_run`) refuses a group the queue ahead would make stale, and
+        `Ledger.receive` drops what arrives stale already. In sync mode the admission takes only the
+        learner's newest weights, one step's groups at a time, so only a group a step left behind can
+        reach the bound."""
+        return self.max_staleness
+
 
 class TransportConfig(_Section):
     host: Annotated[

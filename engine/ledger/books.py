@@ -1,9 +1,10 @@
 """Reading a run's books, and what every ledger call shares.
 
 `LedgerBooks` is the ledger's read side (counts, who holds which samples, the balance checks) and
-its plumbing: the run's key prefix, the Lua scripts, retrying while Redis cannot be reached, and
-exactly-once writes (each writing call carries its own id, under which Redis keeps its reply:
-ledger_scripts.exactly_once). `Ledger` (ledger.py) adds the moves; `streamrl status` reads only.
+its plumbing: the run's key prefix, the Lua scripts, retrying while Redis cannot be reached (`_retry`,
+the one retry layer: the client from `redis_server.connect` does not retry), and exactly-once writes
+(each writing call carries its own id, under which Redis keeps its reply: scripts.exactly_once).
+`Ledger` (writer.py) adds the moves; `streamrl status` reads only.
 """
 
 from __future__ import annotations
@@ -318,6 +319,7 @@ class LedgerBooks:
         alive = [node for node, up in zip(out[2::3], out[3::3]) if up]
         return InFlight(by_node=by_node, alive=alive, received=int(out[0]), orphaned=int(out[1]))
 
+    @retried
     def staleness_histogram(self) -> dict[int, int]:
         """Versions between a trained sample's oldest token and the policy that trained on it -> samples."""
         return dict(sorted((int(k), int(v)) for k, v in self.client.hgetall(self.prefix + "lag").items()))

@@ -7,8 +7,10 @@ not legal from the sample's state is refused (so a sample delivered twice is tra
 Credits bound staleness. A node takes one credit per group before generating it; the group's
 samples are admitted then, as `{group_id}:{i}`. The credit returns when every sample of the group
 is resolved (trained or dropped), so at most `(max_staleness + 1) * groups_per_step` groups are
-in flight however many nodes join. A node that stops beating is reaped by the learner: its samples
-not yet received are dropped as `node_lost`, or re-admitted for another node (`on_node_lost`).
+in flight however many nodes join. The staleness bound is `LedgerConfig.staleness_bound`, read by
+the admission script and the Python checks alike; its docstring says which check guarantees it.
+A node that stops beating is reaped by the learner: its samples not yet received are dropped as
+`node_lost`, or re-admitted for another node (`on_node_lost`).
 
 The learner's hot path costs two round trips per step, `receive()` and `commit_step()`, plus
 `reap_lost_nodes()` (one) as often as it likes to check on nodes.
@@ -16,7 +18,7 @@ The learner's hot path costs two round trips per step, `receive()` and `commit_s
 Redis loss: every call retries a dropped connection with backoff for `ledger.retry_s` (the server
 restarting from its append-only file), then raises `LedgerUnavailableError` naming the server.
 A retried write cannot apply twice or answer differently: each writing call carries its own id,
-under which Redis keeps its reply (ledger_scripts.exactly_once).
+under which Redis keeps its reply (scripts.exactly_once).
 
 A run's end: the learner calls `finish_run()`; from then on a sample still in flight is an error
 of the books (`check`), not a sample on its way.
@@ -83,12 +85,13 @@ class Ledger(LedgerBooks):
             raise ValueError(f"groups_per_step = {groups_per_step}: must be >= 1")
         if mode not in ("async", "sync"):
             raise ValueError(f"mode = {mode!r}: 'async' or 'sync'")
-        capacity = (self.config.max_staleness + 1) * groups_per_step if mode == "async" else groups_per_step
+        bound = self.config.staleness_bound
+        capacity = (bound + 1) * groups_per_step if mode == "async" else groups_per_step
         self.client.hset(
             self.prefix + "meta",
             mapping={
                 "capacity": capacity,
-                "max_staleness": self.config.max_staleness if mode == "async" else 0,
+                "max_staleness": bound,
                 "groups_per_step": groups_per_step,
                 "mode": mode,
                 "steps_left": steps_left,
@@ -222,9 +225,11 @@ class Ledger(LedgerBooks):
         return [r == "" for r in self.transition(sample_ids, "trained")]
 
     def drop_stale(self, samples: Sequence[GeneratedSample], current_version: int) -> list:
-        """Learner side, for samples received earlier and consumed now: drop the ones gone stale
-        since, as `stale`; the rest, to train."""
-        stale = [s.sample_id for s in samples if is_stale(s.min_version, current_version, self.config.max_staleness)]
+        """Learner side, for samples received earlier and consumed now by a step that trains at
+        `current_version`: drop the ones gone stale since, as `stale`; the rest, to train. The check
+        that guarantees the staleness bound (`LedgerConfig.staleness_bound`)."""
+        bound = self.config.staleness_bound
+        stale = [s.sample_id for s in samples if is_stale(s.min_version, current_version, bound)]
         if stale:
             self.drop(stale, "stale")
         gone = set(stale)
@@ -293,7 +298,7 @@ class Ledger(LedgerBooks):
         for s in samples:
             if s.max_version > current_version:  # a policy rolled back (a learner resumed from a checkpoint)
                 by_target["dropped:rolled_back"].append(s)
-            elif is_stale(s.min_version, current_version, self.config.max_staleness):
+            elif is_stale(s.min_version, current_version, self.config.staleness_bound):  # saves holding them
                 by_target["dropped:stale"].append(s)
             else:
                 by_target["received" if s.reward is not None else "dropped:reward_error"].append(s)

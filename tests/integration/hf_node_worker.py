@@ -153,8 +153,8 @@ class NodeProc:
 
 
 class Nodes:
-    """The publisher's control channel over node processes; `on_ready(node_id, ready)` runs when a
-    `WeightsReady` has gone out to a node (the tests kill a node there)."""
+    """The registry's part for the publisher (its control channel over node processes, and evictions);
+    `on_ready(node_id, ready)` runs when a `WeightsReady` has gone out to a node (the tests kill a node there)."""
 
     def __init__(self, procs: dict[str, NodeProc], on_ready=None):
         self.procs, self.on_ready = procs, on_ready
@@ -174,6 +174,9 @@ class Nodes:
             done.set_exception(e)
         return done
 
+    def evict(self, node_id: str, why: str) -> None:
+        self.send(node_id, Stop(reason=f"evicted: {why}"), then_forget=True)
+
     def take_applied(self, node_id):
         try:
             return self.procs[node_id].applied.get_nowait()
@@ -181,13 +184,21 @@ class Nodes:
             return None
 
 
+def evicted_now(publisher) -> list[str]:
+    """What the orchestrator does with the publisher's report: the registry (here `Nodes`) evicts each node."""
+    reported = publisher.poll()
+    for node_id, why in reported:
+        publisher.registry.evict(node_id, why)
+    return [node_id for node_id, _ in reported]
+
+
 def wait_for(cond, publisher, timeout_s: float) -> list[str]:
     """Poll the publisher (confirmations in, deadlines checked) until `cond()`; the nodes it evicted."""
     evicted, deadline = [], time.monotonic() + timeout_s
     while not cond() and time.monotonic() < deadline:
-        evicted += publisher.poll()
+        evicted += evicted_now(publisher)
         time.sleep(0.01)
-    return evicted + publisher.poll()
+    return evicted + evicted_now(publisher)
 
 
 if __name__ == "__main__":

@@ -56,7 +56,7 @@ def run_steps(redis_url, run, mode, rewards, loss: LossConfig, steps=STEPS):
     ledger = Ledger(connect(redis_url), run, LedgerConfig(max_staleness=1, heartbeat_ttl_s=30))
     ledger.init_run(PER_STEP, mode, steps_left=steps)
     receiver = TrajectoryReceiver()
-    intake = Intake(receiver, ledger, 1, StallAlarm(60.0, 0.0, ledger.counts), order_patience_s=5.0)
+    intake = Intake(receiver, ledger, StallAlarm(60.0, 0.0, ledger.counts), order_patience_s=5.0)
     node = Node(ledger, receiver.addr, rewards)
     node.start()
     selections = []

@@ -9,6 +9,7 @@ import os
 import pathlib
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -67,3 +68,47 @@ def test_a_verifiers_taskset(tmp_path, tiny_model):
     assert "reward.functions = ['streamrl.rollout.envs.verifiers_tasks:score']" in out
     rewards = [r["reward/mean"] for r in records if "reward/mean" in r]
     assert len(records) == STEPS and rewards and max(rewards) > 0  # the task's share reward, not a constant
+
+
+BOXED = """
+import verifiers.v1 as vf
+
+
+class Boxed(vf.Task[vf.TaskData, vf.State, vf.TaskConfig]):
+    NEEDS_CONTAINER = True
+
+    @vf.reward
+    async def passed(self, task, trace) -> float:
+        return 0.0
+
+
+class BoxedSet(vf.Taskset[Boxed, vf.TasksetConfig]):
+    def load(self):
+        yield Boxed(vf.TaskData(prompt="fix the repository", image="python:3.12"))
+
+
+__all__ = ["BoxedSet"]
+"""
+
+
+def test_a_verifiers_taskset_that_needs_a_sandbox_is_refused_in_seconds(tmp_path, tiny_model):
+    (tmp_path / "boxed_set.py").write_text(BOXED)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))}
+    before = time.perf_counter()
+    proc = subprocess.run(
+        [sys.executable, "-m", "streamrl", "run", "--model", tiny_model, "--data", "verifiers:boxed_set"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+    wall = time.perf_counter() - before
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert errors == [
+        "error: data: data.path = 'verifiers:boxed_set' cannot run here: it needs a container (NEEDS_CONTAINER or an "
+        "image), which streamrl does not provide"
+    ], proc.stderr
+    assert not (tmp_path / "runs").exists()
+    print(json.dumps({"refused_in_s": round(wall, 1)}))

@@ -96,13 +96,6 @@ def digest(tensors: dict[str, torch.Tensor]) -> str:
 
 
 @pytest.fixture(scope="module")
-def loop():
-    loop = asyncio.new_event_loop()
-    yield loop
-    loop.close()
-
-
-@pytest.fixture(scope="module")
 def setup(tiny_model, loop):
     from streamrl.learner import parallel
     from streamrl.rollout.backends.hf import HFBackend

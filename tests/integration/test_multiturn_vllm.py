@@ -20,13 +20,6 @@ MODEL = ModelConfig(max_model_len=512)
 
 
 @pytest.fixture(scope="module")
-def loop():
-    loop = asyncio.new_event_loop()
-    yield loop
-    loop.close()
-
-
-@pytest.fixture(scope="module")
 def tokenizer(tiny_model):
     from streamrl.engine.models import load_tokenizer
 

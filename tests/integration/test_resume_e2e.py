@@ -46,8 +46,10 @@ def _states(ledger: Ledger) -> dict[str, str]:
     return {k.removeprefix(ledger.prefix + "s:"): s for k, s in zip(keys, pipe.execute())}
 
 
-@pytest.fixture
-def launcher(tmp_path):
+@pytest.fixture(params=["full", "lora"])
+def launcher(tmp_path, request):
+    """The demo; `lora`: with rank-8 adapters (checkpoints and exports hold the adapters alone)."""
+    lora = ["lora.enabled=true", "lora.rank=8"] if request.param == "lora" else []
     cfg = build(
         {},
         [
@@ -60,6 +62,7 @@ def launcher(tmp_path):
             "checkpoint.every=2",
             "checkpoint.export_every=3",
             "ledger.heartbeat_ttl_s=4.0",
+            *lora,
         ],
     )
     launcher = Launcher(cfg)
@@ -132,8 +135,17 @@ def test_learner_killed_and_resumed(launcher):
     )
 
     assert [s for s, _ in checkpoint.list_checkpoints(root)][-1] == STEPS
-    exported = AutoModelForCausalLM.from_pretrained(launcher.run_dir / "exports" / f"step_{STEPS}")
     from streamrl.learner.checkpoint import load_weights as load_checkpoint_weights
 
     final = load_checkpoint_weights(root / f"step_{STEPS}")
+    if launcher.cfg.lora.enabled:  # a PEFT adapter folder of the adapters the checkpoint holds
+        from safetensors.torch import load_file
+
+        from streamrl.engine.lora import wire_name
+
+        adapter = load_file(launcher.run_dir / "exports" / f"step_{STEPS}" / "adapter_model.safetensors")
+        assert adapter.keys() == {wire_name(k) for k in final} and len(final) == 2 * 7 * 2  # A, B x 7 x 2 layers
+        assert all((adapter[wire_name(k)] == v).all() for k, v in final.items())
+        return
+    exported = AutoModelForCausalLM.from_pretrained(launcher.run_dir / "exports" / f"step_{STEPS}")
     assert all((v == final[k]).all() for k, v in exported.state_dict().items())

@@ -23,13 +23,6 @@ def sharp_model(tmp_path_factory) -> str:
     return str(make_tiny_model(tmp_path_factory.mktemp("models") / "sharp", seed=1, initializer_range=0.2))
 
 
-@pytest.fixture(scope="module")
-def loop():
-    loop = asyncio.new_event_loop()
-    yield loop
-    loop.close()
-
-
 def _engines(kind: str, model: str, rollout: RolloutConfig):
     if kind == "vllm":
         from streamrl.rollout.backends.vllm import VLLMBackend

@@ -71,7 +71,7 @@ def test_the_learners_waiting_hint_is_the_launchers_node_command(tmp_path):
     from streamrl.ops.launcher import Launcher
 
     cfg = build({}, [f"run.dir={str(tmp_path)!r}", "run.name='hint'"])
-    hint = Orchestrator._hint(SimpleNamespace(cfg=cfg, publisher=SimpleNamespace(nodes={})))
+    hint = Orchestrator._hint(SimpleNamespace(cfg=cfg, registry=SimpleNamespace(count=0)))
     launcher = Launcher(cfg)
     try:
         assert hint == f"no rollout node registered; start one with `{launcher.node_command()}`"

@@ -1,15 +1,17 @@
-"""The live view's phase reader (ops/phases.py) on log lines as the roles write them (copied from a real
-`streamrl run` of the tiny model), and the table it feeds (ops/live.py). The same reader runs on real
-roles' logs in tests/integration/test_first_hour_run.py."""
+"""The live view's phase reader (ops/phases.py) on the events the roles write (RUN/events.jsonl, through
+the roles' own `EventLog`) and on log lines as they print them (copied from a real `streamrl run` of the
+tiny model), and the table it feeds (ops/live.py). The same reader runs on real roles' output in
+tests/integration/test_first_hour_run.py."""
 
 from __future__ import annotations
 
 import pathlib
+import time
 from types import SimpleNamespace
 
 from rich.console import Console
 
-from streamrl.engine.telemetry import LineTail
+from streamrl.engine.telemetry import EVENTS_FILE, EventLog, LineTail
 from streamrl.ops.live import live_table
 from streamrl.ops.phases import Board, LearnerWatch, NodeWatch, error_text
 
@@ -17,13 +19,18 @@ from streamrl.ops.phases import Board, LearnerWatch, NodeWatch, error_text
 class FakeChild:
     """What a watch reads of ops/launcher.py's `Child`: the log and whether the process exited."""
 
-    def __init__(self, log_path: pathlib.Path, name: str, offset: int = 0):
+    def __init__(self, log_path: pathlib.Path, name: str, offset: int = 0, role: str = ""):
         self.log_path, self.name, self.log_offset = log_path, name, offset
         self.process = SimpleNamespace(returncode=None)
+        self.started = time.time()
+        self.events = EventLog(log_path.parent, role or name)  # RUN/events.jsonl, as the role writes it
 
     @property
     def alive(self) -> bool:
         return self.process.returncode is None
+
+    def emit(self, event: str, **fields) -> None:
+        self.events.emit(event, **fields)
 
     def write(self, *lines: str) -> None:
         with self.log_path.open("a") as f:
@@ -72,18 +79,19 @@ def test_error_lines_in_each_format_a_role_prints():
 
 
 def test_a_node_moves_through_its_phases_then_dies_with_its_last_error_line(tmp_path):
-    child = FakeChild(tmp_path / "rollout-node-0.out", "rollout-node-0")
-    watch = NodeWatch(child, "node-0")
+    child = FakeChild(tmp_path / "rollout-node-0.out", "rollout-node-0", role="node-0")
+    watch = NodeWatch(child, tmp_path / EVENTS_FILE, "node-0")
     seen = [str(watch.poll())]
-    for line in (
-        "16:35:55 INFO: phase: loading the vllm engine on cpu",
-        "(MainProcess pid=19774) INFO 11-30 16:35:58 [model.py:733] Resolved architecture: Qwen2ForCausalLM",
-        "16:36:30 INFO: phase: registering with the learner at tcp://127.0.0.1:35495",
-        "16:36:30 INFO: phase: registered as node-0 at policy version 0",
-        "16:36:30 INFO: phase: generating",
-        "16:36:37 INFO: policy version 1 live on node-0 in 0.18s",
+    EventLog(tmp_path, "node-1").emit("phase", phase="generating")  # another node's: not this one's state
+    for event, fields in (
+        ("phase", {"phase": "loading"}),
+        ("other", {}),
+        ("phase", {"phase": "registering"}),
+        ("phase", {"phase": "registered"}),
+        ("phase", {"phase": "generating"}),
+        ("live", {"version": 1}),
     ):
-        child.write(line)
+        child.emit(event, **fields)
         seen.append(str(watch.poll()))
     assert seen == [
         "starting",
@@ -110,32 +118,37 @@ def test_a_node_stopped_by_the_launcher_is_stopped_not_dead(tmp_path):
         child = FakeChild(tmp_path / f"node-{code}.out", "rollout-node-0")
         child.write("16:37:17 INFO: node node-0 done: 28 groups sent, 8 samples resolved on leaving")
         child.process.returncode = code
-        assert NodeWatch(child, "node-0").poll().state == state
-    assert str(NodeWatch(child, "node-0").poll()) == (
+        assert NodeWatch(child, tmp_path / EVENTS_FILE, "node-0").poll().state == state
+    assert str(NodeWatch(child, tmp_path / EVENTS_FILE, "node-0").poll()) == (
         f"dead: killed by signal 9: no error line; see {tmp_path / 'node--9.out'}"
     )
 
 
 def test_the_learner_loads_comes_up_waits_trains_and_finishes(tmp_path):
+    EventLog(tmp_path, "learner").emit("up")  # a learner before this one (a resumed run): not this one's
     child = FakeChild(tmp_path / "learner.out", "learner")
-    watch = LearnerWatch(child)
+    watch = LearnerWatch(child, tmp_path / EVENTS_FILE)
     assert (str(watch.poll()), watch.came_up) == ("loading the model", False)
+    note = "0 groups partly here; no rollout node registered; start one with `streamrl rollout --config x`"
     child.write(
         "Loading weights: 100%|██████████| 26/26 [00:00<00:00, 18362.00it/s]",
-        "16:35:47 INFO: learner up: control tcp://127.0.0.1:35495, trajectories tcp://127.0.0.1:36279, ledger x",
-        "16:36:17 WARNING: waited 30 s for trajectories: 0 groups partly here; no rollout node registered; start "
-        "one with `streamrl rollout --config runs/cap/config.toml --learner runs/cap`",
+        f"16:36:17 WARNING: waited 30 s for trajectories: {note}",
     )
+    child.emit("up", control="tcp://127.0.0.1:35495", trajectories="tcp://127.0.0.1:36279")
+    child.emit("waiting", note=note)
     assert (str(watch.poll()), watch.came_up) == ("up", True)
     assert watch.take_warnings() == []  # the waiting hint is the view's note, not a warning printed above it
-    assert watch.waiting.startswith("0 groups partly here; no rollout node registered; start one with `streamrl")
-    child.write("16:36:30 INFO: node node-0 joined (1 nodes)", "16:36:30 INFO: node hand-7 joined (2 nodes)")
+    assert watch.waiting == note
+    child.emit("node_joined", node="node-0")
+    child.emit("node_joined", node="hand-7")
+    child.emit("node_joined", node="lost-1")
+    child.emit("node_joined", node="slow-2")
     watch.poll()
-    assert watch.registered == {"node-0", "hand-7"} and watch.waiting == ""
-    child.write(
-        "16:36:37 INFO: step 1 v1 reward 0.059±0.059 loss -0.0000 tokens/s 15 mismatch_kl 4.86e-14 staleness 0.00",
-        "16:37:16 INFO: node hand-7 left: run finished",
-    )
+    assert watch.registered == {"node-0", "hand-7", "lost-1", "slow-2"} and watch.waiting == ""
+    child.emit("step", step=1, version=1)
+    child.emit("node_left", node="hand-7")
+    child.emit("node_lost", node="lost-1", why="lost: no heartbeat")
+    child.emit("node_evicted", node="slow-2", why="version 1 not live")
     assert str(watch.poll()) == "training" and watch.registered == {"node-0"}
     child.process.returncode = 0
     assert str(watch.poll()) == "finished"
@@ -143,7 +156,7 @@ def test_the_learner_loads_comes_up_waits_trains_and_finishes(tmp_path):
 
 def test_a_learner_that_died_before_it_came_up(tmp_path):
     child = FakeChild(tmp_path / "learner.out", "learner")
-    watch = LearnerWatch(child)
+    watch = LearnerWatch(child, tmp_path / EVENTS_FILE)
     child.write("error: ledger.on_node_lost = 'readmit': rollout nodes do not yet re-generate; use 'drop'")
     child.process.returncode = 2
     state = watch.poll()
@@ -157,25 +170,25 @@ def test_a_learner_that_died_before_it_came_up(tmp_path):
 class FakeLauncher:
     """What the board reads of ops/launcher.py's `Launcher`."""
 
-    def __init__(self):
-        self.ledger_url, self.learner, self.nodes = None, None, {}
+    def __init__(self, run_dir: pathlib.Path):
+        self.ledger_url, self.learner, self.nodes, self.run_dir = None, None, {}, run_dir
 
     def node_command(self) -> str:
         return "streamrl rollout --config runs/r/config.toml --learner runs/r"
 
 
 def test_the_board_names_each_phase_of_a_start(tmp_path):
-    launcher = FakeLauncher()
+    launcher = FakeLauncher(tmp_path)
     board = Board(launcher, requested_nodes=1)
     phases = [board.poll().phase]
     launcher.ledger_url = "redis://127.0.0.1:6379/0"
     phases.append(board.poll().phase)
     launcher.learner = FakeChild(tmp_path / "learner.out", "learner")
     phases.append(board.poll().phase)
-    launcher.learner.write("16:35:47 INFO: learner up: control tcp://127.0.0.1:1, trajectories tcp://127.0.0.1:2")
-    launcher.nodes["node-0"] = node = FakeChild(tmp_path / "rollout-node-0.out", "rollout-node-0")
+    launcher.learner.emit("up")
+    launcher.nodes["node-0"] = node = FakeChild(tmp_path / "rollout-node-0.out", "rollout-node-0", role="node-0")
     phases.append(board.poll().phase)
-    node.write("16:36:30 INFO: phase: registered as node-0 at policy version 0")
+    node.emit("phase", phase="registered")
     phases.append(board.poll().phase)
     phases.append(board.poll(steps_done=1).phase)
     launcher.learner.process.returncode = 0
@@ -193,16 +206,16 @@ def test_the_board_names_each_phase_of_a_start(tmp_path):
 
 
 def test_zero_nodes_the_board_shows_the_command_and_nodes_started_by_hand(tmp_path):
-    launcher = FakeLauncher()
+    launcher = FakeLauncher(tmp_path)
     launcher.ledger_url = "redis://127.0.0.1:6379/0"
     launcher.learner = FakeChild(tmp_path / "learner.out", "learner")
-    launcher.learner.write("16:35:47 INFO: learner up: control tcp://127.0.0.1:1, trajectories tcp://127.0.0.1:2")
+    launcher.learner.emit("up")
     board = Board(launcher, requested_nodes=0)
     snapshot = board.poll()
     assert snapshot.phase == (
         "waiting for a rollout node: start one with `streamrl rollout --config runs/r/config.toml --learner runs/r`"
     )
-    launcher.learner.write("16:36:30 INFO: node box-4242 joined (1 nodes)")
+    launcher.learner.emit("node_joined", node="box-4242")
     snapshot = board.poll()
     assert snapshot.phase == "waiting for the first batch"
     assert [str(n) for n in snapshot.nodes] == ["registered: started by hand"]
@@ -215,7 +228,7 @@ def render(table) -> str:
 
 
 def test_the_table_shows_phases_before_the_first_step_and_figures_after(tmp_path):
-    launcher = FakeLauncher()
+    launcher = FakeLauncher(tmp_path)
     launcher.ledger_url = "redis://x"
     launcher.learner = FakeChild(tmp_path / "learner.out", "learner")
     launcher.nodes["node-0"] = node = FakeChild(tmp_path / "rollout-node-0.out", "rollout-node-0")
@@ -233,7 +246,7 @@ def test_the_table_shows_phases_before_the_first_step_and_figures_after(tmp_path
 
 
 def test_episode_figures_have_their_rows(tmp_path):
-    launcher = FakeLauncher()
+    launcher = FakeLauncher(tmp_path)
     launcher.ledger_url = "redis://x"
     launcher.learner = FakeChild(tmp_path / "learner.out", "learner")
     board = Board(launcher, requested_nodes=0)
@@ -256,7 +269,7 @@ def test_without_a_terminal_lines_are_not_wrapped_at_80_columns(monkeypatch):
 def test_the_view_prints_each_kind_of_learner_warning_once(tmp_path):
     from streamrl.ops.run import _View
 
-    launcher = FakeLauncher()
+    launcher = FakeLauncher(tmp_path)
     launcher.learner = child = FakeChild(tmp_path / "learner.out", "learner")
     launcher.run_dir = tmp_path
     board = Board(launcher, requested_nodes=0)

@@ -38,6 +38,7 @@ class _Nodes:
         self.live: dict[str, list[tuple[int, dict]]] = {n: [] for n in behaviours}
         self.stopped: list[str] = []
         self.forgotten: list[str] = []
+        self.evicted = 0
         self.stagers = {n: Stager("cpu") for n in behaviours}
 
     def send(self, node_id, msg, then_forget=False):
@@ -59,6 +60,11 @@ class _Nodes:
         self.stagers[node_id].release()
         if self.behaviours[node_id] != "stuck":
             self.applied[node_id].put(WeightsApplied(node_id=node_id, version=ready.version, seconds=0.01))
+
+    def evict(self, node_id: str, why: str) -> None:
+        """What NodeRegistry.evict does over the channel: Stop, then forget."""
+        self.evicted += 1
+        self.send(node_id, Stop(reason=f"evicted: {why}"), then_forget=True)
 
     def take_applied(self, node_id):
         try:
@@ -83,12 +89,17 @@ def _weights(version: int) -> dict[str, torch.Tensor]:
     return {"embed": embed, "norm": torch.full((20,), float(version)), "head": embed}  # tied
 
 
+def _evict_reported(publisher: Publisher) -> list[str]:
+    # as the orchestrator: the publisher reports, the registry (the `_Nodes` fake) evicts
+    return [publisher.registry.evict(node_id, why) or node_id for node_id, why in publisher.poll()]
+
+
 def _poll_until(publisher: Publisher, cond, timeout_s: float) -> list[str]:
     evicted, deadline = [], time.monotonic() + timeout_s
     while not cond() and time.monotonic() < deadline:
-        evicted += publisher.poll()
+        evicted += _evict_reported(publisher)
         time.sleep(0.02)
-    return evicted + publisher.poll()
+    return evicted + _evict_reported(publisher)
 
 
 @pytest.mark.parametrize("shared", [(), ("a", "dead")], ids=["gloo", "shm-and-gloo"])
@@ -106,7 +117,7 @@ def test_publish_holds_only_for_packing_and_a_silent_node_is_evicted_after_one_d
         assert publisher.publish(2, _weights(2)) < 0.5  # the survivors carry on
         _poll_until(publisher, lambda: all(s.applied == 2 for s in publisher.states().values()), 10)
         assert {n: s.applied for n, s in publisher.states().items()} == {"a": 2, "b": 2}
-        assert publisher.evicted == 1
+        assert nodes.evicted == 1
         for node in ("a", "b"):
             version, got = nodes.live[node][-1]
             assert version == 2 and got.keys() == {"embed", "norm", "head"}

@@ -2,6 +2,8 @@
 -- node already holds this group: a retried call), 0 (no credit free: the capacity is used, or the group
 -- could not be trained within max_staleness of node_version, or, in sync mode, the step's groups are
 -- out or the node's weights are not the learner's newest, or the remaining steps cannot train it).
+-- max_staleness is the run meta's, LedgerConfig.staleness_bound: this refusal only saves work (a group
+-- generated past it would be dropped); Ledger.drop_stale at consumption is what guarantees the bound.
 -- Errors: node not alive, run not set up, group id used by another node.
 local p, node, group, n, prompt, now = ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4]), ARGV[5], ARGV[6]
 local node_version = tonumber(ARGV[7] or '-1')
