@@ -105,12 +105,17 @@ class ControlLoop(threading.Thread):
         error, seconds = "", 0.0
         if done.cancelled():  # the node is stopping: not a failure of the weights
             log.info("weights version %d not applied: the node is stopping", ready.version)
-            return WeightsApplied(node_id=self.node.node_id, version=ready.version, error="the node is stopping")
+            return WeightsApplied(
+                node_id=self.node.node_id, version=ready.version, seconds=0.0, error="the node is stopping"
+            )
         try:
             seconds = done.result()
         except Exception as e:  # noqa: BLE001 - reported to the learner, which evicts the node
             error = f"{type(e).__name__}: {e}"
-            log.error("weights version %d failed: %s", ready.version, error)
+            if self.stop_reason or getattr(self.node, "stopping", False):  # the engine closed under the stop
+                log.info("weights version %d not applied: the node is stopping (%s)", ready.version, error)
+            else:
+                log.error("weights version %d failed: %s", ready.version, error)
         return WeightsApplied(node_id=self.node.node_id, version=ready.version, seconds=seconds, error=error)
 
     def _confirm(self) -> None:

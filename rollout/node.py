@@ -307,6 +307,11 @@ class RolloutNode:
         log.info("policy version %d live on %s in %.2fs", ready.version, self.node_id, seconds)
         return seconds
 
+    @property
+    def stopping(self) -> bool:
+        """Told to stop (by the learner, a signal or an error): what fails from now on is the stop's doing."""
+        return self._stopping is not None and self._stopping.is_set()
+
     def stop(self, reason: str = "stop") -> None:
         """Start no new group; `run` then finishes in-flight groups within its grace period."""
         if self._stopping is not None and not self._stopping.is_set():
