@@ -53,7 +53,7 @@ class Recorder:
     async def generate(self, prompt_ids, n, max_tokens):
         out = await self.engine.generate(prompt_ids, n, max_tokens)
         self.calls.append((list(prompt_ids), out[0]))
-        self.engine.policy_version += 1
+        self.engine.live.went_live(self.engine.policy_version + 1)
         return out
 
 
