@@ -71,7 +71,7 @@ ROSTER = ("learner/nodes.py", "NodeRegistry")  # the one holder of which nodes a
 # Containers keyed by node ids that are not membership, each with why.
 NOT_A_ROSTER = {
     ("engine/transport.py", "TrajectoryReceiver", "next_seq"): "the stream's framing: the next sequence number "
-    "expected from each sender named in a frame, registered or not (gaps and duplicates are counted per sender)",
+    "expected from each sender named in a frame, registered or not (gaps and duplicates are counted per sender)"
 }
 MUTATORS = {"add", "append", "insert", "setdefault", "update", "pop", "popitem", "clear", "discard", "remove"}
 NODE_ID = re.compile(r"(^|_)node(_id)?$")
