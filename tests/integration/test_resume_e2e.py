@@ -18,7 +18,7 @@ import pytest
 from streamrl.engine.config import build
 from streamrl.engine.ledger import Ledger
 from streamrl.engine.redis_server import connect
-from streamrl.engine.telemetry import read_metrics
+from streamrl.engine.telemetry import read_ending, read_metrics, write_ending
 from streamrl.learner import checkpoint
 from streamrl.ops.launcher import Launcher
 from streamrl.ops.run import DEMO
@@ -94,10 +94,16 @@ def test_learner_killed_and_resumed(launcher):
         launcher.stop_node(name, timeout_s=60)
     resumed_from = checkpoint.list_checkpoints(root)[-1][0]
 
+    # how an earlier life of the run ended (a learner killed with -9 writes nothing): gone while it runs again
+    write_ending(launcher.run_dir, "stopped by the stall alarm", 3, "an earlier ending")
+    assert read_ending(launcher.run_dir) is not None  # the positive control
     launcher.restart_learner("latest")
     launcher.add_node()
+    _wait(launcher, lambda: read_metrics(metrics)[-1]["time"] > killed, "a step of the resumed learner", 600)
+    assert read_ending(launcher.run_dir) is None  # `streamrl status`: running
     launcher.learner.process.wait(timeout=600)
     assert launcher.learner.process.returncode == 0, launcher.learner.log_tail(40)
+    assert read_ending(launcher.run_dir)["exit"] == 0  # and its own ending once it finished
     for child in launcher.nodes.values():
         child.process.wait(timeout=60)
 
