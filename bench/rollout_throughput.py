@@ -34,8 +34,6 @@ import sys
 import tempfile
 import time
 
-os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")  # CPU: no compile on the first logprobs request (FINDINGS)
-
 VOCAB = {"": 512, "152k": 151936}  # the tokenizer's own; Qwen2-0.5B/1.5B's
 SAMPLE_S = 0.05
 RESULT = "ROLLOUT-RESULT "  # a child's result line on its stdout (vLLM logs there too)
@@ -244,10 +242,12 @@ def _figure(shape: str, lines: list[dict]) -> dict:
 
 def main(argv=None) -> None:
     args = _parse(argv)
+    from streamrl.rollout.backends import resolve_device
+
+    if resolve_device(args.device) == "cpu":  # no compile on the first logprobs request (FINDINGS); the children too
+        os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
     if args.only:
         family, _, model = args.only.partition(":")
-        from streamrl.rollout.backends import resolve_device
-
         device = resolve_device(args.device)
         cfg = _config(args, model, device, family)
         lines = asyncio.run(_measure(family, cfg, model, device, args.groups, args.rounds))

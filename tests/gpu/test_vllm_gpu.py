@@ -89,12 +89,12 @@ class Learner:
     def push(self, loop, backend) -> int:
         """The next version into the node: packed on the GPU, the sender's wait in a thread (the publisher's
         link), the node's stage-and-swap here."""
-        from streamrl.engine.weights import plan_buckets
+        from streamrl.engine.weights import plan_buckets, shared_empty
         from streamrl.engine.weights.layout import BufferPool, PackedBuckets
 
         self.version += 1
         weights = self.push_weights()
-        packed = PackedBuckets(plan_buckets(weights, 64 << 20), weights, self.device, BufferPool())
+        packed = PackedBuckets(plan_buckets(weights, 64 << 20), weights, self.device, BufferPool(allocate=shared_empty))
         for i in range(len(packed)):
             packed.get(i)
         ready = self.sender.prepare(self.version, packed)
@@ -176,16 +176,16 @@ def test_a_version_pushed_by_cuda_ipc_serves_the_learners_logprobs(node, loop):
 
 def test_tokens_across_an_in_flight_update_carry_both_versions_and_the_new_weights_after_it(node, loop):
     learner, backend = node
-    start = backend.policy_version
+    start, base = backend.policy_version, backend.tokens_generated
+    learner.perturb(seed=2)  # the next version, ready before generation starts: the push alone lands mid-way
 
     async def go():
-        generating = asyncio.ensure_future(backend.generate(PROMPTS[0], 4, 200))
-        while backend.tokens_generated < 160 and not generating.done():  # about 40 tokens a sample
+        generating = asyncio.ensure_future(backend.generate(PROMPTS[0], 4, 240))
+        while backend.tokens_generated - base < 128 and not generating.done():  # about 32 tokens a sample
             await asyncio.sleep(0.001)
         return generating
 
     generating = loop.run_until_complete(go())
-    learner.perturb(seed=2)
     new = learner.push(loop, backend)
     group = loop.run_until_complete(generating)
     spanning = [c for c in group if set(c.token_versions) == {start, new}]
