@@ -71,11 +71,11 @@ class Pusher:
         weights.clear()  # packed once: the buckets are all a push reads (a 7B model's second copy goes)
         del lm
         self.sender = IpcSender("bench-node", device=device, timeout_s=cfg.weights.timeout_s)
-        self.version = 0
+        self.pushed = 0  # versions handed to the node so far
 
     async def push(self, node) -> float:
-        self.version += 1
-        ready = self.sender.prepare(self.version, self.packed)
+        self.pushed += 1
+        ready = self.sender.prepare(self.pushed, self.packed)
         sent = asyncio.create_task(asyncio.to_thread(self.sender.send, self.packed, ready))
         seconds = await node.apply_weights(ready)
         await sent

@@ -61,7 +61,7 @@ class Learner:
                                           top_k=r.top_k, top_p=r.top_p)  # fmt: skip
         self.push_weights = parallel.PushWeights(self.policy, torch.bfloat16, adapters=lora_cfg is not None)
         self.sender = IpcSender("gpu-test", device=self.device, timeout_s=TIMEOUT_S)
-        self.version = 0
+        self.pushed = 0  # versions pushed so far
 
     def sampling(self, rollout) -> None:
         policy = self.policy
@@ -92,12 +92,12 @@ class Learner:
         from streamrl.engine.weights import plan_buckets, shared_empty
         from streamrl.engine.weights.layout import BufferPool, PackedBuckets
 
-        self.version += 1
+        self.pushed += 1
         weights = self.push_weights()
         packed = PackedBuckets(plan_buckets(weights, 64 << 20), weights, self.device, BufferPool(allocate=shared_empty))
         for i in range(len(packed)):
             packed.get(i)
-        ready = self.sender.prepare(self.version, packed)
+        ready = self.sender.prepare(self.pushed, packed)
         if self.spec is not None:
             ready = msgspec.structs.replace(ready, adapter=self.spec)
         errors: list[Exception] = []
@@ -106,7 +106,7 @@ class Learner:
         loop.run_until_complete(backend.update_weights(ready))
         thread.join(TIMEOUT_S)
         assert not errors and ready.backend == self.sender.path, (errors, ready.backend)
-        return self.version
+        return self.pushed
 
 
 def _guard(errors: list, fn, *args) -> None:
