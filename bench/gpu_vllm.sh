@@ -4,7 +4,8 @@
 # `source .vp-setup/vllm-setup.sh`) and streamrl is importable (/tmp/site/streamrl). PARTS picks:
 #   tests:  tests/gpu/test_vllm_gpu.py                                   -> $OUT/vllm_tests.txt
 #   bench:  bench/rollout_throughput.py on examples/gpu.toml at SHAPES    -> vllm_node lines in $OUT/figures.jsonl
-#   loop:   the README's one-GPU command, STEPS steps, vLLM then hf, each run's books and loop figures
+#   loop:   the README's one-GPU command, STEPS steps, vLLM then hf (RUN_LIMIT_vllm, RUN_LIMIT_hf seconds),
+#           each run's books and loop figures
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"; RUNS=/tmp/runs; F="$OUT/figures.jsonl"
@@ -19,7 +20,7 @@ fi
 if has bench; then
   for shape in ${SHAPES:-0.5b}; do
     timeout "${BENCH_LIMIT:-240}" python3 -m streamrl.bench.rollout_throughput --config examples/gpu.toml \
-      --shape "$shape" --rounds "${ROUNDS:-2}" --hf-groups "${HF_GROUPS:-0}" --out "$F" \
+      --shape "$shape" --rounds "${ROUNDS:-2}" --groups "${GROUPS:-0}" --hf-groups "${HF_GROUPS:-0}" --out "$F" \
       > "$OUT/bench-$shape.txt" 2>&1; echo "bench $shape exit $?" >> "$OUT/bench-$shape.txt"
     grep -E '^\{|exit|Error' "$OUT/bench-$shape.txt" | cut -c1-400 | tail -12
   done
@@ -30,7 +31,7 @@ if has loop; then
     --dtype bfloat16 --device cuda > /dev/null 2>&1
   for backend in ${BACKENDS:-vllm hf}; do
     name="gpu-$backend"
-    timeout "${RUN_LIMIT:-270}" python3 -m streamrl run --config examples/gpu.toml --rollout-nodes 1 \
+    limit=RUN_LIMIT_${backend}; timeout "${!limit:-270}" python3 -m streamrl run --config examples/gpu.toml --rollout-nodes 1 \
       --steps "${STEPS:-50}" --set "run.dir='$RUNS'" --set "run.name='$name'" --set "rollout.backend='$backend'" \
       > "$OUT/run-$backend.txt" 2>&1; echo "run exit $?" >> "$OUT/run-$backend.txt"
     python3 -m streamrl status --run "$name" --runs-dir "$RUNS" > "$OUT/status-$backend.txt" 2>&1
