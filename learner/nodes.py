@@ -243,7 +243,9 @@ class NodeRegistry(threading.Thread):
     def _detach(self, node_id: str) -> None:
         with self.lock:
             info = self.nodes.get(node_id)
-            link, info.link = (info.link, None) if info is not None else (None, None)
+            link = info.link if info is not None else None
+            if info is not None:
+                info.link = None
         if link is not None:
             link.close()
 

@@ -172,3 +172,30 @@ def test_a_node_that_never_confirms_a_version_live_is_evicted_after_one_deadline
         assert publisher.states()["ok"].applied == 1
     finally:
         nodes.close()
+
+
+class FakeLink:
+    """Stands in for the publisher's `_Link` (a node's weights thread): records that it was closed."""
+
+    def __init__(self):
+        self.closed = False
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def test_the_registry_closes_a_nodes_link_however_the_node_leaves():
+    nodes = FakeRegistry(dict.fromkeys(["left", "evicted", "lost", "again", "kept"], "ok"))
+    links = {node_id: FakeLink() for node_id in nodes.behaviours}
+    for node_id, link in links.items():
+        nodes.attach(node_id, link)
+    nodes.leave("left")
+    nodes.evict("evicted", "its transfer failed")
+    nodes.lost("lost", "no heartbeat")
+    nodes.lost("lost", "reaped again after it was gone")  # a node no longer in the run: nothing to close
+    nodes.attach("again", FakeLink())  # a node's new process: the old link ends
+    assert {node_id for node_id, link in links.items() if link.closed} == {"left", "evicted", "lost", "again"}
+    assert set(nodes.links()) == {"again", "kept"}  # the positive control: the others' links are kept
+    late = FakeLink()
+    nodes.attach("left", late)  # a link for a node that left meanwhile is closed at once
+    assert late.closed and "left" not in nodes.links()
