@@ -15,6 +15,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import pathlib
+import re
 import secrets
 import shutil
 import signal
@@ -32,6 +33,26 @@ from streamrl.engine.workers import lifeline
 
 class RedisUnavailableError(RuntimeError):
     """Redis could not be started or reached; the message names the URL or binary and the fix."""
+
+
+# Redis's answers that refuse writes for a reason of the server's: its disk is full or failing
+# (MISCONF, which Redis 7 also answers to PING), it is over maxmemory (OOM), it is a replica (READONLY).
+# Redis 6.2 puts them inside a script's error ("... @user_script: 1: -MISCONF ..."), redis-py inside a
+# pipeline's ("Command # 2 (...) of pipeline caused error: MISCONF ...").
+_REFUSAL = re.compile(r"(?:^|[-: ])((?:MISCONF|OOM|READONLY) .*)")
+
+
+def write_refusal(error: Exception) -> str:
+    """Redis's answer when `error` is a refusal to write for a reason of the server's (module note), its
+    first line without the script's name; '' for any other error."""
+    if isinstance(error, redis.exceptions.OutOfMemoryError):  # redis-py strips the code of the ones it maps
+        return f"OOM {error}"
+    if isinstance(error, redis.exceptions.ReadOnlyError):
+        return f"READONLY {error}"
+    if not isinstance(error, redis.ResponseError):
+        return ""
+    found = _REFUSAL.search(str(error).splitlines()[0] if str(error) else "")
+    return found.group(1).split(" script: ")[0].rstrip(". ") if found else ""
 
 
 def redact(url: str) -> str:
@@ -126,6 +147,11 @@ def connect(url: str, retries: int = 5, backoff_s: float = 0.2, timeout_s: float
         except redis.AuthenticationError as e:
             probe.close()
             raise RedisUnavailableError(f"Redis at {redact(url)} refused the password: {e}") from None
+        except redis.ResponseError as e:
+            if not write_refusal(e):
+                raise
+            probe.close()  # it answered: one that cannot write still serves reads (the ledger says the rest)
+            return make()
         except (redis.ConnectionError, redis.TimeoutError) as e:
             last = e
             if attempt + 1 < retries:
