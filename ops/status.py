@@ -53,6 +53,20 @@ def status_command(
     return 1 if errors else 0
 
 
+def live_ledger(run_dir: pathlib.Path) -> str:
+    """The URL of the ledger a run going on in `run_dir` uses (RUN/config.toml, written by its launcher or
+    learner), when it answers; '' when there is none (the run has ended: its embedded server stopped)."""
+    import tomllib
+
+    try:
+        url = tomllib.loads((run_dir / "config.toml").read_text()).get("ledger", {}).get("url", "")
+        if url:
+            connect(url, retries=1, timeout_s=2.0).close()
+        return url
+    except (OSError, tomllib.TOMLDecodeError, RedisUnavailableError):
+        return ""
+
+
 def _nodes(held: dict[str, int]) -> str:
     return f"{sum(held.values())} (" + ", ".join(f"{node} {n}" for node, n in held.items()) + ")" if held else "0"
 
