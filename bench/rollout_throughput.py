@@ -1,18 +1,25 @@
-"""Rollout throughput: tokens/s of the vllm backend vs the hf backend, same model, same prompts, same run.
+"""Rollout throughput: streamrl's vLLM node against raw AsyncLLM on the same engine, and the hf node; same
+model, same prompts, same config, one call.
 
-    python -m streamrl.bench.rollout_throughput [--prompts 32] [--group-size 4] [--max-tokens 64] [--size small]
+    python -m streamrl.bench.rollout_throughput                 # CPU: the demo's config and tiny model
+    python -m streamrl.bench.rollout_throughput --config examples/gpu.toml --shape 0.5b --shape 1.5b:152k \
+        --shape 7b:152k                                           # one GPU: the figures of bench/RESULTS.md
 
-Prints one JSON line per backend and round, then the ratio (vllm / hf): the median of the
-rounds' ratios, each round measuring both backends back to back (on a shared machine the load
-of others swings either figure several-fold between minutes). Each backend runs in its own
-child process and gets every group at once through the `GenerationBackend` interface (vLLM
-batches continuously; hf batches whatever is queued), after one untimed pass of the same shape
-(vLLM's first full batch is several times slower). Tokens counted are completion tokens returned.
-With --min-tokens, each group gets its own max_tokens (a random model never stops early, so
-this is how completions of varied length are emulated): vLLM frees a finished sequence's slot
-at once, the hf backend runs each batch to its longest request. Besides wall-clock tokens/s,
-tokens per CPU-second (this process and its children, so vLLM's
-engine core counts) is reported: it moves less with other people's load.
+For each shape (`NAME[:152k]`: engine.models.SHAPES' body, the real Qwen2 vocabulary or the tokenizer's 512), one
+child process per engine family, each engine built by `build_backend` from the run's config as a node builds it:
+
+- vllm: one engine, rounds alternating. `raw` drives its AsyncLLM directly with the node's own SamplingParams,
+  every group submitted at once, outputs only counted: vLLM's own speed with these engine arguments. `node` runs
+  the same groups through `RolloutNode` (the loop's code: concurrency from the config, each group scored by the
+  run's reward in its worker process, trajectories built and handed to a stand-in for the learner's socket),
+  with a weight push before the round and one in flight, through the path the loop takes on this host (CUDA
+  IPC on a GPU, shared memory on CPU: `IpcSender`, the learner's end, in this process).
+- hf: the hf backend through `RolloutNode` the same way (pushes between its batches).
+
+A round is `--groups` groups (default: all the node runs at once). The first round of each kind is a warm-up.
+Printed: one JSON line per engine and round (tokens, seconds, tokens/s, the requests in flight sampled every
+50 ms, the swaps' pause), then per shape `{"figure": "vllm_node", "shape", "node_tok_s", "raw_tok_s",
+"hf_tok_s", "vs_raw"}`, each the median of its timed rounds.
 """
 
 from __future__ import annotations
@@ -21,174 +28,247 @@ import argparse
 import asyncio
 import json
 import os
-import random
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
+VOCAB = {"": 512, "152k": 151936}  # the tokenizer's own; Qwen2-0.5B/1.5B's
+SAMPLE_S = 0.05
+RESULT = "ROLLOUT-RESULT "  # a child's result line on its stdout (vLLM logs there too)
 
 
-def _prompts(count: int, vocab: int, seed: int = 0) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(3, vocab) for _ in range(rng.randint(8, 32))] for _ in range(count)]
+class FakeLearnerSink:
+    """Stands in for the node's `LedgerSink` (ledger mark + ZMQ send to the learner): counts what it is given."""
+
+    def __init__(self) -> None:
+        self.samples = self.tokens = 0
+
+    def send(self, traj) -> int:
+        self.samples += 1
+        self.tokens += len(traj.completion_ids)
+        return self.samples
 
 
-def _cpu_seconds() -> float:
-    """User + system CPU of this process and its children (vLLM's engine core is one)."""
-    import psutil
+class Pusher:
+    """The learner's end of the weights, in the bench's process: the model's weights packed once into shared
+    buffers (as the learner's publisher packs them) and handed to the node as new versions."""
 
-    me = psutil.Process()
-    return sum(sum(p.cpu_times()[:2]) for p in [me, *me.children(recursive=True)])
+    def __init__(self, model_path: str, cfg, device: str):
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        from streamrl.engine.weights import IpcSender, plan_buckets, shared_empty
+        from streamrl.engine.weights.layout import BufferPool, PackedBuckets
+
+        lm = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, cfg.model.dtype)).to(device)
+        weights = dict(lm.state_dict())
+        specs = plan_buckets(weights, int(cfg.weights.bucket_mb * 2**20))
+        self.packed = PackedBuckets(specs, weights, device, BufferPool(allocate=shared_empty))
+        for i in range(len(self.packed)):
+            self.packed.get(i)
+        weights.clear()  # packed once: the buckets are all a push reads (a 7B model's second copy goes)
+        del lm
+        self.sender = IpcSender("bench-node", device=device, timeout_s=cfg.weights.timeout_s)
+        self.pushed = 0  # versions handed to the node so far
+
+    async def push(self, node) -> float:
+        self.pushed += 1
+        ready = self.sender.prepare(self.pushed, self.packed)
+        sent = asyncio.create_task(asyncio.to_thread(self.sender.send, self.packed, ready))
+        seconds = await node.apply_weights(ready)
+        await sent
+        return seconds
+
+    def close(self) -> None:
+        self.sender.close()
 
 
-async def _measure(engine, prompts: list[list[int]], group_size: int, lengths: list[int], repeats: int) -> dict:
-    """Best of `repeats` timed passes over every prompt, after one untimed pass of the same shape."""
-    best = None
-    for i in range(repeats + 1):
-        start, cpu = time.perf_counter(), _cpu_seconds()
-        groups = await asyncio.gather(*(engine.generate(p, group_size, n) for p, n in zip(prompts, lengths)))
-        seconds, cpu = time.perf_counter() - start, _cpu_seconds() - cpu
-        tokens = sum(len(c.token_ids) for g in groups for c in g)
-        if i and (best is None or tokens / seconds > best["tokens_per_s"]):
-            best = {
-                "tokens": tokens,
-                "seconds": round(seconds, 3),
-                "tokens_per_s": round(tokens / seconds, 1),
-                "cpu_seconds": round(cpu, 3),
-                "tokens_per_cpu_s": round(tokens / max(cpu, 1e-9), 1),
-            }
-    return best
+async def _sampled(engine, work) -> tuple[object, dict]:
+    """Run `work`, sampling the engine's unfinished requests (its front end's count) every SAMPLE_S."""
+    counts, task = [], asyncio.ensure_future(work)
+    processor = getattr(engine, "output_processor", None)
+    while not task.done():
+        if processor is not None:
+            counts.append(processor.get_num_unfinished_requests())
+        await asyncio.wait([task], timeout=SAMPLE_S)
+    in_flight = {"requests_mean": round(statistics.fmean(counts), 1), "requests_max": max(counts)} if counts else {}
+    return task.result(), in_flight
 
 
-async def _run_backend(backend: str, model: str, args) -> dict:
-    from streamrl.engine.config import ModelConfig, RolloutConfig
-    from streamrl.rollout.backends.hf import HFBackend
-    from streamrl.rollout.backends.vllm import VLLMBackend
+async def _raw_round(backend, prompts, cfg) -> dict:
+    """Every group submitted at once to the backend's AsyncLLM with the node's SamplingParams; tokens counted."""
+    params = backend.sampling_params(cfg.rollout.group_size, cfg.rollout.max_tokens)
+    engine = backend._engine
 
-    model_cfg = ModelConfig(max_model_len=args.max_tokens + 64, dtype=args.dtype)
-    rollout = RolloutConfig(backend=backend, temperature=1.0, max_tokens=args.max_tokens)
-    engine = (VLLMBackend if backend == "vllm" else HFBackend)(model, model_cfg, rollout, seed=0)
+    async def one(i: int, ids: list[int]) -> int:
+        tokens = 0
+        async for out in engine.generate({"prompt_token_ids": ids}, params, f"raw-{time.monotonic_ns()}-{i}"):
+            tokens += sum(len(o.token_ids) for o in out.outputs)
+        return tokens
+
+    start = time.perf_counter()
+    counts, in_flight = await _sampled(engine, asyncio.gather(*(one(i, p.prompt_ids) for i, p in enumerate(prompts))))
+    return {"tokens": sum(counts), "seconds": time.perf_counter() - start, **in_flight}
+
+
+async def _node_round(cfg, backend, prompts, scorer, tokenizer, device: str, pusher: Pusher | None, mid_s: float):
+    """The groups through the loop's node code; a push before the round and one `mid_s` into it."""
+    from streamrl.rollout.node import RolloutNode
+
+    sink, swaps = FakeLearnerSink(), []
+    node = RolloutNode(cfg, "bench-node", backend, list(prompts), scorer, sink, tokenizer, device=device)
+    if pusher is not None:
+        swaps.append(await pusher.push(node))
+
+    async def push_later() -> None:
+        await asyncio.sleep(mid_s)
+        swaps.append(await pusher.push(node))
+
+    later = asyncio.create_task(push_later()) if pusher is not None and mid_s > 0 else None
+    start = time.perf_counter()
+    _, in_flight = await _sampled(getattr(backend, "_engine", None), node.run(max_groups=len(prompts)))
+    seconds = time.perf_counter() - start
+    if later is not None:
+        await later
+    return {"tokens": sink.tokens, "seconds": seconds, "swaps_s": [round(s, 3) for s in swaps], **in_flight}
+
+
+async def _measure(family: str, cfg, model: str, device: str, groups: int, rounds: int) -> list[dict]:
+    from streamrl.engine.models import load_tokenizer
+    from streamrl.engine.placement import node_groups
+    from streamrl.rewards import build_scorer
+    from streamrl.rollout.backends import build_backend
+    from streamrl.rollout.sources import PromptSource
+
+    tokenizer = load_tokenizer(model, cfg.model.trust_remote_code)
+    source = iter(PromptSource(cfg.data, tokenizer, seed=cfg.run.seed))
+    prompts = [next(source) for _ in range(groups or node_groups(cfg, device))]
+    scorer = build_scorer(cfg.reward, answer_column=cfg.data.answer_column)
+    backend = build_backend(cfg, device)
+    pusher = Pusher(model, cfg, device) if family == "vllm" else None
+    await backend.warm_up()
+    kinds = ["raw", "node"] if family == "vllm" else ["hf"]
+    lines, mid_s = [], 0.0
     try:
-        rng = random.Random(1)
-        lengths = [rng.randint(args.min_tokens or args.max_tokens, args.max_tokens) for _ in range(args.prompts)]
-        return await _measure(engine, _prompts(args.prompts, 400), args.group_size, lengths, args.repeats)
+        for round_ in range(rounds + 1):
+            for kind in kinds:
+                if kind == "raw":
+                    got = await _raw_round(backend, prompts, cfg)
+                else:
+                    got = await _node_round(cfg, backend, prompts, scorer, tokenizer, device, pusher, mid_s)
+                    mid_s = mid_s or got["seconds"] / 2  # pushes in flight from the first timed round on
+                got |= {"tokens_per_s": round(got["tokens"] / got["seconds"], 1), "seconds": round(got["seconds"], 3)}
+                lines.append({"engine": kind, "round": round_, "warm_up": round_ == 0, "groups": len(prompts), **got})
+                print(json.dumps(lines[-1]), file=sys.stderr, flush=True)
     finally:
-        await engine.close()
+        if pusher is not None:
+            pusher.close()
+        await backend.close()
+        scorer.close()
+    return lines
 
 
-def _parse() -> argparse.Namespace:
+def _parse(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--prompts", type=int, default=32)
-    parser.add_argument("--group-size", type=int, default=4)
-    parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument(
-        "--min-tokens",
-        type=int,
-        default=0,
-        help="per-group max_tokens drawn from [min, max] (RL completions vary in length); "
-        "0: all groups get --max-tokens",
-    )
-    parser.add_argument("--size", choices=("medium", "small", "tiny"), default="small")  # engine.models.SHAPES
-    parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--repeats", type=int, default=2, help="timed passes per backend (best is reported)")
-    parser.add_argument("--model", default="", help="model folder (default: a random-init Qwen2 of --size)")
-    parser.add_argument(
-        "--rounds",
-        type=int,
-        default=2,
-        help="hf-then-vllm rounds; the ratio is the median over rounds (shared machines are noisy)",
-    )
-    parser.add_argument("--only", choices=("vllm", "hf"), help=argparse.SUPPRESS)  # one backend, in a child
-    return parser.parse_args()
+    parser.add_argument("--config", default="", help="the run's config (default: the demo's)")
+    parser.add_argument("--set", action="append", default=[], help="config override, as streamrl run --set")
+    parser.add_argument("--shape", action="append", default=[], help="SHAPE[:152k] (default: the config's model)")
+    parser.add_argument("--groups", type=int, default=0, help="groups a round (0: all the node runs at once)")
+    parser.add_argument("--hf-groups", type=int, default=0, help="the hf node's groups a round (0: --groups)")
+    parser.add_argument("--rounds", type=int, default=2, help="timed rounds of each engine after a warm-up round")
+    parser.add_argument("--engines", nargs="+", default=["vllm", "hf"], choices=("vllm", "hf"))
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--out", default="", help="also append the figure lines to this file")
+    parser.add_argument("--only", help=argparse.SUPPRESS)  # FAMILY:MODEL, in a child
+    return parser.parse_args(argv)
 
 
-def _child(backend: str, model: str, args: argparse.Namespace) -> dict:
-    """Measure one backend in a fresh process: vLLM changes thread settings of the process it runs in."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "streamrl.bench.rollout_throughput",
-        "--prompts",
-        str(args.prompts),
-        "--group-size",
-        str(args.group_size),
-        "--max-tokens",
-        str(args.max_tokens),
-        "--dtype",
-        args.dtype,
-        "--min-tokens",
-        str(args.min_tokens),
-        "--repeats",
-        str(args.repeats),
-        "--model",
-        model,
-        "--only",
-        backend,
-    ]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
-    lines = [line for line in out.stdout.splitlines() if line.startswith("{")]
+def _config(args, model: str, device: str, family: str = "vllm"):
+    from streamrl.engine.config import load
+    from streamrl.ops.run import DEMO
+
+    base = [] if args.config else [*DEMO, "learner.groups_per_step=4"]
+    sets = [*base, *args.set, f"model.path='{model}'", f"run.device='{device}'", f"rollout.backend='{family}'",
+            "telemetry.tensorboard=false"]  # fmt: skip
+    return load(args.config or None, sets)
+
+
+def _child(args, family: str, model: str, groups: int) -> list[dict]:
+    """One engine family in a process of its own: vLLM changes the threads of its process, and GPU memory is
+    given back when the process ends."""
+    cmd = [sys.executable, "-m", "streamrl.bench.rollout_throughput", "--only", f"{family}:{model}",
+           "--groups", str(groups), "--rounds", str(args.rounds), "--device", args.device,
+           *(["--config", args.config] if args.config else []), *[f"--set={s}" for s in args.set]]  # fmt: skip
+    out = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, timeout=3600)
+    lines = [json.loads(line[len(RESULT) :]) for line in out.stdout.splitlines() if line.startswith(RESULT)]
     if out.returncode or not lines:
-        raise RuntimeError(f"{backend} benchmark failed ({out.returncode}):\n{out.stderr[-3000:]}")
-    return json.loads(lines[-1])
+        raise RuntimeError(f"{family} on {model}: exit {out.returncode}")
+    return lines[-1]
 
 
-def main() -> None:
-    args = _parse()
-    if args.only:
-        print(json.dumps(asyncio.run(_run_backend(args.only, args.model, args))), flush=True)
-        return
+def _model(shape: str, folder: str) -> str:
     from streamrl.engine.models import SHAPES, make_tiny_model
 
+    body, _, vocab = shape.partition(":")
+    if vocab not in VOCAB:
+        raise SystemExit(f"--shape {shape}: the vocabulary is '' or '152k'")
+    path = os.path.join(folder, shape.replace(":", "-"))
+    import torch
+
+    on_gpu = torch.cuda.is_available()
+    make_tiny_model(path, seed=0, model_vocab_size=VOCAB[vocab], dtype="bfloat16" if on_gpu else "float32",
+                    device="cuda" if on_gpu else "cpu", **SHAPES[body])  # fmt: skip
+    return path
+
+
+def _config_model(args) -> str:
+    from streamrl.engine.models import default_tiny_model
+
+    return _config(args, "", "cpu").model.path or str(default_tiny_model())
+
+
+def _figure(shape: str, lines: list[dict]) -> dict:
+    def median(kind: str) -> float:
+        timed = [line["tokens_per_s"] for line in lines if line["engine"] == kind and not line["warm_up"]]
+        return round(statistics.median(timed), 1) if timed else 0.0
+
+    node, raw, hf = median("node"), median("raw"), median("hf")
+    figure = {"figure": "vllm_node", "shape": shape, "node_tok_s": node, "raw_tok_s": raw, "hf_tok_s": hf}
+    vs_raw, vs_hf = (round(node / raw, 3) if raw else None), (round(node / hf, 3) if hf and node else None)
+    return figure | {"vs_raw": vs_raw, "vs_hf": vs_hf}
+
+
+def main(argv=None) -> None:
+    args = _parse(argv)
+    from streamrl.rollout.backends import resolve_device
+
+    if resolve_device(args.device) == "cpu":  # no compile on the first logprobs request (FINDINGS); the children too
+        os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
+    if args.only:
+        family, _, model = args.only.partition(":")
+        device = resolve_device(args.device)
+        cfg = _config(args, model, device, family)
+        lines = asyncio.run(_measure(family, cfg, model, device, args.groups, args.rounds))
+        print(RESULT + json.dumps(lines), flush=True)
+        return
     with tempfile.TemporaryDirectory() as tmp:
-        model = args.model or str(make_tiny_model(os.path.join(tmp, "model"), seed=0, **SHAPES[args.size]))
-        shape = dict(
-            model=args.model or f"random-qwen2-{args.size}",
-            prompts=args.prompts,
-            group_size=args.group_size,
-            max_tokens=args.max_tokens,
-            min_tokens=args.min_tokens,
-            dtype=args.dtype,
-            repeats=args.repeats,
-        )
-        ratios = []
-        for round_ in range(args.rounds):
-            results = {}
-            for backend in ("hf", "vllm"):
-                results[backend] = _child(backend, model, args)
-                print(
-                    json.dumps(
-                        {
-                            "figure": "rollout_tokens_per_s",
-                            "backend": backend,
-                            "round": round_,
-                            **shape,
-                            **results[backend],
-                        }
-                    ),
-                    flush=True,
-                )
-            ratios.append({k: results["vllm"][k] / results["hf"][k] for k in ("tokens_per_s", "tokens_per_cpu_s")})
-    figures = {
-        "tokens_per_s": "rollout_speedup_vllm_over_hf",
-        "tokens_per_cpu_s": "rollout_cpu_efficiency_vllm_over_hf",
-    }
-    for key, name in figures.items():
-        per_round = [r[key] for r in ratios]
-        print(
-            json.dumps(
-                {
-                    "figure": name,
-                    "ratio": round(statistics.median(per_round), 2),
-                    "ratio_per_round": [round(r, 2) for r in per_round],
-                    "goal": 3.0,
-                    **shape,
-                }
-            )
-        )
+        for shape in args.shape or [""]:
+            model = _model(shape, tmp) if shape else _config_model(args)
+            lines = []
+            for family in args.engines:
+                groups = args.hf_groups if family == "hf" and args.hf_groups else args.groups
+                lines += _child(args, family, model, groups)
+            figure = _figure(shape or "config", lines) | {"settings": args.config or "demo", "sets": args.set}
+            print(json.dumps(figure), flush=True)
+            if args.out:
+                with open(args.out, "a") as f:
+                    f.write(json.dumps(figure) + "\n")
+            if shape:
+                import shutil
+
+                shutil.rmtree(model, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,11 @@ to their share. The formulas are first-order and were checked against measured p
   batch padded to `MAX_BATCH` rows of the prompt width plus `rollout.max_tokens`) + the logits
   `generate` keeps (fp32, one row per token, twice: kept, then stacked; 46 GiB for a 152k vocabulary at
   160 new tokens) + 1 GiB of context and graphs.
-- vLLM node: `rollout.gpu_memory_utilization` of the GPU (what vLLM reserves), or `rollout.gpu_memory_gib`.
+- vLLM node: the weights, one staged version, a KV cache for every sequence it may run at its longest, one
+  step's activations and logits, and 2 GiB for the context, CUDA graphs and vLLM's workspace (`vllm_node`);
+  the node hands vLLM that KV size and that share, so vLLM never sizes itself from what another process
+  on the GPU left free. `rollout.gpu_memory_utilization` > 0 lets vLLM size itself instead (that fraction of
+  the GPU); `rollout.gpu_memory_gib` sets the share, the KV cache being what the rest leaves.
 """
 
 from __future__ import annotations
@@ -24,12 +28,17 @@ from __future__ import annotations
 import dataclasses
 
 from streamrl.engine.config import Config
+from streamrl.engine.config.rules import longest_sample
+from streamrl.engine.placement import HF_GPU_ROWS, node_groups
 
 GIB = 1 << 30
 CONTEXT_GIB = 1.0  # a CUDA context, the allocator's slack, compiled graphs
 HEAD_CHUNK = 8192  # tokens of the LM head's fp32 working chunk (learner/logprobs.py)
-MAX_BATCH = 256  # the hf backend's rows per batch on CUDA (rollout/backends/hf.py)
+MAX_BATCH = HF_GPU_ROWS  # the hf backend's rows per batch on CUDA (rollout/backends/hf.py)
 WIDTH_STEP = 64  # its prompt widths are padded to a multiple of this
+VLLM_BLOCK = 16  # vLLM's KV cache block, tokens
+VLLM_BATCH_TOKENS = 16384  # a vLLM node's max_num_batched_tokens on a GPU (vLLM's own default on an H100/H200)
+VLLM_FIXED_GIB = 2.0  # CUDA context, the graphs captured for every batch size, vLLM's workspace
 
 
 @dataclasses.dataclass
@@ -140,14 +149,49 @@ def adapter_params(cfg: Config, shape: Shape) -> int:
     return cfg.lora.rank * shape.layers * (8 * h + 2 * kv + 3 * i)
 
 
+def vllm_sequences(cfg: Config) -> int:
+    """The sequences a vLLM node on a GPU runs at once (its `max_num_seqs`): every group it may hold."""
+    return node_groups(cfg, "cuda") * cfg.rollout.group_size
+
+
+def vllm_kv_bytes(cfg: Config, shape: Shape) -> int:
+    """A KV cache that holds `vllm_sequences` sequences at their longest (whole blocks, plus one block each
+    for the block a sequence is growing into), so the engine never preempts one for room."""
+    longest, _ = longest_sample(cfg)
+    tokens = (-(-(longest + 1) // VLLM_BLOCK) + 1) * VLLM_BLOCK
+    nbytes = 4 if cfg.model.dtype == "float32" else 2
+    return vllm_sequences(cfg) * tokens * 2 * shape.layers * shape.kv_width * nbytes
+
+
+def vllm_node(cfg: Config, shape: Shape) -> Estimate:
+    """A vLLM node's GPU memory when streamrl sizes it (rollout.gpu_memory_utilization = 0): the weights, one
+    staged version, the KV cache of `vllm_kv_bytes`, the activations and sampler of one step of
+    `VLLM_BATCH_TOKENS` tokens and `vllm_sequences` rows of logits, and a fixed part for the CUDA context,
+    CUDA graphs and vLLM's workspace. The KV cache is what the node passes vLLM as `kv_cache_memory_bytes`."""
+    nbytes = 4 if cfg.model.dtype == "float32" else 2
+    seqs = vllm_sequences(cfg)
+    per_token = 2 * (4 * shape.hidden + 2 * shape.intermediate)  # bytes of a layer's live activations a token
+    return Estimate(
+        {
+            "weights": shape.params * nbytes / GIB,
+            "staging copy": (adapter_params(cfg, shape) if cfg.lora.enabled else shape.params) * nbytes / GIB,
+            f"KV cache ({seqs} sequences)": vllm_kv_bytes(cfg, shape) / GIB,
+            "activations and sampler": (VLLM_BATCH_TOKENS * per_token + 4 * seqs * shape.vocab * 4) / GIB,
+            "CUDA context, graphs, vLLM workspace": VLLM_FIXED_GIB,
+        }
+    )
+
+
 def node(cfg: Config, shape: Shape, device_gib: float) -> Estimate:
-    """What one node takes of a GPU of `device_gib`: `rollout.gpu_memory_gib` when set, else vLLM's
-    reservation or the hf estimate."""
+    """What one node takes of a GPU of `device_gib`: `rollout.gpu_memory_gib` when set, else vLLM's own
+    reservation (`rollout.gpu_memory_utilization` > 0), else the estimate of its backend."""
     if cfg.rollout.gpu_memory_gib > 0:
         return Estimate({"rollout.gpu_memory_gib": cfg.rollout.gpu_memory_gib})
     if cfg.rollout.backend == "vllm":
         share = cfg.rollout.gpu_memory_utilization
-        return Estimate({f"rollout.gpu_memory_utilization = {share:g} of the GPU": share * device_gib})
+        if share > 0:
+            return Estimate({f"rollout.gpu_memory_utilization = {share:g} of the GPU": share * device_gib})
+        return vllm_node(cfg, shape)
     return hf_node(cfg, shape)
 
 

@@ -238,6 +238,7 @@ SHAPES: dict[str, dict] = {
     "medium": _qwen2_body(512, 1536, 8, 8, 2, 64),
     "medium-kv4": _qwen2_body(512, 1536, 8, 8, 4, 64),
     "0.5b": _qwen2_body(896, 4864, 24, 14, 2, 64),  # Qwen2-0.5B's layers (its own vocabulary is 151936)
+    "1.5b": _qwen2_body(1536, 8960, 28, 12, 2, 128),  # Qwen2.5-1.5B's layers (its own vocabulary is 151936)
     "7b": _qwen2_body(3584, 18944, 28, 28, 4, 128, tie_word_embeddings=False),  # Qwen2-7B's (vocabulary 152064)
 }
 

@@ -5,6 +5,7 @@
 placement cannot be honoured: more ranks than GPUs, a GPU given twice, a GPU this host does not
 have, nodes left without a GPU. Empty lists mean automatic: the learner takes the first
 `learner.ranks` GPUs and nodes take the rest, round robin. `streamrl run` prints the plan at start.
+`node_groups` is how many groups each node runs at once there.
 """
 
 from __future__ import annotations
@@ -78,3 +79,29 @@ def visible_gpus() -> int:
     import torch
 
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+HF_GPU_ROWS = 256  # the hf backend's static cache is fastest at this many rows on CUDA (engine/memory.MAX_BATCH)
+CPU_GROUPS = 8
+
+
+def admitted_groups(cfg: Config) -> int:
+    """The most groups the ledger lets every node together hold at once (its admission capacity)."""
+    if cfg.run.mode == "sync":
+        return cfg.learner.groups_per_step
+    return (cfg.ledger.staleness_bound + 1) * cfg.learner.groups_per_step
+
+
+def node_groups(cfg: Config, device: str) -> int:
+    """Groups one node generates at once: `rollout.max_concurrent_groups`, or with 0 the engine's choice.
+
+    On a GPU vLLM batches continuously, so it takes every group the credits admit (more running sequences,
+    more tokens a step; its KV cache is sized for them); the hf backend fills its static cache's rows. On
+    CPU 8, where a bigger batch only slows each token."""
+    if cfg.rollout.max_concurrent_groups:
+        return cfg.rollout.max_concurrent_groups
+    if not device.startswith("cuda"):
+        return CPU_GROUPS
+    if cfg.rollout.backend == "vllm":
+        return admitted_groups(cfg)
+    return max(1, HF_GPU_ROWS // cfg.rollout.group_size)

@@ -7,6 +7,8 @@ in the run": a node joins by registering; it leaves (`leave`, after its Goodbye)
 (`evict`, for the publisher's report of a failed transfer) or is lost (`lost`, reaped by the ledger)
 only through the registry, which tells it `Stop` where it can and writes each change to the run's
 events (`RUN/events.jsonl`, the live view's roster). Others ask it: `count`, `nodes`, `take_events`.
+What another part keeps per node hangs on the node's entry (`attach`: the publisher's weights link) and
+is closed by the registry when the node leaves, however it leaves: no second roster to keep in step.
 
 It is also the one owner of who a node is (`identity`): a node id is bound to the CURVE key that
 first registered it (for the whole run: a different key cannot take the id over, even after the
@@ -27,6 +29,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
+from typing import Protocol
 
 from streamrl.engine.auth import Identity, new_secret
 from streamrl.engine.control import ControlServer
@@ -52,6 +55,13 @@ class NodeInfo:
     swap_s: float = 0.0
     peak_gib: float = 0.0  # its peak CUDA memory, as it reported
     where: Location | None = None  # machine and device, as it registered: picks its weights' path
+    link: Link | None = None  # its weights' link (the publisher's), closed when the node leaves the run
+
+
+class Link(Protocol):
+    """What another part keeps for one node (the publisher's `_Link`): closed when the node leaves."""
+
+    def close(self) -> None: ...
 
 
 class NodeRegistry(threading.Thread):
@@ -145,7 +155,10 @@ class NodeRegistry(threading.Thread):
         with self.lock:
             self.identities[msg.node_id] = identity
             where = Location(host=msg.host, boot_id=msg.boot_id, device=msg.device, gpu_uuid=msg.gpu_uuid)
+            before = self.nodes.get(msg.node_id)  # a node back under its id: its old process's link ends
             self.nodes[msg.node_id] = NodeInfo(peer, msg.host, now, now, key, where=where)
+        if before is not None and before.link is not None:
+            before.link.close()
         welcome = self.welcome(msg.node_id)
         welcome.secret = identity.secret
         self.server.send(peer, welcome)
@@ -211,6 +224,31 @@ class NodeRegistry(threading.Thread):
 
     # ---- membership: the one place nodes leave the run ------------------------------------------
 
+    def attach(self, node_id: str, link: Link) -> None:
+        """Keep `link` with the node until it leaves the run (then it is closed); closed at once when the
+        node is no longer in the run, and a link it had before is closed."""
+        with self.lock:
+            info = self.nodes.get(node_id)
+            before = info.link if info is not None else link
+            if info is not None:
+                info.link = link
+        if before is not None:
+            before.close()
+
+    def links(self) -> dict[str, Link]:
+        """The links of the nodes in the run now (a copy: the caller may iterate while nodes leave)."""
+        with self.lock:
+            return {node_id: info.link for node_id, info in self.nodes.items() if info.link is not None}
+
+    def _detach(self, node_id: str) -> None:
+        with self.lock:
+            info = self.nodes.get(node_id)
+            link = info.link if info is not None else None
+            if info is not None:
+                info.link = None
+        if link is not None:
+            link.close()
+
     @property
     def count(self) -> int:
         """Nodes in the run now."""
@@ -224,6 +262,7 @@ class NodeRegistry(threading.Thread):
     def evict(self, node_id: str, why: str) -> None:
         """The node cannot take the run's weights (the publisher reported why): told `Stop`, then out."""
         log.error("evicted node %s: %s", node_id, why)
+        self._detach(node_id)  # its link ends now, not when the Stop is out
         self.evicted += 1
         self.send(node_id, Stop(reason=f"evicted: {why}"), then_forget=True)
         self._record("node_evicted", node_id, why=why)
@@ -232,6 +271,7 @@ class NodeRegistry(threading.Thread):
         """The ledger reaped the node (no heartbeat): a frozen node that wakes up is told to stop, so it
         leaves instead of generating for a run that sends it no weights; a dead one is just out."""
         if node_id in self.nodes:
+            self._detach(node_id)
             self.send(node_id, Stop(reason=why), then_forget=True)
         else:
             self.forget(node_id)
@@ -247,12 +287,17 @@ class NodeRegistry(threading.Thread):
             self.run_events.emit(event, node=node_id, **fields)
 
     def forget(self, node_id: str) -> None:
+        self._detach(node_id)
         with self.lock:
             info = self.nodes.pop(node_id, None)
             if info is not None:
                 self.departed[node_id] = (info.peer, info.key)
 
     def close(self) -> None:
+        """Stop the control thread and close the socket and every node's link."""
         self.stopping.set()
-        self.join(timeout=5.0)
+        if self.is_alive():
+            self.join(timeout=5.0)
+        for node_id in list(self.nodes):
+            self._detach(node_id)
         self.server.close()

@@ -217,7 +217,6 @@ class Orchestrator:
                 self.publisher.add(node_id, self.registry.location(node_id))
                 log.info("node %s joined (%d nodes)", node_id, self.registry.count)
             else:
-                self.publisher.remove(node_id)
                 self.registry.leave(node_id)
         for node_id, why in self.publisher.poll():  # a failed transfer, or a version never confirmed live
             self.registry.evict(node_id, why)
@@ -232,7 +231,6 @@ class Orchestrator:
                     self.cfg.ledger.on_node_lost,
                 )
                 ttl = self.cfg.ledger.heartbeat_ttl_s
-                self.publisher.remove(node_id)
                 self.registry.lost(node_id, f"lost: no heartbeat in the ledger for {ttl:g} s (ledger.heartbeat_ttl_s)")
 
     # ---- commit → push → report --------------------------------------------------------------
@@ -361,12 +359,10 @@ class Orchestrator:
                 self.intake.drain(0.05)
                 for kind, node_id in self.registry.take_events():
                     if kind == "left":
-                        self.publisher.remove(node_id)
                         self.registry.leave(node_id)
             if ledger_reachable:
                 self._settle_books(finished)
-            self.registry.close()
-            self.publisher.close()
+            self.registry.close()  # and every node's weights link
             self.intake.close()
             if self.gate is not None:
                 self.gate.close()

@@ -5,8 +5,10 @@ in the dtype the engines serve) into flat buckets of a staging set and returns. 
 (`_Link`) then pushes the newest published version to its node: layout over the control channel,
 the node posts its receives, the broadcast. A node that falls behind skips to the newest version;
 one whose transfer fails, or that does not confirm a version live within one deadline
-(`weights.timeout_s`) after its transfer, is reported by `poll` and dropped from the links; the
-orchestrator has the registry (the roster's one owner) evict it. The learner trains on.
+(`weights.timeout_s`) after its transfer, is reported by `poll`; the orchestrator has the registry
+(the roster's one owner) evict it. The learner trains on. The publisher keeps no list of nodes: each
+link hangs on its node's entry in the registry (`NodeRegistry.attach`), which closes it when the node
+leaves the run, however it leaves; `poll` and `states` read the links the registry hands them.
 Each node's path is picked when it joins, from where it runs (engine/weights/paths.py): a broadcast
 (NCCL, gloo), or, on the learner's own machine or GPU, the node's copy from the shared buffers.
 
@@ -95,6 +97,11 @@ class _Link(threading.Thread):
         self.error: WeightTransferError | None = None
         self.stopping = threading.Event()
 
+    def close(self) -> None:
+        """The node left the run (the registry calls this): the thread ends after its current transfer."""
+        self.stopping.set()
+        self.sender.close()
+
     def run(self) -> None:
         while not self.stopping.is_set():
             published = self.publisher.take_newer(self.state.sent, timeout_s=0.2)
@@ -128,7 +135,6 @@ class Publisher:
         self.cfg, self.registry, self.device, self.adapter = cfg, registry, device, adapter
         self.backend = resolve_backend(cfg.weights.backend, device)  # where the buffers are: nccl → the GPU
         self.here = here(str(device))
-        self.links: dict[str, _Link] = {}
         self._sets: list[_Set] = []
         self._latest: _Set | None = None
         self._plans: dict[tuple, list] = {}
@@ -207,31 +213,21 @@ class Publisher:
 
     def add(self, node_id: str, where: Location | None = None) -> None:
         """A node joined (or re-joined: a fresh weight group); it is sent the newest version at once, on
-        the path its location `where` gives (a collective when unknown)."""
-        self.remove(node_id)
+        the path its location `where` gives (a collective when unknown). Its link is the registry's to
+        keep and to close (a link of an earlier process of that node is closed by it)."""
         w = self.cfg.weights
         path = choose(self.here, where, w.backend) if where is not None else self.backend
         sender = new_sender(path, node_id, host=w.store_host, device=self.device, timeout_s=w.timeout_s)
         log.info("node %s: weights by %s", node_id, path)
-        link = self.links[node_id] = _Link(self, node_id, sender)
+        link = _Link(self, node_id, sender)
         link.start()
-
-    def remove(self, node_id: str) -> None:
-        link = self.links.pop(node_id, None)
-        if link is not None:
-            link.stopping.set()
-            link.sender.close()
+        self.registry.attach(node_id, link)
 
     def poll(self) -> list[tuple[str, str]]:
-        """Confirmations in, deadlines checked: the nodes that cannot take the weights, and why (their links
-        are closed; evicting them is the registry's)."""
-        now, failed = time.monotonic(), []
-        for node_id, link in list(self.links.items()):
-            why = self._check(link, now)
-            if why:
-                self.remove(node_id)
-                failed.append((node_id, why))
-        return failed
+        """Confirmations in, deadlines checked: the nodes that cannot take the weights, and why (evicting
+        them, which closes their links, is the registry's)."""
+        now = time.monotonic()
+        return [(node_id, why) for node_id, link in self._links().items() if (why := self._check(link, now))]
 
     def _check(self, link: _Link, now: float) -> str:
         while (applied := self.registry.take_applied(link.node_id)) is not None:
@@ -248,8 +244,8 @@ class Publisher:
         return ""
 
     def states(self) -> dict[str, NodeWeights]:
-        return {node_id: link.state for node_id, link in self.links.items()}
+        """Each node's weights, for the nodes in the run now."""
+        return {node_id: link.state for node_id, link in self._links().items()}
 
-    def close(self) -> None:
-        for node_id in list(self.links):
-            self.remove(node_id)
+    def _links(self) -> dict[str, _Link]:
+        return self.registry.links()  # the `_Link`s `add` attached

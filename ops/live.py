@@ -78,9 +78,10 @@ def _figures(records: list[dict[str, Any]]) -> list[tuple[str, str]]:
 
 
 def plain_console() -> Console:
-    """The console: a terminal's own width; without one (a log, a pipe, CI), wide enough that no line is
-    wrapped at rich's default 80 columns (COLUMNS, when set, still wins)."""
-    console = Console()
-    if console.is_terminal or "COLUMNS" in os.environ:
-        return console
-    return Console(width=NO_TERMINAL_WIDTH)
+    """The console of `streamrl run` and `doctor`: a terminal's own width (asked of the terminal); without
+    one (a log, a pipe, CI), NO_TERMINAL_WIDTH. COLUMNS is ignored (rich would take it for the width): a
+    log must read the same on a machine that exports it and on one that does not. Text is never wrapped
+    (soft wrap): a one-line error stays one line in a log, however long its paths; tables fit the width."""
+    environ = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}
+    terminal = Console(_environ=environ).is_terminal
+    return Console(width=None if terminal else NO_TERMINAL_WIDTH, soft_wrap=True, _environ=environ)

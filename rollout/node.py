@@ -1,8 +1,8 @@
 """The rollout node loop: prompt -> credit -> generate a group -> score -> send each trajectory.
 
-Up to `rollout.max_concurrent_groups` groups are in flight at once (asyncio tasks); the engine
-batches them. Seams the end-to-end wiring fills: `credits` (admission; unlimited by default),
-`apply_weights` (a new policy between or during generation), and `stop` (finish in-flight groups
+Up to `rollout.max_concurrent_groups` groups (engine.config.rules.node_groups) are in flight at once
+(asyncio tasks); the engine batches them. Seams the end-to-end wiring fills: `credits` (admission;
+unlimited by default), `apply_weights` (a new policy between or during generation), and `stop` (finish in-flight groups
 within a grace period, abandon the rest and report them). Completions are decoded only for the
 rewards; trajectories carry token ids.
 
@@ -30,6 +30,7 @@ from typing import Protocol
 from streamrl.engine.config import Config
 from streamrl.engine.ledger import sample_ids as ledger_sample_ids
 from streamrl.engine.messages import Timings, Trajectory, WeightsReady
+from streamrl.engine.placement import node_groups
 from streamrl.engine.telemetry import EventLog
 from streamrl.rollout.backends.protocol import Completion, GenerationBackend
 from streamrl.rollout.envs.episode import Episode, build_runner
@@ -100,9 +101,12 @@ class RolloutNode:
         tokenizer,
         credits: Credits | None = None,
         events: EventLog | None = None,
+        device: str = "cpu",
     ):
-        """events: where the live view learns of each version going live (`RUN/events.jsonl`)."""
+        """events: where the live view learns of each version going live (`RUN/events.jsonl`); device: the
+        engine's, which sets how many groups run at once when the config leaves it to the engine."""
         self.cfg, self.node_id, self.engine, self.events = cfg, node_id, engine, events
+        self.concurrency = node_groups(cfg, device)
         self.source, self.scorer, self.sink, self.tokenizer = source, scorer, sink, tokenizer
         self.credits = credits or UnlimitedCredits()
         self.stats = NodeStats()
@@ -125,7 +129,7 @@ class RolloutNode:
     async def run(self, max_groups: int | None = None, grace_s: float = 30.0) -> NodeStats:
         """Generate until the source ends, `max_groups` groups started, `stop()` or a fatal send error."""
         self._stopping = asyncio.Event()
-        limit = asyncio.Semaphore(self.cfg.rollout.max_concurrent_groups)
+        limit = asyncio.Semaphore(self.concurrency)
         prompts = iter(self.source)
         try:
             while max_groups is None or self.stats.groups_started < max_groups:

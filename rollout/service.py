@@ -314,7 +314,7 @@ async def _session(
                 sink = LedgerSink(ledger, tx, t.send_timeout_s)
                 credits = LedgerCredits(ledger, node_id, version_of=lambda: engine.policy_version)
                 scorer, tokenizer = inputs.scorer, inputs.tokenizer
-                node = RolloutNode(cfg, node_id, engine, prompts, scorer, sink, tokenizer, credits, events)
+                node = RolloutNode(cfg, node_id, engine, prompts, scorer, sink, tokenizer, credits, events, device)
                 control = ControlLoop(client, node, asyncio.get_running_loop(), beat, sink)
                 signalled.attach(node, control, sink)
                 await _generate(cfg, client, ledger, node, welcome, control, signalled, max_groups)

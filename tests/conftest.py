@@ -376,7 +376,7 @@ def pytest_terminal_summary(terminalreporter):
 @pytest.fixture
 def hf_nodes(tmp_path):
     """`start(node_id, model, device)`: an `hf` node process (tests/integration/hf_node_worker.py, whose
-    `Nodes` and `wait_for` are `start.harness`), killed after the test."""
+    `FakeRegistry` and `wait_for` are `start.harness`), killed after the test."""
     import importlib.util
 
     path = pathlib.Path(__file__).parent / "integration" / "hf_node_worker.py"

@@ -29,7 +29,11 @@ class DataConfig(_Section):
 
 class RolloutConfig(_Section):
     backend: Annotated[
-        Literal["vllm", "hf"], _doc("Generation engine: vllm, or hf (transformers generate) where vLLM is absent.")
+        Literal["vllm", "hf", "auto"],
+        _doc(
+            "Generation engine: vllm, hf (transformers generate), or auto: vllm where it is installed on the "
+            "host that reads the config, else hf (resolved when the config is built)."
+        ),
     ] = "vllm"
     group_size: Annotated[
         int, _doc("Completions sampled per prompt; one group for advantage estimation.", ge=1, le=1024)
@@ -40,11 +44,28 @@ class RolloutConfig(_Section):
     ] = 1.0
     top_p: Annotated[float, _doc("Nucleus sampling mass; 1.0 keeps the full distribution.", gt=0.0, le=1.0)] = 1.0
     top_k: Annotated[int, _doc("Sample among the k likeliest tokens; 0 disables.", ge=0)] = 0
-    max_concurrent_groups: Annotated[int, _doc("Groups one node generates at once (bounded by credits too).", ge=1)] = 8
+    max_concurrent_groups: Annotated[
+        int,
+        _doc(
+            "Groups one node generates at once (bounded by credits too); 0: the engine's choice "
+            "(engine/placement.node_groups: 8 on CPU; on a GPU, every group the credits admit for vLLM, "
+            "256 rows for hf's static cache).",
+            ge=0,
+        ),
+    ] = 0
     kv_cache_gib: Annotated[
         float, _doc("KV cache size per vLLM engine in GiB (explicit: the CPU default reserves ~9 GiB).", gt=0.0)
     ] = 0.25
-    gpu_memory_utilization: Annotated[float, _doc("vLLM's GPU memory share (CUDA only).", gt=0.0, le=1.0)] = 0.5
+    gpu_memory_utilization: Annotated[
+        float,
+        _doc(
+            "vLLM's GPU memory share as a fraction of the GPU, vLLM sizing its KV cache from what is free then "
+            "(CUDA only); 0: streamrl sizes it (engine/memory.vllm_node: a KV cache for every sequence the "
+            "node may run, at its longest).",
+            ge=0.0,
+            le=1.0,
+        ),
+    ] = 0.0
     gpu_memory_gib: Annotated[
         float,
         _doc(
@@ -54,7 +75,13 @@ class RolloutConfig(_Section):
             ge=0.0,
         ),
     ] = 0.0
-    enforce_eager: Annotated[bool, _doc("Skip CUDA graphs / compilation in vLLM (fast start).")] = True
+    enforce_eager: Annotated[
+        bool | Literal["auto"],
+        _doc(
+            "Skip vLLM's CUDA graphs and compilation (fast start, slow decode); auto: eager on CPU, graphs "
+            "and compilation on a GPU (a small model's eager decode is bound by kernel launches)."
+        ),
+    ] = "auto"
     gpus: Annotated[
         list[int],
         _doc("GPUs the rollout nodes of `streamrl run` take, round robin; empty: those the learner leaves free."),

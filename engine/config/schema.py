@@ -330,9 +330,19 @@ def build(data: dict[str, Any], overrides: list[str] = ()) -> Config:
         if cfg.loss.preset:
             data = presets.apply(data, cfg)
             cfg = msgspec.convert(data, Config)
-        return cfg
+        return _resolve_backend(cfg)
     except msgspec.ValidationError as e:
         raise ConfigError(_describe(e, data)) from None
+
+
+def _resolve_backend(cfg: Config) -> Config:
+    """`rollout.backend = "auto"`: vllm where this host has it installed (found without importing it), else hf."""
+    if cfg.rollout.backend != "auto":
+        return cfg
+    import importlib.util
+
+    backend = "vllm" if importlib.util.find_spec("vllm") is not None else "hf"
+    return msgspec.structs.replace(cfg, rollout=msgspec.structs.replace(cfg.rollout, backend=backend))
 
 
 def load(path: str | pathlib.Path | None = None, overrides: list[str] = ()) -> Config:

@@ -143,17 +143,22 @@ class WeightSender:
 
     def send(
         self,
-        state: Mapping[str, torch.Tensor] | PackedBuckets,
+        packed: PackedBuckets | Mapping[str, torch.Tensor],
         ready: WeightsReady,
-        on_bucket: Callable[[str, int], None] | None = None,
         packed_event: torch.cuda.Event | None = None,
+        *,
+        on_bucket: Callable[[str, int], None] | None = None,
     ) -> float:
         """Join (or reuse) the group, wait for the node to post its receives, broadcast every bucket;
-        the seconds it took. One deadline (`timeout_s` from the call) covers it all.
+        the seconds it took. One deadline (`timeout_s` from the call) covers it all. The call of every
+        sender (staging.Sender); `packed` may also be a state dict, packed here into `ready.buckets`.
 
         `packed_event`: a CUDA event recorded after the buckets were packed; the broadcast runs on a
-        stream of its own that waits for it, so it never waits for the training that follows."""
-        packed = state if isinstance(state, PackedBuckets) else PackedBuckets(ready.buckets, state, self.buffer_device)
+        stream of its own that waits for it, so it never waits for the training that follows.
+        `on_bucket(node_id, index)`: called as bucket `index` is handed to the broadcast, before its bytes
+        go (a test's hook: a node killed there is killed mid-transfer, with its receives posted)."""
+        if not isinstance(packed, PackedBuckets):
+            packed = PackedBuckets(ready.buckets, packed, self.buffer_device)
         start = time.perf_counter()
         deadline, phase = time.monotonic() + self.timeout_s, "rendezvous"
         try:
@@ -166,28 +171,34 @@ class WeightSender:
             phase = "receive posted"
             wait_key(self._prefixed, _posted_key(ready.version), deadline)
             phase = "transfer"
-            works = self._broadcast(packed, packed_event)
+            works = self._broadcast(packed, packed_event, on_bucket)
             for index, work in enumerate(works):
                 phase = f"bucket {index + 1}/{len(works)}"
                 wait_done([work], deadline)
-                if on_bucket is not None:
-                    on_bucket(self.node_id, index)
         except Exception as e:
             self.mark_broken()
             raise WeightTransferError(self.node_id, phase, f"{type(e).__name__}: {e}") from e
         return time.perf_counter() - start
 
-    def _broadcast(self, packed: PackedBuckets, packed_event) -> list[dist.Work]:
+    def _broadcast(self, packed: PackedBuckets, packed_event, on_bucket) -> list[dist.Work]:
         # every bucket is queued before any wait: a CPU wait per bucket costs ~0.3 ms of NCCL polling
         # each (measured: 7B in 256 MB buckets took 1.65x raw that way)
+        def queue_all() -> list[dist.Work]:
+            works = []
+            for i in range(len(packed)):
+                if on_bucket is not None:
+                    on_bucket(self.node_id, i)
+                works.append(broadcast_async(self._group, packed.get(i), self.timeout_s))
+            return works
+
         if self.backend != "nccl":
-            return [broadcast_async(self._group, packed.get(i), self.timeout_s) for i in range(len(packed))]
+            return queue_all()
         if self._stream is None:
             self._stream = torch.cuda.Stream(self.device)
         with torch.cuda.stream(self._stream):
             if packed_event is not None:
                 self._stream.wait_event(packed_event)
-            return [broadcast_async(self._group, packed.get(i), self.timeout_s) for i in range(len(packed))]
+            return queue_all()
 
     def close(self) -> None:
         self._group = None

@@ -24,6 +24,7 @@ import secrets
 import threading
 import time
 import weakref
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -147,10 +148,22 @@ class IpcSender:
         self._event.record(self._stream)
         return self._event.ipc_handle()
 
-    def send(self, packed: PackedBuckets, ready: WeightsReady, packed_event=None) -> float:
+    def send(
+        self,
+        packed: PackedBuckets,
+        ready: WeightsReady,
+        packed_event: torch.cuda.Event | None = None,
+        *,
+        on_bucket: Callable[[str, int], None] | None = None,
+    ) -> float:
         """Wait until every receiver confirmed its copy of `ready`'s version (one deadline, `timeout_s`);
-        the seconds it took. Nothing is sent from here: the node reads the shared buffers itself."""
+        the seconds it took. Nothing is sent from here: the node reads the shared buffers itself. The call
+        of every sender (staging.Sender); `packed_event` was used by `prepare`. `on_bucket(node_id, index)`
+        (a test's hook) is called as each bucket is handed to the node: all of them at once, before the
+        wait (they were shared when prepared; the node copies them as soon as it has the `WeightsReady`)."""
         start, deadline = time.perf_counter(), time.monotonic() + self.timeout_s
+        for index in range(len(packed)) if on_bucket is not None else ():
+            on_bucket(self.node_id, index)
         for rank in range(1, 1 + self.receivers):
             outcome = self._outcome(_copied_key(ready, rank), deadline)
             if outcome != COPIED:

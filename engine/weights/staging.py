@@ -2,7 +2,7 @@
 
 A sender (`collective.WeightSender` or `ipc.IpcSender`) answers the same three calls: `prepare(version,
 packed, packed_event)` gives the node's `WeightsReady`; once the node has it, `send(packed, ready,
-packed_event)` returns when the node holds the version (its broadcast ended, or it confirmed its copy
+packed_event, on_bucket=...)` returns when the node holds the version (its broadcast ended, or it confirmed its copy
 from the shared buffers), within one deadline; `close()`. The node's `Stager` receives whichever path
 `ready.backend` names into staging buffers while its engine keeps generating.
 """
@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
@@ -37,7 +38,12 @@ class Sender(Protocol):
     ) -> WeightsReady: ...
 
     def send(
-        self, packed: PackedBuckets, ready: WeightsReady, packed_event: torch.cuda.Event | None = None
+        self,
+        packed: PackedBuckets,
+        ready: WeightsReady,
+        packed_event: torch.cuda.Event | None = None,
+        *,
+        on_bucket: Callable[[str, int], None] | None = None,
     ) -> float: ...
 
     def close(self) -> None: ...

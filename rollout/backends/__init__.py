@@ -25,7 +25,7 @@ def build_backend(cfg: Config, device: str = "cpu") -> GenerationBackend:
 
         return SimBackend(cfg, device)
     if cfg.rollout.backend == "vllm":
-        from streamrl.rollout.backends.vllm import VLLMBackend
+        from streamrl.rollout.backends.vllm import VLLMBackend, sizing
 
         return VLLMBackend(
             model_path,
@@ -35,6 +35,7 @@ def build_backend(cfg: Config, device: str = "cpu") -> GenerationBackend:
             device=device,
             lora=cfg.lora,
             max_staleness=cfg.ledger.max_staleness,
+            size=sizing(cfg, device, model_path),
         )
     from streamrl.rollout.backends.hf import HFBackend
 

@@ -19,14 +19,16 @@ dropped once a newer one is live. Version 0 is the base model (PEFT starts B at 
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import itertools
 import logging
 import uuid
 
-from streamrl.engine.config import LoraConfig, ModelConfig, RolloutConfig
+from streamrl.engine.config import Config, LoraConfig, ModelConfig, RolloutConfig
 from streamrl.engine.lora import engine_rank
 from streamrl.engine.messages import WeightsReady
+from streamrl.engine.placement import node_groups
 from streamrl.engine.workers.lifeline import children_die_with_me
 from streamrl.rollout.backends.protocol import BackendClock, Completion, LiveVersion
 from streamrl.rollout.backends.vllm_support import check_servable
@@ -37,6 +39,44 @@ WORKER_EXTENSION = "streamrl.rollout.backends.vllm_worker.WeightReceiverExtensio
 
 
 LOGPROBS_MODE = "processed_logprobs"  # of the distribution sampled from, whatever the sampling settings
+MAX_GRAPH_BATCH = 1024  # the largest decode batch captured as a CUDA graph
+
+
+@dataclasses.dataclass(frozen=True)
+class Sizing:
+    """How big the engine is; zeros leave vLLM's defaults (a backend built without a run's config: tests)."""
+
+    max_seqs: int = 0  # sequences running at once: every group the node may hold (max_num_seqs)
+    batch_tokens: int = 0  # tokens of one engine step (max_num_batched_tokens)
+    kv_bytes: int = 0  # GPU: the KV cache (kv_cache_memory_bytes); 0: vLLM sizes it from its share
+    share_gib: float = 0.0  # GPU: what the node may take of the device (vLLM checks it is free at start)
+
+
+def sizing(cfg: Config, device: str, model_path: str) -> Sizing:
+    """The engine's size from the run's config (engine/memory.py): as many sequences as the node runs groups
+    (rules.node_groups); on a GPU a KV cache that holds them all at their longest and the share preflight
+    planned, unless `rollout.gpu_memory_utilization` lets vLLM size itself."""
+    from streamrl.engine import memory
+
+    seqs = node_groups(cfg, device) * cfg.rollout.group_size
+    if not device.startswith("cuda"):
+        return Sizing(max_seqs=seqs)
+    batch_tokens = max(memory.VLLM_BATCH_TOKENS, cfg.model.max_model_len)
+    if cfg.rollout.gpu_memory_utilization > 0:
+        return Sizing(max_seqs=seqs, batch_tokens=batch_tokens)
+    from transformers import AutoConfig
+
+    shape = memory.shape_of(AutoConfig.from_pretrained(model_path, trust_remote_code=cfg.model.trust_remote_code))
+    estimate, kv = memory.vllm_node(cfg, shape), memory.vllm_kv_bytes(cfg, shape)
+    share = cfg.rollout.gpu_memory_gib or estimate.gib
+    if cfg.rollout.gpu_memory_gib:  # a share given: the KV cache is what the rest leaves of it
+        kv = int((share - (estimate.gib - kv / memory.GIB)) * memory.GIB)
+        if kv <= 0:
+            raise ValueError(
+                f"rollout.gpu_memory_gib = {share:g} leaves no room for a KV cache: the node needs "
+                f"{estimate.gib - kv / memory.GIB:.1f} GiB besides it ({estimate}); raise it or set it to 0"
+            )
+    return Sizing(max_seqs=seqs, batch_tokens=batch_tokens, kv_bytes=kv, share_gib=share)
 
 
 def engine_args(
@@ -47,24 +87,37 @@ def engine_args(
     device: str,
     lora: LoraConfig | None = None,
     max_staleness: int = 1,
+    size: Sizing = Sizing(),
 ):
     """lora: LoRA slots for max_staleness + 2 versions (every version a sample in flight may still use, and
-    the newest arriving while the oldest finishes), at vLLM's smallest slot rank that holds lora.rank."""
+    the newest arriving while the oldest finishes), at vLLM's smallest slot rank that holds lora.rank.
+
+    On a GPU (eager off) CUDA graphs are captured up to the largest batch the node runs, so no decode step
+    runs without one (vLLM's default stops at 512)."""
     from vllm.engine.arg_utils import AsyncEngineArgs
 
     extra = {}
     if lora is not None and lora.enabled:
         slots = max_staleness + 2
         extra.update(enable_lora=True, max_loras=slots, max_cpu_loras=slots, max_lora_rank=engine_rank(lora.rank))
+    if size.max_seqs:
+        extra["max_num_seqs"] = size.max_seqs
+    if size.batch_tokens:
+        extra["max_num_batched_tokens"] = size.batch_tokens
+    eager = eager_on(rollout, device)
     if device == "cpu":
         extra["kv_cache_memory_bytes"] = int(rollout.kv_cache_gib * (1 << 30))
     else:
-        extra["gpu_memory_utilization"] = rollout.gpu_memory_utilization
-        if rollout.gpu_memory_gib > 0:  # its share in GiB, as vLLM takes it: a fraction of the whole GPU
-            import torch
+        import torch
 
-            total = torch.cuda.get_device_properties(torch.device(device)).total_memory
-            extra["gpu_memory_utilization"] = min(1.0, rollout.gpu_memory_gib * 2**30 / total)
+        total = torch.cuda.get_device_properties(torch.device(device)).total_memory
+        extra["gpu_memory_utilization"] = rollout.gpu_memory_utilization or 0.9
+        if size.share_gib > 0:  # its share in GiB, as vLLM takes it: a fraction of the whole GPU
+            extra["gpu_memory_utilization"] = min(1.0, size.share_gib * 2**30 / total)
+        if size.kv_bytes > 0:
+            extra["kv_cache_memory_bytes"] = size.kv_bytes
+        if not eager and size.max_seqs:
+            extra["compilation_config"] = {"max_cudagraph_capture_size": min(size.max_seqs, MAX_GRAPH_BATCH)}
     if importlib.util.find_spec("streamrl.rollout.backends.vllm_worker") is not None:
         extra["worker_extension_cls"] = WORKER_EXTENSION
     return AsyncEngineArgs(
@@ -72,12 +125,19 @@ def engine_args(
         dtype=model.dtype,
         max_model_len=model.max_model_len,
         seed=seed,
-        enforce_eager=rollout.enforce_eager,
+        enforce_eager=eager,
         trust_remote_code=model.trust_remote_code,
         logprobs_mode=LOGPROBS_MODE,
         disable_log_stats=True,
         **extra,
     )
+
+
+def eager_on(rollout: RolloutConfig, device: str) -> bool:
+    """`rollout.enforce_eager`, with auto: eager on CPU (fast start), CUDA graphs on a GPU."""
+    if rollout.enforce_eager == "auto":
+        return not device.startswith("cuda")
+    return rollout.enforce_eager
 
 
 class _Collector:
@@ -90,15 +150,22 @@ class _Collector:
         self.finish_reason = ""
 
     def add(self, output, version: int) -> None:
-        """`version`: the engine's when the delta arrived (full weights), or the request's adapter's (LoRA)."""
+        """`version`: the engine's when the delta arrived (full weights), or the request's adapter's (LoRA).
+
+        Flat logprobs (`flat_logprobs=True`) hold one entry a position with `logprobs=0`, the sampled token's:
+        its list is taken whole, with no object made per token (this runs for every token the node makes)."""
         new_ids = list(output.token_ids)
-        if output.logprobs is None or len(output.logprobs) != len(new_ids):
+        positions = output.logprobs
+        if positions is None or len(positions) != len(new_ids):
             raise RuntimeError(
-                f"vLLM returned {len(new_ids)} tokens but "
-                f"{0 if output.logprobs is None else len(output.logprobs)} logprob entries"
+                f"vLLM returned {len(new_ids)} tokens but {0 if positions is None else len(positions)} logprob entries"
             )
+        flat = getattr(positions, "logprobs", None)  # FlatLogprobs: one list of floats for every entry
+        if flat is not None and len(flat) == len(new_ids) and positions.token_ids == new_ids:
+            self.logprobs += flat
+        else:
+            self.logprobs += [position[token].logprob for token, position in zip(new_ids, positions)]
         self.token_ids += new_ids
-        self.logprobs += [position[token].logprob for token, position in zip(new_ids, output.logprobs)]
         self.versions += [version] * len(new_ids)
         if output.finish_reason:
             self.finish_reason = output.finish_reason
@@ -124,8 +191,9 @@ class VLLMBackend:
         device: str = "cpu",
         lora: LoraConfig | None = None,
         max_staleness: int = 1,
+        size: Sizing = Sizing(),
     ):
-        """lora (enabled): each pushed version is an adapter of its own (module doc)."""
+        """lora (enabled): each pushed version is an adapter of its own (module doc); size: `sizing(cfg, ...)`."""
         check_servable(model_path, model, device)  # before vLLM's import: a few seconds, not a dead engine later
         from vllm.v1.engine.async_llm import AsyncLLM
 
@@ -140,14 +208,16 @@ class VLLMBackend:
         self.lora = lora is not None and lora.enabled
         self._adapter = None  # LoRA: the newest version's LoRARequest (None: the base model, version 0)
         self._running: dict[int, int] = {}  # LoRA: version -> requests that use its adapter
-        args = engine_args(model_path, model, rollout, seed, device, lora, max_staleness)
+        self.device = device
+        args = engine_args(model_path, model, rollout, seed, device, lora, max_staleness, size)
         self._engine = AsyncLLM.from_engine_args(args)
 
     @property
     def policy_version(self) -> int:
         return self.live.version
 
-    def _params(self, n: int, max_tokens: int):
+    def sampling_params(self, n: int, max_tokens: int):
+        """The SamplingParams of a group: processed logprobs of the sampled tokens, flat, streamed as deltas."""
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
@@ -158,6 +228,7 @@ class VLLMBackend:
             top_p=self.rollout.top_p,
             top_k=self.rollout.top_k,
             logprobs=0,
+            flat_logprobs=True,
             output_kind=RequestOutputKind.DELTA,
             detokenize=False,
         )
@@ -175,7 +246,7 @@ class VLLMBackend:
         self._running[pinned] = self._running.get(pinned, 0) + 1
         stream = self._engine.generate(
             {"prompt_token_ids": list(prompt_ids)},
-            self._params(n, min(max_tokens, room)),
+            self.sampling_params(n, min(max_tokens, room)),
             request_id,
             lora_request=adapter,
         )

@@ -18,6 +18,7 @@ its own while generation goes on; the engine then swaps it in where nothing is m
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 import traceback
@@ -31,6 +32,22 @@ from streamrl.engine.workers import lifeline
 
 WORKER_EXTENSION = "streamrl.rollout.backends.vllm_worker.WeightReceiverExtension"
 STATUS_POLL_S = 0.005
+RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
+
+
+class RotaryReloadFilter(logging.Filter):
+    """Drops vLLM's `RotaryEmbedding: Failed to load weights` warning, logged on every `reload_weights`.
+
+    Harmless: a rotary layer holds only its cos/sin cache, computed from the model's config, and no
+    checkpoint has a tensor for it, so a reload loads nothing there and vLLM puts the same cache back
+    (reload/layerwise.py). Any other layer that fails to load is still reported."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args if isinstance(record.args, tuple) else ()
+        return not (record.msg == "%s: Failed to load weights" and args and str(args[0]).endswith("RotaryEmbedding"))
+
+
+logging.getLogger(RELOAD_LOGGER).addFilter(RotaryReloadFilter())
 
 # vLLM imports this module inside its engine core and workers. A forked one watches its parent
 # already (lifeline's after-fork hook); a spawned one starts its watch here. In a main process

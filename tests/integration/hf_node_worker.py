@@ -8,8 +8,8 @@ batches) and answers `{"applied": <WeightsApplied>, "copy_s": ...}` once the ver
 `{"op": "digest"}` -> `{"digest": {name: sha256 of the parameter's bytes}, "version"}`;
 `{"op": "generate", "prompt", "n", "max_tokens"}` -> `{"tokens", "versions"}`; `{"op": "stop"}`.
 
-`Nodes` (imported by the tests through the `hf_nodes` fixture) is the publisher's control-channel seam
-(`NodeRegistry`'s `send` / `take_applied`) over these processes.
+`FakeRegistry` (imported by the tests through the `hf_nodes` fixture) is `NodeRegistry` with its control
+channel (`send` / `take_applied`) over these processes.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ import msgspec
 
 from streamrl.engine import messages
 from streamrl.engine.messages import Stop, WeightsApplied, WeightsReady
+from streamrl.learner.nodes import NodeInfo, NodeRegistry
 
 WORKER = pathlib.Path(__file__)
 
@@ -152,13 +153,18 @@ class NodeProc:
         self.conn.close()
 
 
-class Nodes:
-    """The registry's part for the publisher (its control channel over node processes, and evictions);
-    `on_ready(node_id, ready)` runs when a `WeightsReady` has gone out to a node (the tests kill a node there)."""
+class FakeRegistry(NodeRegistry):
+    """Stands in for `NodeRegistry`'s control channel only, over node processes: `send` hands a
+    `WeightsReady` to the node's socket, `take_applied` reads its confirmations; the membership (`attach`,
+    `links`, `evict`, `forget`) is NodeRegistry's own. `on_ready(node_id, ready)` runs when a `WeightsReady`
+    has gone out to a node (the tests kill a node there)."""
 
     def __init__(self, procs: dict[str, NodeProc], on_ready=None):
+        super().__init__(server=None, welcome=None)  # no socket: the control thread is never started
         self.procs, self.on_ready = procs, on_ready
         self.stopped: list[str] = []
+        for node_id, proc in procs.items():  # registered, as their Register would
+            self.nodes[node_id] = NodeInfo(node_id.encode(), proc.where.host, 0.0, 0.0, where=proc.where)
 
     def send(self, node_id, msg, then_forget=False):
         done: concurrent.futures.Future = concurrent.futures.Future()
@@ -172,10 +178,9 @@ class Nodes:
             done.set_result(None)
         except OSError as e:
             done.set_exception(e)
+        if then_forget:
+            self.forget(node_id)
         return done
-
-    def evict(self, node_id: str, why: str) -> None:
-        self.send(node_id, Stop(reason=f"evicted: {why}"), then_forget=True)
 
     def take_applied(self, node_id):
         try:
@@ -183,9 +188,13 @@ class Nodes:
         except queue.Empty:
             return None
 
+    def close(self) -> None:
+        for node_id in list(self.nodes):
+            self.forget(node_id)
+
 
 def evicted_now(publisher) -> list[str]:
-    """What the orchestrator does with the publisher's report: the registry (here `Nodes`) evicts each node."""
+    """What the orchestrator does with the publisher's report: the registry evicts each node."""
     reported = publisher.poll()
     for node_id, why in reported:
         publisher.registry.evict(node_id, why)
@@ -229,7 +238,7 @@ def kill_mid_copy_scenario(start, model_path: str, device: str, deadline_s: floa
             b.kill()
             killed["at"] = time.monotonic()
 
-    nodes = Nodes({"a": a, "b": b}, on_ready)
+    nodes = FakeRegistry({"a": a, "b": b}, on_ready)
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(device)
     cfg = build({}, ["weights.bucket_mb=0.05", f"weights.timeout_s={deadline_s}"])
@@ -242,7 +251,7 @@ def kill_mid_copy_scenario(start, model_path: str, device: str, deadline_s: floa
         wait_for(lambda: all(s.applied == 1 for s in publisher.states().values()), publisher, 120)
         out["v1"] = [digest(model.state_dict().items()), a.request(op="digest"), b.request(op="digest")]
         version = 1
-        while "b" in publisher.links and version < 200:
+        while "b" in publisher.states() and version < 200:
             version += 1
             with torch.no_grad():
                 for p in model.parameters():
@@ -258,4 +267,4 @@ def kill_mid_copy_scenario(start, model_path: str, device: str, deadline_s: floa
         out["model"], out["a"] = model, a
         return out
     finally:
-        publisher.close()
+        nodes.close()

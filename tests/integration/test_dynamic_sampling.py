@@ -1,7 +1,7 @@
-"""Dynamic sampling through the ledger (real Redis, real ZMQ): zero-variance groups are dropped as
-`zero_variance`, their credits return, a node admits groups in their place, and every step trains
-`groups_per_step` groups; the books balance to the sample, in async and in sync mode, and a step that cannot
-fill within the refill bound trains what it has."""
+"""Dynamic sampling through the ledger (real Redis, real ZMQ; the node and the orchestrator's loop are fakes):
+zero-variance groups are dropped as `zero_variance`, their credits return, a node admits groups in their
+place, and every step trains `groups_per_step` groups; the books balance to the sample, in async and in
+sync mode, and a step that cannot fill within the refill bound trains what it has."""
 
 from __future__ import annotations
 
@@ -21,9 +21,10 @@ from streamrl.learner.selection import select
 GROUP_SIZE, PER_STEP, STEPS = 4, 2, 4
 
 
-class Node(threading.Thread):
-    """A rollout node in miniature: takes a credit with the ledger's current version (a node holding the
-    newest weights), marks the group generated and sends it. Group i's rewards: `rewards(i)`."""
+class FakeNode(threading.Thread):
+    """Stands in for a rollout node (rollout/node.py) without an engine: takes a credit with the ledger's
+    current version (a node holding the newest weights), marks the group generated and sends it over real
+    ZMQ. Group i's rewards: `rewards(i)`."""
 
     def __init__(self, ledger: Ledger, addr: str, rewards):
         super().__init__(daemon=True)
@@ -52,12 +53,14 @@ class Node(threading.Thread):
                     sender.send(t)
 
 
-def run_steps(redis_url, run, mode, rewards, loss: LossConfig, steps=STEPS):
+def fake_orchestrator(redis_url, run, mode, rewards, loss: LossConfig, steps=STEPS):
+    """Stands in for the orchestrator's select -> commit / skip loop (learner/orchestrator.py), without a
+    learner, to read the ledger's books to the sample; test_dapo_run.py drives the real one in a run."""
     ledger = Ledger(connect(redis_url), run, LedgerConfig(max_staleness=1, heartbeat_ttl_s=30))
     ledger.init_run(PER_STEP, mode, steps_left=steps)
     receiver = TrajectoryReceiver()
     intake = Intake(receiver, ledger, StallAlarm(60.0, 0.0, ledger.counts), order_patience_s=5.0)
-    node = Node(ledger, receiver.addr, rewards)
+    node = FakeNode(ledger, receiver.addr, rewards)
     node.start()
     selections = []
     try:
@@ -87,7 +90,7 @@ def flat_every_third(i: int) -> list[float]:
 
 @pytest.mark.parametrize("mode", ["async", "sync"])
 def test_dynamic_sampling_keeps_the_step_size_and_the_books_exact(redis_url, ledger_run, mode):
-    ledger, selections, leftover = run_steps(
+    ledger, selections, leftover = fake_orchestrator(
         redis_url, ledger_run, mode, flat_every_third, LossConfig(dynamic_sampling=True)
     )
     for s in selections:  # every step its groups: PER_STEP x GROUP_SIZE samples, none flat
@@ -110,7 +113,7 @@ def test_dynamic_sampling_keeps_the_step_size_and_the_books_exact(redis_url, led
 
 def test_a_step_that_cannot_fill_within_the_bound_trains_what_it_has(redis_url, ledger_run):
     # only group g0 has variance; refill_limit 1: each step examines at most 2 + 2 groups
-    ledger, selections, _ = run_steps(
+    ledger, selections, _ = fake_orchestrator(
         redis_url,
         ledger_run,
         "async",

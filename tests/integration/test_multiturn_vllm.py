@@ -131,9 +131,9 @@ class ByMode:
 '''
 
 
-class LedgerDrops:
-    """Credits over the real ledger, with `drop` passing the reason through (what service.py's
-    LedgerCredits must do)."""
+class FakeCredits:
+    """Stands in for service.py's LedgerCredits, over the real ledger: `drop` passes the reason through
+    (what LedgerCredits must do)."""
 
     def __init__(self, ledger, node_id):
         self.ledger, self.node_id = ledger, node_id
@@ -148,7 +148,9 @@ class LedgerDrops:
         await asyncio.to_thread(self.ledger.drop, sample_ids, reason)
 
 
-class Sent:
+class FakeSink:
+    """Stands in for the TrajectorySender: keeps what the node sends."""
+
     def __init__(self):
         self.sent = []
 
@@ -174,8 +176,8 @@ def test_failing_environments_are_dropped_with_their_reason_and_the_run_goes_on(
     ledger.heartbeat("n0")
     modes = ["raise", "ok", "hang", "malformed"]
     prompts = [Prompt(prompt_ids=[5, 6], row={"mode": m}, row_number=i) for i, m in enumerate(modes)]
-    sink = Sent()
-    node = RolloutNode(cfg, "n0", engine, prompts, None, LedgerSink(ledger, sink), tokenizer, LedgerDrops(ledger, "n0"))
+    sink = FakeSink()
+    node = RolloutNode(cfg, "n0", engine, prompts, None, LedgerSink(ledger, sink), tokenizer, FakeCredits(ledger, "n0"))
     stats = loop.run_until_complete(node.run())
 
     counts = ledger.counts()
@@ -197,7 +199,7 @@ def test_the_example_configs_run_on_the_node(loop, engine, tokenizer, example):
     cfg.env.max_total_tokens = min(cfg.env.max_total_tokens, 256)
     if cfg.data.path:
         cfg.data.path = str(EXAMPLES.parent / cfg.data.path)
-    sink = Sent()
+    sink = FakeSink()
     node = RolloutNode(cfg, "n0", engine, PromptSource(cfg.data, tokenizer), None, sink, tokenizer)
     stats = loop.run_until_complete(node.run(max_groups=2))
     assert stats.groups_sent == 2 and len(sink.sent) == 2 * cfg.rollout.group_size
@@ -219,7 +221,7 @@ def test_the_calculator_example_calls_its_tool_from_a_real_engine(loop, engine, 
     cfg = load(EXAMPLES / "calculator.toml")
     cfg.model.max_model_len = MODEL.max_model_len  # the module's engine
     cfg.data.path = str(EXAMPLES.parent / cfg.data.path)
-    sink = Sent()
+    sink = FakeSink()
     source = PromptSource(cfg.data, tokenizer)
     node = RolloutNode(cfg, "n0", engine, source, None, sink, tokenizer)
     # 32 groups of 8 episodes: a call in none would have a chance of about 0.97 ** 256 = 4e-4

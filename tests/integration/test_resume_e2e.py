@@ -18,7 +18,7 @@ import pytest
 from streamrl.engine.config import build
 from streamrl.engine.ledger import Ledger
 from streamrl.engine.redis_server import connect
-from streamrl.engine.telemetry import read_metrics
+from streamrl.engine.telemetry import read_ending, read_metrics, write_ending
 from streamrl.learner import checkpoint
 from streamrl.ops.launcher import Launcher
 from streamrl.ops.run import DEMO
@@ -70,6 +70,21 @@ def launcher(tmp_path, request):
     launcher.stop_all()
 
 
+def _resume(launcher: Launcher, metrics, killed: float) -> None:
+    """The learner restarted from its latest checkpoint, with a node, run to its end. How an earlier life of
+    the run ended (a learner killed with -9 writes nothing, so one is written here) is gone while it runs
+    (`streamrl status`: running), and its own ending is written when it finishes."""
+    write_ending(launcher.run_dir, "stopped by the stall alarm", 3, "an earlier ending")
+    assert read_ending(launcher.run_dir) is not None  # the positive control
+    launcher.restart_learner("latest")
+    launcher.add_node()
+    _wait(launcher, lambda: read_metrics(metrics)[-1]["time"] > killed, "a step of the resumed learner", 600)
+    assert read_ending(launcher.run_dir) is None
+    launcher.learner.process.wait(timeout=600)
+    assert launcher.learner.process.returncode == 0, launcher.learner.log_tail(40)
+    assert read_ending(launcher.run_dir)["exit"] == 0
+
+
 def test_learner_killed_and_resumed(launcher):
     from transformers import AutoModelForCausalLM
 
@@ -94,10 +109,7 @@ def test_learner_killed_and_resumed(launcher):
         launcher.stop_node(name, timeout_s=60)
     resumed_from = checkpoint.list_checkpoints(root)[-1][0]
 
-    launcher.restart_learner("latest")
-    launcher.add_node()
-    launcher.learner.process.wait(timeout=600)
-    assert launcher.learner.process.returncode == 0, launcher.learner.log_tail(40)
+    _resume(launcher, metrics, killed)
     for child in launcher.nodes.values():
         child.process.wait(timeout=60)
 

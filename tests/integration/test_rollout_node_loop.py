@@ -20,7 +20,8 @@ def _short(group_id: str) -> str:
 
 
 class FakeEngine:
-    """Each sample: tokens 10, 11, ... one per `step_s`, logprob -0.1 * token index; weights swap in between."""
+    """Stands in for a generation backend (rollout/backends). Each sample: tokens 10, 11, ... one per
+    `step_s`, logprob -0.1 * token index; weights swap in between."""
 
     def __init__(self, tokens: int = 3, step_s: float = 0.0, fail_on: int | None = None):
         self.policy_version, self.tokens, self.step_s, self.fail_on = 0, tokens, step_s, fail_on
@@ -51,18 +52,24 @@ class FakeEngine:
         pass
 
 
-class Tok:
+class FakeTokenizer:
+    """Stands in for the model's tokenizer: even ids decode to "a", odd ones to "b"."""
+
     def decode(self, ids, skip_special_tokens=True):
         return "".join("a" if t % 2 == 0 else "b" for t in ids)
 
 
-class ShareOfA:
+class FakeScorer:
+    """Stands in for rewards.Scorer: the share of "a" in each completion."""
+
     def score(self, prompts, completions, completion_ids, columns):
         assert all(col["answer"] == "a" for col in columns)
         return [c.count("a") / len(c) for c in completions]
 
 
-class ListSink:
+class FakeSink:
+    """Stands in for the TrajectorySender: keeps what the node sends, numbered."""
+
     def __init__(self):
         self.sent: list[Trajectory] = []
 
@@ -72,7 +79,10 @@ class ListSink:
         return traj.seq
 
 
-class CountingCredits:
+class FakeCredits:
+    """Stands in for the ledger's admission credits (service.LedgerCredits): grants after `deny_first`
+    refusals, records takes and returns."""
+
     def __init__(self, deny_first: int = 0):
         self.deny_left, self.acquired, self.released = deny_first, [], []
 
@@ -95,8 +105,8 @@ def _node(engine, prompts, credits=None, group_size=2, concurrent=2):
     cfg = Config(
         rollout=RolloutConfig(group_size=group_size, max_tokens=3, max_concurrent_groups=concurrent), data=DataConfig()
     )
-    sink = ListSink()
-    return RolloutNode(cfg, "n0", engine, prompts, ShareOfA(), sink, Tok(), credits), sink
+    sink = FakeSink()
+    return RolloutNode(cfg, "n0", engine, prompts, FakeScorer(), sink, FakeTokenizer(), credits), sink
 
 
 def test_fake_engine_satisfies_the_protocol():
@@ -104,7 +114,7 @@ def test_fake_engine_satisfies_the_protocol():
 
 
 def test_groups_are_generated_scored_and_sent():
-    credits = CountingCredits(deny_first=2)
+    credits = FakeCredits(deny_first=2)
     node, sink = _node(FakeEngine(), _prompts(3), credits)
     stats = asyncio.run(node.run())
     assert stats.groups_sent == 3 and stats.samples_sent == 6 and stats.tokens_sent == 18
@@ -146,7 +156,7 @@ def test_weights_landing_mid_sample_give_per_token_versions():
 
 
 def test_failed_group_releases_its_credit_and_others_continue():
-    credits = CountingCredits()
+    credits = FakeCredits()
     node, sink = _node(FakeEngine(fail_on=2), _prompts(3), credits)
     stats = asyncio.run(node.run())
     assert stats.groups_failed == 1 and stats.groups_sent == 2
@@ -155,7 +165,7 @@ def test_failed_group_releases_its_credit_and_others_continue():
 
 
 def test_stop_abandons_groups_past_the_grace_period_and_reports_them():
-    credits = CountingCredits()
+    credits = FakeCredits()
     node, sink = _node(FakeEngine(tokens=3, step_s=5.0), _prompts(10), credits, concurrent=2)
 
     async def scenario():
@@ -175,14 +185,14 @@ def test_a_failed_send_stops_the_node_and_raises():
             raise ConnectionError("learner gone")
 
     cfg = Config(rollout=RolloutConfig(group_size=2, max_tokens=3, max_concurrent_groups=2))
-    node = RolloutNode(cfg, "n0", FakeEngine(), _prompts(50), ShareOfA(), DeadSink(), Tok())
+    node = RolloutNode(cfg, "n0", FakeEngine(), _prompts(50), FakeScorer(), DeadSink(), FakeTokenizer())
     with pytest.raises(ConnectionError, match="learner gone"):
         asyncio.run(node.run())
     assert node.stats.groups_started < 50 and node.stats.samples_sent == 0
 
 
 def test_abandon_cancels_at_once():
-    credits = CountingCredits()
+    credits = FakeCredits()
     node, sink = _node(FakeEngine(tokens=3, step_s=5.0), _prompts(10), credits, concurrent=3)
 
     async def scenario():

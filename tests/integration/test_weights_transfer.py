@@ -3,9 +3,10 @@
 Each node is `weights_node_worker.py`: AsyncLLM with `WeightReceiverExtension`, driven over a
 socketpair: it stages each version in its worker while the engine keeps generating, then swaps it in
 between engine steps. The learner side is one real sender per node, each in a thread, as the learner's
-publisher runs them: node a a `WeightSender` over its own gloo group, node b an `IpcSender` (the
-shared-memory path of a node on the learner's machine: its vLLM worker copies from the learner's memfd
-buckets), so every test below drives both paths.
+publisher runs them, each driven by the same call (`prepare`, then `send(packed, ready, on_bucket=)`):
+nodes a and g a `WeightSender` over a gloo group of their own, node b an `IpcSender` (the shared-memory
+path of a node on the learner's machine: its vLLM worker copies from the learner's memfd buckets). Every
+test drives both paths; the kill test kills g during its gloo broadcast and b during its copy.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ WORKER = pathlib.Path(__file__).with_name("weights_node_worker.py")
 TIMEOUT_S = 20.0
 START_TIMEOUT_S = 300.0
 PLANTED = 100  # the token the planted weights make dominate
+NODES = ("a", "b", "g")  # a and g: gloo; b: shared memory
 SEQS = [[5, 17, 230, 44, 9, 301, 77, 12, 480, 3, 66, 150], [250, 251, 252, 8, 9, 10], [400, 2, 399, 120, 33]]
 
 
@@ -107,7 +109,8 @@ class Learner:
         self.version = 0
 
     def push(self, nodes=None, on_bucket=None, new_version: bool = True) -> dict[str, Outcome]:
-        """Every node's transfer in a thread of its own (as the publisher runs them), then the confirmations."""
+        """Every node's transfer in a thread of its own (as the publisher runs them), then the confirmations
+        (an `Outcome` per node)."""
         self.version += int(new_version)
         state = self.model.state_dict()
         packed = PackedBuckets(plan_buckets(state, int(0.05 * 2**20)), state, "cpu", BufferPool(allocate=shared_empty))
@@ -135,12 +138,7 @@ class Learner:
         ready = sender.prepare(self.version, packed)
         self.nodes[node_id].conn.send_bytes(msgspec.msgpack.encode({"op": "weights", "ready": messages.encode(ready)}))
         try:
-            if isinstance(sender, IpcSender):  # no buckets on a wire: the node copies them itself, from now on
-                if on_bucket is not None:
-                    on_bucket(node_id, 0)
-                outcome.transfer_s = sender.send(packed, ready)
-            else:
-                outcome.transfer_s = sender.send(packed, ready, on_bucket)
+            outcome.transfer_s = sender.send(packed, ready, on_bucket=on_bucket)
         except WeightTransferError as e:
             outcome.error = e
 
@@ -193,7 +191,7 @@ def _max_diff(a: list[list[float]], b: list[list[float]]) -> float:
 def cluster(tiny_model, tmp_path_factory):
     root = tmp_path_factory.mktemp("weights")
     learner = Learner(tiny_model)
-    procs = [NodeProc(node_id, tiny_model, root / node_id) for node_id in ("a", "b")]
+    procs = [NodeProc(node_id, tiny_model, root / node_id) for node_id in NODES]
     try:
         for proc in procs:
             results = learner.join(proc, shared=proc.node_id == "b")
@@ -212,18 +210,18 @@ def test_transfer_matches_learner_and_planted_token_dominates(cluster):
 
     results = learner.push()
     assert all(r.ok for r in results.values()), {n: (r.error, r.applied) for n, r in results.items()}
-    assert learner.applied == {"a": learner.version, "b": learner.version}
-    for node_id in ("a", "b"):
+    assert learner.applied == dict.fromkeys(NODES, learner.version)
+    for node_id in NODES:
         reply = learner.nodes[node_id].request(op="logprobs", seqs=SEQS)
         assert reply["version"] == learner.version
         assert _max_diff(reply["logprobs"], learner.logprobs()) < 1e-4, node_id
 
     learner.plant()
     assert all(r.ok for r in learner.push().values())
-    for node_id in ("a", "b"):
+    for node_id in NODES:
         reply = learner.nodes[node_id].request(op="generate", prompt=[5, 6, 7], n=2, max_tokens=12)
         assert reply["tokens"] == [[PLANTED] * 12] * 2 and reply["version"] == learner.version
-    assert learner.applied == {"a": learner.version, "b": learner.version}
+    assert learner.applied == dict.fromkeys(NODES, learner.version)
 
 
 def test_in_flight_request_continues_on_the_new_weights(cluster):
@@ -259,25 +257,34 @@ def test_learner_that_never_sends_leaves_the_node_generating_on_its_weights(clus
     assert after == before  # same version, same weights, engine alive
 
 
-def test_node_killed_mid_transfer_is_evicted_and_the_other_continues(cluster):
+def test_nodes_killed_mid_transfer_on_either_path_are_evicted_and_the_other_continues(cluster):
     learner, _ = cluster
     learner.perturb(seed=2)
-    victim = learner.nodes["b"]
+    victims = {"g": learner.nodes["g"], "b": learner.nodes["b"]}
+    killed: dict[str, int] = {}  # node -> the bucket at which it died
 
-    def kill_b(node_id: str, index: int) -> None:
-        if node_id == "b" and index == 0:
-            victim.proc.send_signal(signal.SIGKILL)
+    def kill(node_id: str, index: int) -> None:
+        # as bucket 0 is handed over: g has posted its receives and waits for the broadcast; b has its
+        # WeightsReady and copies from the shared buffers. The hook waits for the death: the transfer goes
+        # on to a dead node.
+        if node_id in victims and index == 0:
+            victims[node_id].proc.send_signal(signal.SIGKILL)
+            victims[node_id].proc.wait(timeout=30)
+            killed[node_id] = index
 
     start = time.monotonic()
-    results = learner.push(on_bucket=kill_b)
+    results = learner.push(on_bucket=kill)
     elapsed = time.monotonic() - start
-    victim.proc.wait(timeout=30)
+    assert set(killed) == {"g", "b"}  # each died inside its own transfer
     assert results["a"].ok
-    failed = results["b"]
-    # killed after its first bucket: the learner's send fails naming it, or (every bucket already out)
-    # the node never confirms the version live; either way it is gone and the other carries on
-    assert not failed.ok and isinstance(failed.error, WeightTransferError | EOFError | OSError)
-    assert not isinstance(failed.error, WeightTransferError) or failed.error.node_id == "b"
+    for node_id in victims:
+        failed = results[node_id]
+        # the learner's send fails naming the node, or (every bucket already out) the node never confirms
+        assert not failed.ok and isinstance(failed.error, WeightTransferError | EOFError | OSError), node_id
+        assert not isinstance(failed.error, WeightTransferError) or failed.error.node_id == node_id
+    # the broadcast to the dead g fails at the learner (within the deadline), not on a missing confirmation
+    g = results["g"].error
+    assert isinstance(g, WeightTransferError) and (g.phase == "transfer" or g.phase.startswith("bucket")), g
     assert elapsed < TIMEOUT_S * 2 + 10  # one deadline, not a hang
     assert list(learner.senders) == ["a"] and learner.applied == {"a": learner.version}
     reply = learner.nodes["a"].request(op="logprobs", seqs=SEQS)

@@ -62,7 +62,9 @@ def test_a_bad_reasoning_gym_spec_says_how_to_write_one(spec, says):
         parse_spec(spec)
 
 
-class Scripted:
+class FakeEngine:
+    """Stands in for a generation backend: turn k answers `turns[k]`, tokenized."""
+
     def __init__(self, tokenizer, turns: list[str]):
         self.turns = [tokenizer.encode(t, add_special_tokens=False) for t in turns]
         self.policy_version = 0
@@ -84,7 +86,7 @@ def test_reasoning_gym_environment_gives_a_second_attempt(tokenizer):
     from streamrl.rollout.envs.reasoning_gym import ReasoningGymEnv, rows
 
     (row,) = rows("reasoning_gym:basic_arithmetic:1:3")
-    engine = Scripted(tokenizer, ["<answer>no</answer>", f"<answer>{row['answer']}</answer>"])
+    engine = FakeEngine(tokenizer, ["<answer>no</answer>", f"<answer>{row['answer']}</answer>"])
     runner = _runner(tokenizer, engine, EnvConfig(name="reasoning_gym"), lambda: ReasoningGymEnv(attempts=2))
     ep = asyncio.run(runner.run([1, 2], row))
     assert ep.turns == 2 and ep.reward == 1.0 and ep.finish_reason == "done"
@@ -101,7 +103,7 @@ def test_a_skyrl_gym_environment_runs_through_the_adapter(tokenizer):
         "extra_info": {"max_turns": 3},
     }
     cls = load_environment("skyrl_gym")
-    engine = Scripted(tokenizer, ["I think #### 5", "#### 4"])
+    engine = FakeEngine(tokenizer, ["I think #### 5", "#### 4"])
     runner = _runner(tokenizer, engine, EnvConfig(name="skyrl_gym"), lambda: cls(env_id="gsm8k_multi_turn"))
     ep = asyncio.run(runner.run([1, 2], row))
     # gsm8k_multi_turn: a well-formed wrong answer earns the format score 0.2 / max_turns = 0.2 / 3,
@@ -120,7 +122,7 @@ def test_a_skyrl_row_names_its_own_environment(tokenizer):
         "env_class": "gsm8k",
         "reward_spec": {"method": "rule", "ground_truth": "4"},
     }
-    engine = Scripted(tokenizer, ["#### 4"])
+    engine = FakeEngine(tokenizer, ["#### 4"])
     runner = _runner(tokenizer, engine, EnvConfig(name="skyrl_gym"), SkyRLGymEnv)  # no env.args
     ep = asyncio.run(runner.run([1, 2], row))
     assert not ep.failure and ep.turns == 1 and ep.reward == 1.0  # gsm8k: one step, done

@@ -23,8 +23,9 @@ def tokenizer():
     return make_tokenizer(seed=0)
 
 
-class ScriptedEngine:
-    """Turn k returns `turns[k]` (cut at max_tokens) with logprob -(i+1)/10 per token, stamped with its version."""
+class FakeEngine:
+    """Stands in for a generation backend. Turn k returns `turns[k]` (cut at max_tokens) with logprob
+    -(i+1)/10 per token, stamped with its version."""
 
     def __init__(self, turns: list[list[int]], delay_s: float = 0.0):
         self.turns, self.delay_s, self.policy_version = turns, delay_s, 0
@@ -59,7 +60,7 @@ def _run(runner: EpisodeRunner, row=None):
 
 def test_three_turns_keep_the_sampled_tokens_and_mask_the_environment(tokenizer):
     aa, ab = tokenizer.encode("aa", add_special_tokens=False), tokenizer.encode("ab", add_special_tokens=False)
-    engine = ScriptedEngine([aa, ab, aa])
+    engine = FakeEngine([aa, ab, aa])
     runner = EpisodeRunner(_cfg(max_turns=5), engine, tokenizer, lambda: EchoTarget(rounds=3, letters="a"))
     ep = _run(runner)
     first = tokenizer.encode(
@@ -135,7 +136,7 @@ class BrokenConstructor:
     ],
 )
 def test_an_environment_failure_ends_the_episode_with_its_reason(tokenizer, env, reason, says):
-    runner = EpisodeRunner(_cfg(step_timeout_s=0.3), ScriptedEngine([[85]]), tokenizer, env)
+    runner = EpisodeRunner(_cfg(step_timeout_s=0.3), FakeEngine([[85]]), tokenizer, env)
     start = time.monotonic()
     ep = _run(runner)
     assert time.monotonic() - start < 2.5  # the deadline, not the hang, ends it
@@ -146,7 +147,7 @@ def test_an_environment_failure_ends_the_episode_with_its_reason(tokenizer, env,
 def test_a_slow_episode_passes_its_deadline(tokenizer):
     runner = EpisodeRunner(
         _cfg(episode_timeout_s=0.3, max_turns=100),
-        ScriptedEngine([[85]], delay_s=0.1),
+        FakeEngine([[85]], delay_s=0.1),
         tokenizer,
         lambda: EchoTarget(rounds=100),
     )
@@ -156,16 +157,14 @@ def test_a_slow_episode_passes_its_deadline(tokenizer):
 
 def test_limits_end_the_episode_and_are_counted(tokenizer):
     long_turn = [85] * 8
-    engine = ScriptedEngine([long_turn])
+    engine = FakeEngine([long_turn])
     runner = EpisodeRunner(_cfg(max_turns=2, turn_max_tokens=5), engine, tokenizer, lambda: EchoTarget(rounds=9))
     ep = _run(runner)
     assert ep.finish_reason == "max_turns" and ep.turns == 2 and not ep.failure
     assert [budget for _, budget in engine.calls] == [5, 5]  # every turn cut at env.turn_max_tokens
     assert runner.limits == {"max_turns": 1, "turn_max_tokens": 2}
     # a budget of 12 tokens after the prompt: 5 model + 10 environment tokens would not leave room
-    runner = EpisodeRunner(
-        _cfg(max_total_tokens=12, turn_max_tokens=5), ScriptedEngine([long_turn]), tokenizer, EchoTarget
-    )
+    runner = EpisodeRunner(_cfg(max_total_tokens=12, turn_max_tokens=5), FakeEngine([long_turn]), tokenizer, EchoTarget)
     ep = _run(runner)
     assert ep.finish_reason == "max_total_tokens" and ep.turns == 1 and ep.mask == [1] * 5
 
@@ -173,7 +172,7 @@ def test_limits_end_the_episode_and_are_counted(tokenizer):
 def test_a_first_prompt_with_no_room_is_overlong(tokenizer):
     cfg = _cfg()
     cfg.model.max_model_len = 16
-    runner = EpisodeRunner(cfg, ScriptedEngine([[85]]), tokenizer, lambda: EchoTarget(rounds=1))
+    runner = EpisodeRunner(cfg, FakeEngine([[85]]), tokenizer, lambda: EchoTarget(rounds=1))
 
     class LongReset(EchoTarget):
         def reset(self, row):
@@ -204,7 +203,9 @@ class FailSome:
 """
 
 
-class Sink:
+class FakeSink:
+    """Stands in for the TrajectorySender: keeps what the node sends."""
+
     def __init__(self):
         self.sent = []
 
@@ -213,7 +214,9 @@ class Sink:
         return len(self.sent) - 1
 
 
-class Credits:
+class FakeCredits:
+    """Stands in for the ledger's credits (service.LedgerCredits): grants all, records returns and drops."""
+
     def __init__(self):
         self.dropped, self.released = [], []
 
@@ -232,7 +235,7 @@ def _node(cfg: Config, tokenizer, engine, rows: list[dict]):
     from streamrl.rollout.sources import Prompt
 
     prompts = [Prompt(prompt_ids=PROMPT, row=row, row_number=i) for i, row in enumerate(rows)]
-    sink, credits = Sink(), Credits()
+    sink, credits = FakeSink(), FakeCredits()
     node = RolloutNode(cfg, "n0", engine, prompts, scorer=None, sink=sink, tokenizer=tokenizer, credits=credits)
     return node, sink, credits
 
@@ -242,7 +245,7 @@ def test_failed_episodes_are_dropped_with_their_reason_and_the_rest_sent_as_a_sm
     cfg = _cfg()
     cfg.env.name = f"{tmp_path / 'fail_some.py'}:FailSome"
     cfg.rollout.group_size = 4
-    node, sink, credits = _node(cfg, tokenizer, ScriptedEngine([[85, 86]]), [{"prompt": "p"}])
+    node, sink, credits = _node(cfg, tokenizer, FakeEngine([[85, 86]]), [{"prompt": "p"}])
     stats = asyncio.run(node.run())
     ((dropped, reason),) = credits.dropped
     assert reason == "env_error" and len(dropped) == 2 and credits.released == []
@@ -256,7 +259,7 @@ def test_failed_episodes_are_dropped_with_their_reason_and_the_rest_sent_as_a_sm
 def test_a_multi_turn_group_goes_out_with_its_mask_and_versions(tokenizer):
     cfg = _cfg(name="echo_target", args={"rounds": 2, "letters": "a"})
     cfg.rollout.group_size = 2
-    node, sink, credits = _node(cfg, tokenizer, ScriptedEngine([[85]]), [{"prompt": "p"}])
+    node, sink, credits = _node(cfg, tokenizer, FakeEngine([[85]]), [{"prompt": "p"}])
     asyncio.run(node.run())
     assert len(sink.sent) == 2 and credits.dropped == []
     for traj in sink.sent:

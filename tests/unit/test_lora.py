@@ -99,10 +99,18 @@ def test_only_the_adapters_train_and_only_they_are_pushed(trainer):
     assert base.keys() == after_base.keys() and all(torch.equal(base[k], after_base[k]) for k in base)
     after = push()
     assert any(v.abs().max() > 0 for k, v in after.items() if ".lora_B." in k)
-    # the sharded masters: adapters fp32, the frozen base in the compute dtype
-    assert {p.dtype for _, p in trainer.named_params} == {torch.float32}
+    assert {p.dtype for _, p in trainer.named_params} == {torch.float32}  # fp32 here; bf16 below
     full = sum(p.numel() for p in lm.parameters())
     assert sum(v.numel() for v in after.values()) < 0.2 * full
+
+
+def test_a_bf16_base_stays_bf16_and_frozen_while_its_adapters_train_in_fp32(tiny_model):
+    from transformers import AutoModelForCausalLM
+
+    lm = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    lm, _ = learner_lora.apply(lm, LoraConfig(enabled=True, rank=8, alpha=16.0), torch.bfloat16)
+    dtypes = {(lora.is_adapter(n), p.dtype, p.requires_grad) for n, p in lm.named_parameters()}
+    assert dtypes == {(False, torch.bfloat16, False), (True, torch.float32, True)}
 
 
 def _preflight(tiny_model, *sets):

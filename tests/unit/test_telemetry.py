@@ -56,7 +56,8 @@ def test_prometheus_binds_only_the_configured_address(tmp_path):
         sink.close()
 
 
-def test_how_a_run_ended_is_written_for_status_and_gone_while_it_runs(tmp_path):
+def test_how_a_run_ended_is_written_for_status(tmp_path):
+    # that a learner starting again removes it ("running" meanwhile) is test_resume_e2e's
     from streamrl.engine.telemetry import read_ending, write_ending
     from streamrl.ops.status import _state
 

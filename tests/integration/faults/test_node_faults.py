@@ -22,9 +22,9 @@ import pytest
 import zmq
 import zmq.auth
 
-from streamrl.engine.auth import NodeKeys
+from streamrl.engine.auth import NodeKeys, node_keys
 from streamrl.engine.control import ControlClient
-from streamrl.engine.messages import Register
+from streamrl.engine.messages import Goodbye, Register, Welcome
 from streamrl.engine.transport import TransportError
 from streamrl.learner.orchestrator import REAP_EVERY_S
 from streamrl.learner.overdue import SILENT_S
@@ -109,6 +109,12 @@ def test_without_the_runs_key_no_process_takes_a_live_nodes_id_or_learns_anythin
                 answers.append(intruder.request(Register(node_id=SURVIVOR, host="elsewhere")))
             except TransportError:
                 pass
+    # The positive control: the same address asked the same way with the run's own node key, under an id
+    # nobody holds, is answered at once (a wrong address or a dead socket would leave this one unanswered too).
+    with ControlClient(control_addr, "probe", timeout_s=10.0, keys=node_keys(run.run_dir / "keys")) as member:
+        welcome = member.request(Register(node_id="probe", host="elsewhere"), expect=Welcome)
+        member.send(Goodbye(node_id="probe", reason="the test's positive control"))
+    assert isinstance(welcome, Welcome) and welcome.secret
     run.wait_steps(4)
     stall = run.stall(started, time.time())
     fault_tools.figure("id_takeover_with_curve", pace_s=round(pace, 2), stall_s=round(stall, 1), answers=len(answers))

