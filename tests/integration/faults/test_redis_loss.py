@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import os
 import re
 import subprocess
 import sys
