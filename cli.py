@@ -231,7 +231,11 @@ def status(
     if redis_url:
         raise typer.Exit(status_command(run, redis_url, deep=deep, run_dir=run_dir))
     from streamrl.engine.redis_server import RedisServer
+    from streamrl.ops.status import live_ledger
 
+    live = live_ledger(run_dir)  # a run going on: its own server (a second one on its folder would share the AOF)
+    if live:
+        raise typer.Exit(status_command(run, live, deep=deep, run_dir=run_dir))
     folder = run_dir / "redis"
     if not folder.is_dir():
         typer.secho(f"error: no ledger at {folder}; give --redis-url for a run on another server", fg="red", err=True)

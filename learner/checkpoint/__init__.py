@@ -5,6 +5,7 @@ rest of streamrl uses is named here."""
 from streamrl.learner.checkpoint.keeper import Keeper
 from streamrl.learner.checkpoint.layout import (
     CheckpointError,
+    DiskFullError,
     LearnerState,
     check_writable,
     checkpoints_dir,
@@ -14,5 +15,5 @@ from streamrl.learner.checkpoint.layout import (
 )
 from streamrl.learner.checkpoint.store import load, load_weights, prune, save
 
-__all__ = ["CheckpointError", "Keeper", "LearnerState", "check_writable", "checkpoints_dir", "list_checkpoints",
-           "load", "load_weights", "prune", "read_meta", "resolve", "save"]  # fmt: skip
+__all__ = ["CheckpointError", "DiskFullError", "Keeper", "LearnerState", "check_writable", "checkpoints_dir",
+           "list_checkpoints", "load", "load_weights", "prune", "read_meta", "resolve", "save"]  # fmt: skip
