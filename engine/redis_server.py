@@ -15,6 +15,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import pathlib
+import re
 import secrets
 import shutil
 import signal
@@ -32,6 +33,26 @@ from streamrl.engine.workers import lifeline
 
 class RedisUnavailableError(RuntimeError):
     """Redis could not be started or reached; the message names the URL or binary and the fix."""
+
+
+# Redis's answers that refuse writes for a reason of the server's: its disk is full or failing
+# (MISCONF, which Redis 7 also answers to PING), it is over maxmemory (OOM), it is a replica (READONLY).
+# Redis 6.2 puts them inside a script's error ("... @user_script: 1: -MISCONF ..."), redis-py inside a
+# pipeline's ("Command # 2 (...) of pipeline caused error: MISCONF ...").
+_REFUSAL = re.compile(r"(?:^|[-: ])((?:MISCONF|OOM|READONLY) .*)")
+
+
+def write_refusal(error: Exception) -> str:
+    """Redis's answer when `error` is a refusal to write for a reason of the server's (module note), its
+    first line without the script's name; '' for any other error."""
+    if isinstance(error, redis.exceptions.OutOfMemoryError):  # redis-py strips the code of the ones it maps
+        return f"OOM {error}"
+    if isinstance(error, redis.exceptions.ReadOnlyError):
+        return f"READONLY {error}"
+    if not isinstance(error, redis.ResponseError):
+        return ""
+    found = _REFUSAL.search(str(error).splitlines()[0] if str(error) else "")
+    return found.group(1).split(" script: ")[0].rstrip(". ") if found else ""
 
 
 def redact(url: str) -> str:
@@ -92,8 +113,12 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+LOADING_S = 120.0  # the longest `connect` waits for a server that loads its data (a big append-only file)
+
+
 def connect(url: str, retries: int = 5, backoff_s: float = 0.2, timeout_s: float = 10.0) -> redis.Redis:
-    """A client for `url` that answered PING, after up to `retries` attempts with doubling waits.
+    """A client for `url` that answered PING, after up to `retries` attempts with doubling waits; a server
+    still loading its data (LOADING) is waited for, up to LOADING_S, without counting attempts.
 
     The client itself never retries a command: a dropped connection raises at once, and the one retry
     layer is the ledger's (`LedgerBooks._retry`: every ledger call, for `ledger.retry_s`, with each
@@ -118,18 +143,35 @@ def connect(url: str, retries: int = 5, backoff_s: float = 0.2, timeout_s: float
             f"bad Redis URL {redact(url)!r}: {e}; expected redis://[:PASSWORD@]HOST:PORT[/DB] or rediss:// for TLS"
         ) from None
     last: Exception | None = None
-    for attempt in range(retries):
+    loading_since, attempt = None, 0
+    while attempt < retries:
         try:
             probe.ping()
             probe.close()
             return make()
+        except redis.BusyLoadingError:
+            loading_since = loading_since or time.monotonic()
+            if time.monotonic() - loading_since > LOADING_S:
+                probe.close()
+                raise RedisUnavailableError(
+                    f"Redis at {redact(url)} was still loading its data after {LOADING_S:g} s (a large "
+                    "append-only file); try again once it has loaded (its log says how far it is)"
+                ) from None
+            time.sleep(0.1)
+            continue
         except redis.AuthenticationError as e:
             probe.close()
             raise RedisUnavailableError(f"Redis at {redact(url)} refused the password: {e}") from None
+        except redis.ResponseError as e:
+            if not write_refusal(e):
+                raise
+            probe.close()  # it answered: one that cannot write still serves reads (the ledger says the rest)
+            return make()
         except (redis.ConnectionError, redis.TimeoutError) as e:
             last = e
             if attempt + 1 < retries:
                 time.sleep(min(2.0, backoff_s * 2**attempt))
+        attempt += 1
     probe.close()
     raise RedisUnavailableError(
         f"cannot reach Redis at {redact(url)} after {retries} attempts: {last}; "
@@ -245,7 +287,8 @@ class RedisServer:
             socket_connect_timeout=1.0,
             socket_timeout=2.0,
         )
-        deadline = time.monotonic() + self.start_timeout_s
+        started = time.monotonic()
+        deadline, loading = started + self.start_timeout_s, False
         try:
             while time.monotonic() < deadline:
                 if self.process.poll() is not None:
@@ -254,9 +297,13 @@ class RedisServer:
                         f"on port {self.port}; log {self.log_path}:\n{self._log_tail()}"
                     )
                 try:
-                    # Another server may hold the port (a race for it): only our own pid counts.
+                    # Another server may hold the port (a race for it): only our own pid counts; ready once
+                    # its data is loaded (INFO answers while it loads, every other command LOADING).
                     if client.info("server").get("process_id") == self.process.pid:
-                        return
+                        loading = bool(int(client.info("persistence").get("loading", 0)))
+                        if not loading:
+                            return
+                        deadline = max(deadline, started + LOADING_S)  # a large append-only file: bounded
                 except (redis.BusyLoadingError, redis.ConnectionError, redis.TimeoutError):
                     pass
                 except redis.AuthenticationError:
@@ -264,9 +311,10 @@ class RedisServer:
                 time.sleep(0.05)
         finally:
             client.close()
+        late = f"had not loaded its data within {LOADING_S:g} s" if loading else "did not answer PING within "
+        late += "" if loading else f"{self.start_timeout_s:.0f} s"
         raise RedisUnavailableError(
-            f"{self.executable} on port {self.port} did not answer PING within "
-            f"{self.start_timeout_s:.0f} s; log {self.log_path}:\n{self._log_tail()}"
+            f"{self.executable} on port {self.port} {late}; log {self.log_path}:\n{self._log_tail()}"
         )
 
     def _log_tail(self, lines: int = 15) -> str:

@@ -15,9 +15,11 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import math
+import os
 import pathlib
 import re
 import time
@@ -32,6 +34,9 @@ def setup_logging(run_dir: str | pathlib.Path, role: str, console: bool, level: 
     """Configure the root `streamrl` logger for this process and return it."""
     logs = pathlib.Path(run_dir) / "logs"
     logs.mkdir(parents=True, exist_ok=True)
+    # A log that cannot be written (a full disk) loses the line; logging's default prints the failure's
+    # traceback to stderr, which lands in the run's logs once there is room again.
+    logging.raiseExceptions = False
     logger = logging.getLogger("streamrl")
     logger.setLevel(level)
     logger.propagate = False
@@ -70,6 +75,7 @@ class MetricsSink:
         self._tb = _tensorboard_writer(run_dir / "tensorboard") if cfg.tensorboard else None
         self._prometheus = _Prometheus(cfg.prometheus_host, cfg.prometheus_port) if cfg.prometheus_port else None
         self._wandb = _wandb_run(run_dir, cfg) if cfg.wandb else None
+        self.unwritten = 0  # records the disk refused (full): the run goes on without them
 
     @property
     def prometheus_port(self) -> int | None:
@@ -77,21 +83,29 @@ class MetricsSink:
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         record = {"step": step, "time": time.time(), **{k: _finite(v) for k, v in metrics.items()}}
-        self._file.write(json.dumps(record) + "\n")
         numeric = _numeric(metrics)
-        if self._tb is not None:
-            for key, value in numeric.items():
-                self._tb.add_scalar(key, value, step)
-            self._tb.flush()
+        try:
+            self._file.write(json.dumps(record) + "\n")
+            if self._tb is not None:
+                for key, value in numeric.items():
+                    self._tb.add_scalar(key, value, step)
+                self._tb.flush()
+        except OSError as e:  # a full disk: training goes on; the ledger, which cannot write either, ends it
+            self.unwritten += 1
+            if self.unwritten == 1:
+                logging.getLogger("streamrl").warning("metrics of step %d not written to %s: %s", step, self.path, e)
         if self._prometheus is not None:
             self._prometheus.set({"step": float(step), **numeric})
         if self._wandb is not None:
             self._wandb.log(numeric, step=step)
 
     def close(self) -> None:
-        self._file.close()
-        if self._tb is not None:
-            self._tb.close()
+        try:
+            self._file.close()
+            if self._tb is not None:
+                self._tb.close()
+        except OSError:
+            pass  # the last buffered lines, on a full disk: counted in `unwritten` already when they failed
         if self._prometheus is not None:
             self._prometheus.close()
         if self._wandb is not None:
@@ -224,18 +238,49 @@ def read_metrics(path: str | pathlib.Path) -> list[dict[str, Any]]:
     return tail.records
 
 
-def write_ending(run_dir: str | pathlib.Path, ended: str, code: int, detail: str) -> None:
-    """RUN/end.json, written by the learner as it exits: how the run ended (`ended`: finished, interrupted,
-    stopped by the stall alarm, ledger lost, ...), the learner's `exit` status, `detail`, `time`."""
-    record = {"ended": ended, "exit": code, "detail": detail, "time": time.time()}
-    path = pathlib.Path(run_dir) / "end.json"
-    path.with_suffix(".tmp").write_text(json.dumps(record) + "\n")
-    path.with_suffix(".tmp").replace(path)
+ENDING, RESERVE = "end.json", ".reserve"
+RESERVE_BYTES = 256 << 10
+
+
+def keep_reserve(run_dir: str | pathlib.Path) -> None:
+    """RUN/.reserve: RESERVE_BYTES written to disk when a run starts, given up only for the run's last words
+    (`write_ending`) on a disk that filled up meanwhile. A disk full already keeps none."""
+    path = pathlib.Path(run_dir) / RESERVE
+    try:
+        if path.is_file() and path.stat().st_size >= RESERVE_BYTES:
+            return
+        with open(path, "wb") as f:
+            f.write(bytes(RESERVE_BYTES))
+            f.flush()
+            os.fsync(f.fileno())  # allocated now, not when the page cache is written back
+    except OSError:
+        path.unlink(missing_ok=True)
+
+
+def write_ending(run_dir: str | pathlib.Path, ended: str, code: int, detail: str, by: str = "learner") -> bool:
+    """RUN/end.json: how the run ended (`ended`: finished, interrupted, stopped by the stall alarm, ledger lost,
+    stopped without an ending, ...), the learner's `exit` status, `detail`, `time`, and who wrote it (`by`:
+    the learner as it exits, or the launcher for a learner that could not). On a full disk the reserve
+    (`keep_reserve`) makes room for it. False when it could not be written."""
+    record = {"ended": ended, "exit": code, "detail": detail, "time": time.time(), "by": by}
+    path = pathlib.Path(run_dir) / ENDING
+    for attempt in range(2):
+        try:
+            path.with_suffix(".tmp").write_text(json.dumps(record) + "\n")
+            path.with_suffix(".tmp").replace(path)
+            return True
+        except OSError as e:
+            reserve = path.with_name(RESERVE)
+            if attempt or e.errno != errno.ENOSPC or not reserve.is_file():
+                path.with_suffix(".tmp").unlink(missing_ok=True)
+                return False
+            reserve.unlink()
+    return False
 
 
 def read_ending(run_dir: str | pathlib.Path) -> dict[str, Any] | None:
     """RUN/end.json, or None while the run runs (a learner removes it when it starts) or never ran here."""
     try:
-        return json.loads((pathlib.Path(run_dir) / "end.json").read_text())
+        return json.loads((pathlib.Path(run_dir) / ENDING).read_text())
     except (OSError, ValueError):
         return None

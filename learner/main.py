@@ -19,10 +19,10 @@ import torch
 
 from streamrl.engine.config import Config, ConfigError, presets
 from streamrl.engine.config import rules as config_rules
-from streamrl.engine.ledger import LedgerUnavailableError
+from streamrl.engine.ledger import LedgerUnavailableError, LedgerUnwritableError
 from streamrl.engine.messages import AdapterSpec
 from streamrl.engine.models import default_tiny_model, load_model
-from streamrl.engine.telemetry import setup_logging, write_ending
+from streamrl.engine.telemetry import ENDING, keep_reserve, setup_logging, write_ending
 from streamrl.learner import checkpoint, lora, parallel
 from streamrl.learner.intake import LearnerStalledError, RewardFailingError
 from streamrl.learner.orchestrator import Orchestrator
@@ -43,7 +43,8 @@ def run_learner(cfg: Config, resume: str = "") -> int:
     rank0 = parallel.is_rank0()
     setup_logging(cfg.run.path, f"learner-rank{parallel.rank()}", console=rank0, level=cfg.telemetry.log_level)
     if rank0:
-        (cfg.run.path / "end.json").unlink(missing_ok=True)  # running again (a resume): not ended
+        (cfg.run.path / ENDING).unlink(missing_ok=True)  # running again (a resume): not ended
+        keep_reserve(cfg.run.path)  # room for the last words on a disk that fills up
     if rank0:
         log.info("%s", presets.describe(cfg))  # every field a recipe set, and which an explicit setting overrode
     torch.manual_seed(cfg.run.seed)
@@ -90,8 +91,9 @@ def run_learner(cfg: Config, resume: str = "") -> int:
             if rank0:
                 orchestrator.report(step, batch.version, metrics, clock.laps, clock.started)  # report
         ending.update(reason="run finished", finished=True)
-    except LedgerUnavailableError:
-        ending.update(reason="the ledger (Redis) is unreachable", ledger_reachable=False)
+    except LedgerUnavailableError as e:
+        why = "refuses writes" if isinstance(e, LedgerUnwritableError) else "is unreachable"
+        ending.update(reason=f"the ledger (Redis) {why}", ledger_reachable=False)
         raise
     except RewardFailingError:
         ending.update(reason="the reward fails on (nearly) every sample")
@@ -184,7 +186,8 @@ def _terminate_gracefully(signum, frame):
 def main(cfg: Config, resume: str = "") -> int:
     """The learner process: the exit status (2 for a config or checkpoint error, 3 when nothing was
     trained for `learner.stall_stop_s` or the reward failed on nearly every sample of 2 steps, 4 when
-    the ledger's Redis stayed unreachable past `ledger.retry_s`, 130 on a signal), also written with
+    the ledger's Redis stayed unreachable past `ledger.retry_s`, 5 when it refused writes that long (its
+    disk full: MISCONF; OOM; READONLY), 130 on a signal), also written with
     how the run ended to RUN/end.json (`streamrl status` shows it)."""
     try:
         check_config(cfg)
@@ -194,7 +197,8 @@ def main(cfg: Config, resume: str = "") -> int:
     signal.signal(signal.SIGTERM, _terminate_gracefully)
     code, ended, detail = _run(cfg, resume)
     if os.environ.get("RANK", "0") == "0" and cfg.run.path.is_dir():  # rank 0 speaks for the run
-        write_ending(cfg.run.path, ended, code, detail)
+        if not write_ending(cfg.run.path, ended, code, detail):
+            log.error("how the run ended could not be written to %s", cfg.run.path / ENDING)
     return code
 
 
@@ -215,6 +219,9 @@ def _run(cfg: Config, resume: str) -> tuple[int, str, str]:
     except LearnerStalledError as e:
         log.error("the run stalled: %s", e)
         return 3, "stopped by the stall alarm", str(e)
+    except LedgerUnwritableError as e:
+        log.error("the learner stops: %s", e)
+        return 5, "stopped: the ledger cannot write", f"Redis refused writes: {e.refusal}\n{e}"
     except LedgerUnavailableError as e:
         log.error("the learner stops: %s", e)
         return 4, "ledger lost", str(e)

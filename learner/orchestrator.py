@@ -36,6 +36,7 @@ from streamrl.engine.redis_server import redact
 from streamrl.engine.telemetry import EventLog, MetricsSink
 from streamrl.engine.transport import REFUSALS, TrajectoryReceiver, bind_address
 from streamrl.learner.batching import StepBatch, pack_for_ranks, sequence_cost
+from streamrl.learner.heartbeat import LearnerHeartbeat
 from streamrl.learner.intake import Intake, RewardWatch, StallAlarm
 from streamrl.learner.nodes import NodeRegistry
 from streamrl.learner.overdue import OverdueGroups
@@ -105,16 +106,13 @@ class Orchestrator:
         self.selection = Selection()  # the step's groups and what it trains of them, until reported
         self._last_reap = 0.0
         self.ledger.announce_learner(self.incarnation, self.registry.addr, self.intake.addr)
+        self.heartbeat = LearnerHeartbeat(self.ledger, self.incarnation)
+        self.heartbeat.start()
         self.registry.start()
         self._write_address_file(cfg.run.path)
         self.events.emit("up", control=self.registry.addr, trajectories=self.intake.addr)
-        log.info(
-            "learner up: control %s, trajectories %s, ledger %s (incarnation %s)",
-            self.registry.addr,
-            self.intake.addr,
-            self.redis_url.split("@")[-1],
-            self.incarnation,
-        )
+        where = (self.registry.addr, self.intake.addr, self.redis_url.split("@")[-1], self.incarnation)
+        log.info("learner up: control %s, trajectories %s, ledger %s (incarnation %s)", *where)
 
     def steps_left(self, next_step: int) -> int:
         """Steps still to train from `next_step` on: the ledger admits no group beyond what they train."""
@@ -354,6 +352,7 @@ class Orchestrator:
         the ledger unreachable (Redis gone past `ledger.retry_s`) it is left as it was: a resumed
         learner settles it."""
         try:
+            self.heartbeat.stop()
             self.registry.stop_all(reason)
             deadline = time.monotonic() + drain_s
             while self.registry.count and time.monotonic() < deadline:

@@ -30,9 +30,10 @@ import msgspec
 
 from streamrl.engine.auth import keys_folder, make_keys
 from streamrl.engine.config import Config, dump
-from streamrl.engine.ledger import Ledger, LedgerUnavailableError
+from streamrl.engine.ledger import Ledger, LedgerError, LedgerUnavailableError
 from streamrl.engine.placement import Placement, plan, visible_gpus
 from streamrl.engine.redis_server import RedisServer, RedisUnavailableError, connect, write_private
+from streamrl.engine.telemetry import read_ending, write_ending
 from streamrl.rollout.service import stop_bound_s
 
 log = logging.getLogger("streamrl.launcher")
@@ -212,7 +213,7 @@ class Launcher:
                 ledger_cfg = msgspec.structs.replace(self.cfg.ledger, retry_s=min(self.cfg.ledger.retry_s, 5.0))
                 self._ledger = Ledger(connect(self.ledger_url, retries=2), self.cfg.run.name, ledger_cfg)
             resolved = self._ledger.resolve_node(name, "node_lost")
-        except (LedgerUnavailableError, RedisUnavailableError, OSError) as e:
+        except (LedgerUnavailableError, LedgerError, RedisUnavailableError, OSError) as e:
             log.warning("node %s: its samples could not be resolved (%s)", name, e)
             return 0
         if resolved:
@@ -256,6 +257,26 @@ class Launcher:
         if not keep_redis:
             self.stop_redis()
         shutil.rmtree(self.tmp, ignore_errors=True)
+
+    def record_ending(self, last_error: str = "") -> dict | None:
+        """RUN/end.json for a learner that exited without writing it (killed by a signal, a crash the learner
+        did not catch): written here, so that every end of the run says how it ended; the ending either way
+        (None while the learner runs). `last_error`: the learner's last error line, if any."""
+        if self.learner is None or self.learner.alive:
+            return None
+        ending = read_ending(self.run_dir)
+        if ending is not None and ending.get("time", 0.0) >= self.learner.started - 1:
+            return ending  # the learner's own words
+        code = self.learner.process.returncode
+        if code < 0:
+            name = signal.Signals(-code).name if -code in signal.Signals._value2member_map_ else "?"
+            how = f"learner killed (signal {-code}, {name})"
+            how += ": by a person, or by the kernel out of memory (`dmesg` says which)" if -code == 9 else ""
+        else:
+            how = f"learner exit {code}" + (f": {last_error}" if last_error else f"; its log {self.learner.log_path}")
+        code = 128 - code if code < 0 else code  # as a shell reports a signal
+        written = write_ending(self.run_dir, "stopped without an ending", code, how, by="launcher")
+        return {"ended": "stopped without an ending", "exit": code, "detail": how, "written": written}
 
     def failed_nodes(self) -> list[Child]:
         """Nodes that exited with an error (a node stopped by SIGTERM exits 0)."""

@@ -204,6 +204,20 @@ def check_rewards(ctx: _Context) -> list[Problem]:
     return [_problem("reward", m) for m in out]
 
 
+def check_env(ctx: _Context) -> list[Problem]:
+    """[env]: what a node resolves before its first episode (rollout/envs/check.py): the environment class,
+    its tools, its constructor's arguments, skyrl-gym's environment ids."""
+    from streamrl.rollout.envs.check import problems
+    from streamrl.rollout.sources import read_rows
+
+    path = ctx.cfg.data.path if ctx.columns is not None else ""  # unreadable data: the data check said so
+
+    def rows() -> list:
+        return read_rows(path)[:SCAN_ROWS] if path else []
+
+    return [_problem("env", m) for m in problems(ctx.cfg.env, rows)]
+
+
 def check_telemetry(ctx: _Context) -> list[Problem]:
     """Optional sinks that are on but cannot work (the run goes on without them: a warning)."""
     problem = tensorboard_problem(ctx.cfg.telemetry.tensorboard)
@@ -275,6 +289,7 @@ CHECKS: list[tuple[str, frozenset[str], Callable[[_Context], list[Problem]]]] = 
     ("lora", frozenset(ROLES), check_lora),
     ("data", frozenset({"rollout"}), check_data),
     ("reward", frozenset({"rollout"}), check_rewards),
+    ("env", frozenset({"rollout"}), check_env),
     ("telemetry", frozenset({"learner"}), check_telemetry),
     ("gpu", frozenset(ROLES), check_gpu_placement),
 ]
@@ -309,7 +324,7 @@ def report(found: Preflight, debug: bool = False, err=None) -> int:
     from rich.console import Console
     from rich.markup import escape
 
-    console = Console(file=err or sys.stderr, highlight=False, soft_wrap=True)
+    console = Console(file=err or sys.stderr, highlight=False, soft_wrap=True, emoji=False)  # `:zzz:` in a path is text
     colours = {"error": "red", "warning": "yellow", "info": "dim"}
     for problem in found.problems:
         console.print(f"[{colours[problem.level]}]{problem.level}:[/] {problem.check}: {escape(problem.message)}")

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import math
+import pathlib
 import re
+import shutil
 import signal
 import time
 
 import msgspec
 from rich.console import Console
 from rich.live import Live
+from rich.markup import escape
 
 from streamrl.engine.auth import NO_CURVE_WARNING
 from streamrl.engine.config import Config, ConfigError, presets
@@ -24,8 +28,35 @@ from streamrl.ops.phases import Board
 DEMO = ["learner.lr=1e-2", "rollout.group_size=8", "rollout.max_tokens=24", "run.steps=30"]
 LEARNER_UP_S = 300.0  # from the learner's start to its sockets (RUN/learner.json)
 LEDGER_LOST = 4  # the learner's exit status when Redis stayed unreachable past ledger.retry_s
+LEDGER_UNWRITABLE = 5  # ... when it refused writes that long (its disk full: MISCONF; OOM; READONLY)
 POLL_S = 0.1  # how often the live view reads the logs and the metrics
 REDRAW_S = 0.5  # the view redraws at least this often (its clock), and whenever a state changes
+
+
+def name_after(config: str | None, data: str) -> str:
+    """The name of a run its config does not name: the config file's stem, else the data source's (a file's
+    stem, a library task's or taskset's id), else `demo` (the built-in demo)."""
+    if config:
+        base = pathlib.Path(config).stem
+    elif data.startswith(("reasoning_gym:", "verifiers:")):
+        base = data.split(":")[1]
+    else:
+        base = pathlib.Path(data).stem if data else "demo"
+    return re.sub(r"[^A-Za-z0-9_.-]+", "-", base).strip("-.") or "run"
+
+
+def name_sets(config: pathlib.Path | None, sets: list[str]) -> list[str]:
+    """`run.name=...` for a run that neither the config nor `--set` names (`name_after`); [] when it is
+    named (or the config cannot be read: loading it says why)."""
+    from streamrl.engine.config import given, read
+
+    try:
+        raw = given(read(config), sets)
+    except ConfigError:
+        return []
+    if "name" in raw.get("run", {}):
+        return []
+    return [f"run.name={name_after(config and str(config), str(raw.get('data', {}).get('path', '')))!r}"]
 
 
 def fresh_name(cfg: Config, explicit: bool) -> Config:
@@ -37,14 +68,18 @@ def fresh_name(cfg: Config, explicit: bool) -> Config:
 
 
 def summary(records: list[dict], wall_s: float) -> str:
+    """The closing line: steps (and how many took no update), the reward's first and last quarter, the
+    completion tokens of the steps that trained (a skipped step's trained nothing)."""
     if not records:
         return f"no step finished in {wall_s:.0f} s"
     scored = [r["reward/mean"] for r in records if "reward/mean" in r]  # a step left without samples has none
     k = max(1, len(scored) // 4)
-    first, last = sum(scored[:k]) / k, sum(scored[-k:]) / k
-    tokens = sum(r.get("completion_tokens", 0) for r in records)
+    first, last = (sum(scored[:k]) / k, sum(scored[-k:]) / k) if scored else (math.nan, math.nan)
+    skipped = sum(1 for r in records if r.get("skipped"))
+    tokens = sum(r.get("completion_tokens", 0) for r in records if not r.get("skipped"))
+    steps = f"{len(records)} steps" + (f" ({skipped} skipped: no update)" if skipped else "")
     return (
-        f"{len(records)} steps in {wall_s:.0f} s; mean reward {first:.3f} (first {k} steps) -> {last:.3f} "
+        f"{steps} in {wall_s:.0f} s; mean reward {first:.3f} (first {k} steps) -> {last:.3f} "
         f"(last {k}); {tokens} completion tokens trained, {tokens / wall_s:.0f} tokens/s overall"
     )
 
@@ -93,15 +128,18 @@ def run_local(
                 view.show(force=True)  # the last table: every role as it ended
         if not console.is_terminal:
             console.line()  # without a terminal the last table ends without a newline
+        ending = launcher.record_ending(board.learner.last_error if board.learner is not None else "")
         if failure:
             console.print(f"[red]error:[/] {failure}")
         elif code == LEDGER_LOST:
             console.print(f"[red]error:[/] {_ledger_lost(launcher, cfg)}")
+        elif code == LEDGER_UNWRITABLE:
+            console.print(f"[red]error:[/] {escape(_ledger_unwritable(launcher, cfg, ending))}")
         elif board.learner is not None and board.learner.state.state == "dead":
             log = launcher.learner.log_path
             console.print(f"[red]the learner exited[/] ({board.learner.state.detail}); its log {log}")
         console.print(summary(read_metrics(launcher.run_dir / "metrics.jsonl"), time.monotonic() - started))
-        if code != LEDGER_LOST:  # no ledger to read the books from
+        if code != LEDGER_LOST:  # no ledger to read the books from (one that cannot write still reads)
             code = _books(launcher, board, cfg, console) or code
     finally:
         launcher.stop_redis()
@@ -117,6 +155,24 @@ def _ledger_lost(launcher: Launcher, cfg: Config) -> str:
         f"the ledger (Redis{where}) stopped answering for more than ledger.retry_s = {cfg.ledger.retry_s:g} s: "
         "every process of the run was stopped and its books were left as they were; once Redis is back, "
         f"continue with the same command and `--resume latest --set run.name={cfg.run.name}`"
+    )
+
+
+def _ledger_unwritable(launcher: Launcher, cfg: Config, ending: dict | None) -> str:
+    """The one line for a run whose ledger refused writes for good (the learner's exit 5)."""
+    where = launcher.redis.dir if launcher.redis is not None else None
+    said = (ending or {}).get("detail", "").splitlines()
+    refusal = said[0] if said else "Redis refused writes"
+    room = f" ({shutil.disk_usage(where).free / 2**20:.1f} MiB free in {where})" if where is not None else ""
+    resume = (
+        f"continue with the same command and `--resume latest --set run.name={cfg.run.name}`"
+        if any(launcher.run_dir.glob("checkpoints/step_*/meta.json"))
+        else "start the run again (no checkpoint was saved yet to resume from)"
+    )
+    return (
+        f"the ledger cannot write: {refusal}{room}, for longer than ledger.retry_s = {cfg.ledger.retry_s:g} s: every "
+        f"process of the run was stopped and its books were left as they were; free space (or mend what Redis "
+        f"names), then {resume}"
     )
 
 
@@ -151,8 +207,6 @@ class _View:
     def print_warnings(self) -> None:
         """The learner's warnings above the table, each kind once (a zero-variance step warns every step);
         its log has them all."""
-        from rich.markup import escape
-
         for text in self.board.learner.take_warnings() if self.board.learner is not None else []:
             kind = re.sub(r"-?\d+(?:\.\d+)?(?:e-?\d+)?", "N", text)
             self.warned[kind] = self.warned.get(kind, 0) + 1
@@ -174,10 +228,10 @@ def _watch(launcher: Launcher, view: _View, console: Console) -> int:
 
 def _follow(launcher: Launcher, view: _View, console: Console) -> None:
     """Until the learner exits: start the nodes once it is up, refresh the view, and stop with an
-    error when it never comes up or when every node died before the last step."""
+    error when it never comes up or when the run has had no live node for a while before its last step."""
     board = view.board
     nodes, deadline = board.requested, time.monotonic() + LEARNER_UP_S
-    started_nodes = False
+    started_nodes, watch = False, _NodeWatch(board, launcher.cfg.ledger.heartbeat_ttl_s)
     while launcher.learner.alive:
         if not started_nodes and launcher.learner_address() is not None:
             started_nodes = True
@@ -193,24 +247,40 @@ def _follow(launcher: Launcher, view: _View, console: Console) -> None:
         records = view.metrics.records
         finishing = bool(records) and records[-1]["step"] >= launcher.cfg.run.steps  # nodes were told to stop
         if started_nodes and nodes and not finishing:
-            _check_nodes(board)
+            watch.check()
         time.sleep(POLL_S)
 
 
-def _check_nodes(board: Board) -> None:
-    """Every node this run started exited before the last step: the run cannot go on."""
-    watches = list(board.nodes.values())
-    if not watches or any(w.child.alive for w in watches):
-        return
-    dead = [state for state in (w.poll() for w in watches) if state.state == "dead"]
-    if not dead:
-        why = "their prompt source ended: data.loop = false" if not board.launcher.cfg.data.loop else "exit 0"
-        logs = board.launcher.run_dir / "logs"
-        raise RuntimeError(f"every rollout node stopped ({why}) before the learner's last step; their logs: {logs}")
-    last = dead[-1]
-    raise RuntimeError(
-        f"every rollout node exited; {last.name} {last.detail}; its log {board.nodes[last.name].child.log_path}"
-    )
+class _NodeWatch:
+    """Ends a run that has had no rollout node for `wait_s` (ledger.heartbeat_ttl_s): none of the nodes this
+    launcher started alive and none in the learner's roster (events.jsonl: every node it registered and has not
+    seen go, whoever started it, e.g. a replacement started by hand with `streamrl rollout --learner RUN`)."""
+
+    def __init__(self, board: Board, wait_s: float):
+        self.board, self.wait_s = board, wait_s
+        self.since: float | None = None  # when the run was first seen without a node
+
+    def check(self) -> None:
+        board = self.board
+        watches = list(board.nodes.values())
+        roster = board.learner.registered if board.learner is not None else set()
+        if roster or any(w.child.alive for w in watches):
+            self.since = None
+            return
+        self.since = self.since or time.monotonic()
+        if time.monotonic() - self.since < self.wait_s:
+            return
+        dead = [state for state in (w.poll() for w in watches) if state.state == "dead"]
+        none = f"no rollout node has been live for {self.wait_s:g} s (ledger.heartbeat_ttl_s)"
+        if not dead:
+            why = "their prompt source ended: data.loop = false" if not board.launcher.cfg.data.loop else "exit 0"
+            logs = board.launcher.run_dir / "logs"
+            raise RuntimeError(
+                f"every rollout node stopped ({why}) before the learner's last step; {none}; logs: {logs}"
+            )
+        last = dead[-1]
+        log = board.nodes[last.name].child.log_path
+        raise RuntimeError(f"every rollout node exited; {last.name} {last.detail}; its log {log}; {none}")
 
 
 def _books(launcher: Launcher, board: Board, cfg: Config, console: Console) -> int:

@@ -53,26 +53,55 @@ def status_command(
     return 1 if errors else 0
 
 
+def live_ledger(run_dir: pathlib.Path) -> str:
+    """The URL of the ledger a run going on in `run_dir` uses (RUN/config.toml, written by its launcher or
+    learner), when it answers; '' when there is none (the run has ended: its embedded server stopped)."""
+    import tomllib
+
+    try:
+        url = tomllib.loads((run_dir / "config.toml").read_text()).get("ledger", {}).get("url", "")
+        if url:
+            connect(url, retries=1, timeout_s=2.0).close()
+        return url
+    except (OSError, tomllib.TOMLDecodeError, RedisUnavailableError):
+        return ""
+
+
 def _nodes(held: dict[str, int]) -> str:
     return f"{sum(held.values())} (" + ", ".join(f"{node} {n}" for node, n in held.items()) + ")" if held else "0"
 
 
-def _state(finished: float | None, ending: dict | None) -> str:
-    """How the run ended (RUN/end.json), else finished (the ledger's mark) or running."""
+def _state(ledger: Ledger, ending: dict | None) -> str:
+    """How the run ended (RUN/end.json: the learner's words as it exited, or the launcher's for a learner that
+    could not say, its error's first line whole), else finished (the ledger's mark), running (its learner
+    beats: `Ledger.learner_alive`), or stopped without an ending (killed, its host lost)."""
     if ending is not None:
-        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ending["time"]))
-        return f"{ending['ended']} {when} (learner exit {ending['exit']}: {ending['detail'][:160]})"
-    return "finished " + time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(finished)) if finished else "running"
+        said = str(ending.get("detail") or "").splitlines()
+        words = f": {said[0]}" if said else ""
+        return f"{ending['ended']} {_when(ending['time'])}{words} (exit {ending['exit']})"
+    finished = ledger.finished()
+    if finished:
+        return f"finished {_when(finished)}"
+    if ledger.learner_alive():
+        return "running"
+    learner = ledger.learner()
+    if not learner:
+        return "no learner has announced itself"
+    beat = float(learner.get("beat") or learner["time"])
+    return f"stopped without an ending: no learner heartbeat since {_when(beat)}"
+
+
+def _when(t: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(t)))
 
 
 def _table(ledger: Ledger, counts: Counts, held: InFlight, ending: dict | None = None) -> Table:
     table = Table(title=f"run {ledger.run}", show_header=False)
     table.add_column("what")
     table.add_column("value", justify="right")
-    finished = ledger.finished()
     live = {node: n for node, n in held.by_node.items() if node in held.alive}
     rows = [
-        ("run", _state(finished, ending)),
+        ("run", _state(ledger, ending)),
         ("current policy version", ledger.current_version()),
         ("nodes alive", ", ".join(ledger.alive_nodes()) or "none"),
         ("groups in flight / capacity", f"{ledger.groups_in_flight()} / {ledger.capacity()}"),

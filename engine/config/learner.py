@@ -242,7 +242,26 @@ class LearnerConfig(_Section):
 
 
 class CheckpointConfig(_Section):
-    every: Annotated[int, _doc("Save a resumable checkpoint every N steps; 0 disables.", ge=0)] = 0
+    every: Annotated[
+        int,
+        _doc(
+            "Save a resumable checkpoint every N steps (and at the last); 0: as often as checkpoint.budget allows "
+            "(the default: a crash can be resumed with --resume latest).",
+            ge=0,
+        ),
+    ] = 0
+    budget: Annotated[
+        float,
+        _doc(
+            "With every = 0, the most of the run's time checkpoints may take: the next waits until the time since "
+            "the last one is at least its duration / budget (and min_interval_s); 0: no checkpoints.",
+            ge=0.0,
+            le=0.5,
+        ),
+    ] = 0.02
+    min_interval_s: Annotated[
+        float, _doc("With every = 0, the least time between two checkpoints (the first: from the start).", gt=0.0)
+    ] = 60.0
     keep_last: Annotated[int, _doc("Keep the newest K checkpoints.", ge=1)] = 2
     keep_every: Annotated[int, _doc("Also keep every checkpoint whose step is a multiple of M; 0 disables.", ge=0)] = 0
     export_every: Annotated[int, _doc("Write an HF safetensors export every N steps; 0 disables.", ge=0)] = 0

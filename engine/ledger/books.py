@@ -23,7 +23,8 @@ import redis
 
 from streamrl.engine.config import LedgerConfig
 from streamrl.engine.ledger import scripts as lua
-from streamrl.engine.redis_server import redact
+from streamrl.engine.ledger.errors import LedgerError, gave_up
+from streamrl.engine.redis_server import redact, write_refusal
 
 log = logging.getLogger("streamrl.engine.ledger")
 
@@ -56,14 +57,6 @@ _WRITERS = (
 )
 
 _READERS = ("IN_FLIGHT",)
-
-
-class LedgerError(RuntimeError):
-    """A ledger call the run's state does not allow (node not alive, run not set up, ...)."""
-
-
-class LedgerUnavailableError(RuntimeError):
-    """Redis did not answer within `ledger.retry_s`; the message names the server and how long it was tried."""
 
 
 def is_stale(sample_version: int, current_version: int, max_staleness: int) -> bool:
@@ -218,24 +211,24 @@ class LedgerBooks:
         return f"{self.prefix}rq:{uuid.uuid4().hex}"
 
     def _retry(self, attempt, what: str):
-        """`attempt()`, again with doubling waits while Redis cannot be reached, for `config.retry_s`."""
+        """`attempt()`, again with doubling waits while Redis cannot be reached or refuses writes for a
+        reason of its own (a full disk: `write_refusal`), for `config.retry_s`."""
         start, wait, warned, limit = time.monotonic(), 0.05, False, self.config.retry_s
         while True:
             try:
                 result = attempt()
             except redis.AuthenticationError:
                 raise
-            except (redis.ConnectionError, redis.TimeoutError) as e:
+            except (redis.ConnectionError, redis.TimeoutError, redis.ResponseError) as e:
+                refusal = write_refusal(e)
+                if isinstance(e, redis.ResponseError) and not refusal:
+                    raise
                 tried = time.monotonic() - start
                 if tried >= limit:
-                    raise LedgerUnavailableError(
-                        f"ledger of run {self.run!r}: Redis at {self.url} did not answer for {tried:.1f} s "
-                        f"({what}: {type(e).__name__}: {e}); the ledger stays in Redis as it was; start the "
-                        f"server again (same port and folder) and resume, or raise ledger.retry_s = "
-                        f"{limit:g} to wait longer"
-                    ) from None
+                    raise gave_up(self.run, self.url, e, refusal, what, tried, limit) from None
                 if not warned:
-                    log.warning("ledger: Redis at %s unreachable (%s); retrying for up to %g s", self.url, e, limit)
+                    why = f"refuses writes ({refusal})" if refusal else f"unreachable ({e})"
+                    log.warning("ledger: Redis at %s %s; retrying for up to %g s", self.url, why, limit)
                     warned = True
                 time.sleep(min(wait, limit - tried))
                 wait = min(2 * wait, 0.5)  # a refused connection costs nothing: notice the server back soon
@@ -286,6 +279,11 @@ class LedgerBooks:
         """The run's learner as it announced itself (`announce_learner`): incarnation, control_addr,
         trajectory_addr, time; empty before any learner started."""
         return self.client.hgetall(self.prefix + "learner")
+
+    @retried
+    def learner_alive(self) -> bool:
+        """A learner beat within `heartbeat_ttl_s` (`Ledger.learner_heartbeat`)."""
+        return bool(self.client.exists(self.prefix + "learner:alive"))
 
     @retried
     def rollbacks(self) -> list[dict]:

@@ -16,7 +16,9 @@ The learner's hot path costs two round trips per step, `receive()` and `commit_s
 `reap_lost_nodes()` (one) as often as it likes to check on nodes.
 
 Redis loss: every call retries a dropped connection with backoff for `ledger.retry_s` (the server
-restarting from its append-only file), then raises `LedgerUnavailableError` naming the server.
+restarting from its append-only file), then raises `LedgerUnavailableError` naming the server. A
+Redis that answers but refuses writes (a full disk: MISCONF; OOM; READONLY) is retried alike, then
+`LedgerUnwritableError` (a `LedgerUnavailableError`) names its answer and the fix.
 A retried write cannot apply twice or answer differently: each writing call carries its own id,
 under which Redis keeps its reply (scripts.exactly_once).
 
@@ -40,8 +42,6 @@ from streamrl.engine.ledger.books import (
     GeneratedSample,
     InFlight,
     LedgerBooks,
-    LedgerError,
-    LedgerUnavailableError,
     Orphan,
     Received,
     VersionRecord,
@@ -50,7 +50,8 @@ from streamrl.engine.ledger.books import (
     retried,
     sample_ids,
 )
-from streamrl.engine.redis_server import RedisServer, connect
+from streamrl.engine.ledger.errors import LedgerError, LedgerUnavailableError, LedgerUnwritableError
+from streamrl.engine.redis_server import RedisServer, connect, write_refusal
 
 __all__ = [
     "DROP_REASONS",
@@ -60,6 +61,7 @@ __all__ = [
     "Ledger",
     "LedgerError",
     "LedgerUnavailableError",
+    "LedgerUnwritableError",
     "Orphan",
     "Received",
     "VersionRecord",
@@ -142,6 +144,15 @@ class Ledger(LedgerBooks):
         an earlier incarnation notice the new one here and register with it."""
         record = {"incarnation": incarnation, "control_addr": control_addr, "trajectory_addr": trajectory_addr}
         self.client.hset(self.prefix + "learner", mapping={**record, "time": time.time()})
+
+    @retried
+    def learner_heartbeat(self, incarnation: str) -> None:
+        """Learner `incarnation` is alive for another `heartbeat_ttl_s` (`learner_alive`); `learner()["beat"]`
+        says when it last beat."""
+        pipe = self.client.pipeline(transaction=False)
+        pipe.set(self.prefix + "learner:alive", incarnation, px=int(self.config.heartbeat_ttl_s * 1000))
+        pipe.hset(self.prefix + "learner", "beat", time.time())
+        _execute(pipe, self.run)
 
     # ---- a run's end and a learner's resume ------------------------------------------------------
 
@@ -360,4 +371,6 @@ def _execute(pipe, run: str) -> list:
     try:
         return pipe.execute()
     except redis.ResponseError as e:
+        if write_refusal(e):
+            raise  # Redis cannot write: retried, then LedgerUnwritableError (LedgerBooks._retry)
         raise LedgerError(f"ledger of run {run!r}: {e}") from None

@@ -5,6 +5,7 @@ rest of streamrl uses is named here."""
 from streamrl.learner.checkpoint.keeper import Keeper
 from streamrl.learner.checkpoint.layout import (
     CheckpointError,
+    DiskFullError,
     LearnerState,
     check_writable,
     checkpoints_dir,
@@ -12,7 +13,8 @@ from streamrl.learner.checkpoint.layout import (
     read_meta,
     resolve,
 )
-from streamrl.learner.checkpoint.store import load, load_weights, prune, save
+from streamrl.learner.checkpoint.store import load, load_weights, local_path, prune, save
 
-__all__ = ["CheckpointError", "Keeper", "LearnerState", "check_writable", "checkpoints_dir", "list_checkpoints",
-           "load", "load_weights", "prune", "read_meta", "resolve", "save"]  # fmt: skip
+__all__ = ["CheckpointError", "DiskFullError", "Keeper", "LearnerState", "check_writable", "checkpoints_dir",
+           "list_checkpoints", "load", "load_weights", "local_path", "prune", "read_meta", "resolve",
+           "save"]  # fmt: skip

@@ -5,22 +5,37 @@ from __future__ import annotations
 import logging
 import os
 import pathlib
+import time
 
 from torch import nn
 
 from streamrl.engine.config import CheckpointConfig
 from streamrl.engine.messages import AdapterSpec
 from streamrl.learner import parallel
-from streamrl.learner.checkpoint.layout import LearnerState, check_writable, checkpoints_dir, estimate_bytes, resolve
-from streamrl.learner.checkpoint.store import _on_rank0_then_share, load, save, write_hf_files
+from streamrl.learner.checkpoint.layout import (
+    DiskFullError,
+    LearnerState,
+    check_writable,
+    checkpoints_dir,
+    estimate_bytes,
+    resolve,
+)
+from streamrl.learner.checkpoint.store import _on_rank0_then_share, load, local_path, save, write_hf_files
 from streamrl.learner.export import export_adapter, export_state
+
+log = logging.getLogger("streamrl.learner")
 
 
 class Keeper:
     """When the learner saves, exports and resumes (`checkpoint.every`, `export_every`, `--resume`).
 
-    Built before training: an unwritable folder or a full disk fails the run at start, not at the
-    first save an hour in. `trainer` needs `.optimizer`, `.scheduler`, `.state_dict()`, `.load_state_dict()`.
+    Saves every `checkpoint.every` steps, or by default as often as `checkpoint.budget` allows: the next save
+    waits until the time since the last one ended is at least the last one's duration / budget (and
+    `min_interval_s`), so saves take at most `budget` of the run's time; and at the last step. A save that
+    does not fit on the disk is skipped with a warning, the run going on; the last one's failure ends it.
+    Built before training: an unwritable folder, or a disk without room for one checkpoint, fails the run
+    at start, not at the first save an hour in. `trainer` needs `.optimizer`, `.scheduler`, `.state_dict()`,
+    `.load_state_dict()`.
     """
 
     def __init__(
@@ -34,14 +49,17 @@ class Keeper:
         adapter: AdapterSpec | None = None,
     ):
         """adapter: LoRA's spec; checkpoints then hold the adapters and their optimizer state alone."""
-        self.cfg, self.lm, self.trainer, self.model_source = cfg, lm, trainer, model_source
+        self.cfg, self.lm, self.trainer, self.model_source = cfg, lm, trainer, local_path(model_source)
         self.adapter = adapter
         self.root, self.exports = checkpoints_dir(run_dir), pathlib.Path(run_dir) / "exports"
         self.last_step = last_step
-        if cfg.every:
-            _on_rank0_then_share(lambda: check_writable(self.root, estimate_bytes(lm)))
+        self.saves = bool(cfg.every or cfg.budget)
+        self.need = estimate_bytes(lm, model_source, parallel.world_size())
+        self.saved_at, self.save_s = time.monotonic(), 0.0  # when the last save ended, and what it took
+        if self.saves:
+            _on_rank0_then_share(lambda: check_writable(self.root, self.need))
         if cfg.export_every:
-            _on_rank0_then_share(lambda: check_writable(self.exports, estimate_bytes(lm) // 3))
+            _on_rank0_then_share(lambda: check_writable(self.exports, self.need // 3))
             if parallel.is_rank0():
                 write_hf_files(lm, model_source, self.exports / ".hf")
 
@@ -51,7 +69,7 @@ class Keeper:
         state = load(path, self.lm, self.trainer.optimizer, self.trainer.scheduler)
         self.trainer.load_state_dict(state.trainer_state())
         if parallel.is_rank0():
-            logging.getLogger("streamrl.learner").info(
+            log.info(
                 "resumed from %s: step %d, version %d, saved by %d ranks, loaded on %d",
                 path,
                 state.step,
@@ -64,20 +82,9 @@ class Keeper:
     def after_step(self, step: int, policy: nn.Module) -> None:
         """Every rank: save and export when due (and at the last step). The host copy of the weights an
         export needs is made only then (`parallel.full_state_dict`, every rank takes part)."""
+        if self._save_due(step):
+            self._save(step)
         due = lambda every: every and (step % every == 0 or step == self.last_step)  # noqa: E731
-        if due(self.cfg.every):
-            state = LearnerState(step=step, **self.trainer.state_dict())
-            save(
-                self.root,
-                self.lm,
-                self.trainer.optimizer,
-                self.trainer.scheduler,
-                state,
-                self.model_source,
-                self.cfg.keep_last,
-                self.cfg.keep_every,
-                self.adapter,
-            )
         if due(self.cfg.export_every) and self.adapter is not None:  # LoRA: a PEFT adapter folder
             from streamrl.learner.lora import adapter_state
 
@@ -89,3 +96,26 @@ class Keeper:
             full_state = parallel.full_state_dict(policy)
             if parallel.is_rank0():
                 export_state(full_state, self.exports / ".hf", self.exports / f"step_{step}", overwrite=True)
+
+    def _save_due(self, step: int) -> bool:
+        """The same answer on every rank: by steps (`every`), else by rank 0's clock (`budget`)."""
+        if not self.saves:
+            return False
+        if step == self.last_step or self.cfg.every:
+            return step == self.last_step or step % self.cfg.every == 0
+        wait_s = max(self.cfg.min_interval_s, self.save_s / self.cfg.budget)
+        return parallel.from_rank0(time.monotonic() - self.saved_at >= wait_s)
+
+    def _save(self, step: int) -> None:
+        started = time.monotonic()
+        state = LearnerState(step=step, **self.trainer.state_dict())
+        args = (self.lm, self.trainer.optimizer, self.trainer.scheduler, state, self.model_source)
+        try:
+            save(self.root, *args, self.cfg.keep_last, self.cfg.keep_every, self.adapter, need=self.need)
+        except DiskFullError as e:
+            if step == self.last_step:
+                raise
+            if parallel.is_rank0():
+                log.warning("the checkpoint of step %d was skipped (training goes on): %s", step, e)
+        self.saved_at = time.monotonic()
+        self.save_s = self.saved_at - started

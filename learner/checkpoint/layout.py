@@ -17,6 +17,7 @@ mid-save leaves no half checkpoint that `latest` could pick.
 
 from __future__ import annotations
 
+import errno
 import os
 import pathlib
 import re
@@ -132,9 +133,27 @@ def resolve(spec: str | os.PathLike, run_dir: str | os.PathLike | None = None) -
         found = list_checkpoints(root)
         if found:
             return found[-1][1]
-    raise CheckpointError(
-        f"no complete checkpoint at {path} (a step_N folder with {META}, or a folder holding "
-        "them); check the path, or start without --resume"
+    raise CheckpointError(_none_at(path))
+
+
+def _none_at(path: pathlib.Path) -> str:
+    """Why there is no checkpoint at `path`: a run that saved none (and how to make it save), or a wrong path."""
+    run = next((p for p in (path, path.parent, path.parent.parent) if (p / "config.toml").is_file()), None)
+    if run is None:
+        return f"no checkpoint at {path}: give a step_N folder holding {META}, a run folder or its checkpoints/"
+    saved = list_checkpoints(checkpoints_dir(run))
+    if saved:
+        return f"no checkpoint at {path}; run {run} saved {', '.join(p.name for _, p in saved)}"
+    import tomllib
+
+    try:
+        said = tomllib.loads((run / "config.toml").read_text()).get("checkpoint", {})
+    except (OSError, tomllib.TOMLDecodeError):
+        said = {}
+    settings = ", ".join(f"checkpoint.{k} = {said[k]}" for k in ("every", "budget") if k in said)
+    return (
+        f"run {run} saved no checkpoint{f' ({settings})' if settings else ''}, or ended before its first: run it "
+        "again with --set checkpoint.every=N (one every N steps and one at the last step)"
     )
 
 
@@ -167,6 +186,10 @@ def check_compatible(meta: Meta, lm: nn.Module, path: pathlib.Path) -> None:
             )
 
 
+class DiskFullError(CheckpointError):
+    """A checkpoint that does not fit on its disk (checked before a save, or ENOSPC while writing one)."""
+
+
 def check_writable(root: pathlib.Path, need_bytes: int) -> None:
     """Fail early: the folder can be created and written, and the disk has room for a checkpoint."""
     try:
@@ -175,19 +198,59 @@ def check_writable(root: pathlib.Path, need_bytes: int) -> None:
         probe.write_bytes(b"ok")
         probe.unlink()
     except OSError as e:
+        if e.errno == errno.ENOSPC:
+            raise DiskFullError(f"no room for a checkpoint in {root}: the disk is full") from None
         raise CheckpointError(
             f"checkpoint folder {root} is not writable ({e.strerror}); set run.dir to a writable folder"
         ) from None
     free = shutil.disk_usage(root).free
     if free < need_bytes:
-        raise CheckpointError(
+        raise DiskFullError(
             f"not enough disk for a checkpoint in {root}: about {need_bytes / 2**20:.1f} MiB "
             f"needed, {free / 2**20:.1f} MiB free; free space, lower checkpoint.keep_last, "
             "or point run.dir elsewhere"
         )
 
 
-def estimate_bytes(lm: nn.Module) -> int:
-    """Trained weights plus AdamW's two moments, with 10% and 16 MiB to spare (LoRA: the adapters')."""
-    weights = sum(p.numel() * p.element_size() for p in lm.parameters() if p.requires_grad)
-    return int(weights * 3 * 1.1) + (16 << 20)
+ITEM_BYTES = 2560  # each tensor DCP writes: its torch.save framing, its entries in .metadata and meta.json
+RANK_BYTES = 32 << 10  # extra.pt: the LR schedule and each rank's RNG states
+HUB_FILES_BYTES = 16 << 20  # the tokenizer and config files of a model named on the Hub (not measured)
+
+
+def checkpoint_bytes(weights: int, trained: int, tensors: int, hf_files: int, ranks: int = 1) -> int:
+    """A checkpoint's size on disk: the trained weights as the state dict holds them (`weights` bytes, a tied
+    head twice), AdamW's two moments of the `trained` parameters' bytes, the framing of each of `tensors` (the
+    state dict's and 3 optimizer entries a parameter), the RNG states of `ranks`, the HF files beside them."""
+    return weights + 2 * trained + ITEM_BYTES * tensors + RANK_BYTES * ranks + hf_files
+
+
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".h5", ".msgpack", ".gguf")
+_INDEX_FILES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
+
+
+def side_files(source: pathlib.Path) -> list[pathlib.Path]:
+    """A model folder's files that are not weights (config, tokenizer, ...): an export needs them."""
+    return [
+        f
+        for f in source.iterdir()
+        if f.is_file() and not f.name.endswith(_WEIGHT_SUFFIXES) and f.name not in _INDEX_FILES
+    ]
+
+
+def hf_files_bytes(model_source: str) -> int:
+    """What a checkpoint's hf/ folder takes: the model folder's `side_files` (`store.write_hf_files` copies
+    them) and the config written beside them; a Hub name's are guessed (HUB_FILES_BYTES)."""
+    source = pathlib.Path(model_source) if model_source else None
+    if source is None or not source.is_dir():
+        return HUB_FILES_BYTES if model_source else 4096
+    return 4096 + sum(f.stat().st_size for f in side_files(source))
+
+
+def estimate_bytes(lm: nn.Module, model_source: str = "", ranks: int = 1) -> int:
+    """The disk a checkpoint of `lm` takes (`checkpoint_bytes`): the trained parameters (LoRA: the adapters')."""
+    trained = trained_names(lm)
+    state = {k: v for k, v in lm.state_dict().items() if trained is None or k in trained}
+    params = [p for p in lm.parameters() if p.requires_grad]
+    weights = sum(v.numel() * v.element_size() for v in state.values())
+    moments = sum(p.numel() * p.element_size() for p in params)
+    return checkpoint_bytes(weights, moments, len(state) + 3 * len(params), hf_files_bytes(model_source), ranks)

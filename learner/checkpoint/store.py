@@ -3,6 +3,7 @@ a save and a load; rank 0 writes the files that are not sharded."""
 
 from __future__ import annotations
 
+import errno
 import os
 import pathlib
 import pickle
@@ -20,6 +21,7 @@ from streamrl.learner.checkpoint.layout import (
     FORMAT,
     META,
     CheckpointError,
+    DiskFullError,
     LearnerState,
     Meta,
     check_compatible,
@@ -30,13 +32,10 @@ from streamrl.learner.checkpoint.layout import (
     param_shapes,
     read_meta,
     resolve,
+    side_files,
     step_dir,
     trained_names,
 )
-
-_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".h5", ".msgpack", ".gguf")
-_INDEX_FILES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
-
 
 # ---- save ------------------------------------------------------------------------------------
 
@@ -51,10 +50,13 @@ def save(
     keep_last: int = 2,
     keep_every: int = 0,
     adapter: AdapterSpec | None = None,
+    need: int = 0,
 ) -> pathlib.Path:
     """Every rank calls: write `root/step_{state.step}` (model, optimizer, schedule, RNG, state), then
     apply the retention policy. Returns the checkpoint folder. LoRA (`adapter`): the trained adapters and
-    their optimizer state alone; the frozen base is `model_source`'s."""
+    their optimizer state alone; the frozen base is `model_source`'s. `need`: the bytes it takes
+    (`estimate_bytes`, computed when 0). A checkpoint that does not fit raises `DiskFullError` on every rank
+    and leaves nothing behind."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
@@ -62,10 +64,25 @@ def save(
     final, tmp = step_dir(root, state.step), root / f".tmp-step_{state.step}"
     # first: FSDP2's hook shows the sharded fp32 parameters
     model_sd, optim_sd = _trained(lm, *get_state_dict(lm, optimizer, options=_options(lm)))
-    _on_rank0_then_share(lambda: _prepare(root, tmp, estimate_bytes(lm)))
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
+    need = need or estimate_bytes(lm, model_source, parallel.world_size())
+    _on_rank0_then_share(lambda: _prepare(root, tmp, need))
+    try:
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
+    except Exception as e:  # DCP reports a rank's failed write on every rank (CheckpointException)
+        if not _no_space(e):
+            raise
+        _on_rank0_then_share(lambda: _discard(tmp))
     rngs = parallel.gather_objects(_rng_state())
+    # rank 0's files; its error reaches every rank (one rank raising alone would leave the others waiting)
+    _on_rank0_then_share(lambda: _finish(root, tmp, final, lm, scheduler, state, model_source, adapter, rngs))
     if parallel.is_rank0():
+        prune(root, keep_last, keep_every)
+    return final
+
+
+def _finish(root, tmp, final, lm, scheduler, state, model_source, adapter, rngs) -> None:
+    """Rank 0: the files that are not sharded, meta.json last, then the folder under its name."""
+    try:
         torch.save({"scheduler": scheduler.state_dict(), "rng": rngs}, tmp / "extra.pt")
         write_hf_files(lm, model_source, tmp / "hf")
         shapes, dtypes = param_shapes(lm)
@@ -76,22 +93,41 @@ def save(
             shapes,
             dtypes,
             adapter=adapter,
-            base=model_source if adapter is not None else "",
+            base=local_path(model_source) if adapter is not None else "",
         )
         _write_atomic(tmp / META, msgspec.json.encode(meta))
-        if final.exists():
-            shutil.rmtree(final)
-        os.rename(tmp, final)
-        _fsync_dir(root)
-        prune(root, keep_last, keep_every)
-    parallel.barrier()
-    return final
+    except (OSError, RuntimeError) as e:  # torch.save reports a full disk as a RuntimeError
+        if not _no_space(e):
+            raise
+        _discard(tmp)
+    if final.exists():
+        shutil.rmtree(final)
+    os.rename(tmp, final)
+    _fsync_dir(root)
+
+
+def _no_space(error: BaseException) -> bool:
+    """The error, or one it wraps (DCP's CheckpointException keeps each rank's), is a full disk (ENOSPC)."""
+    seen = error
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno == errno.ENOSPC:
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return "No space left on device" in str(error) or "[Errno 28]" in str(error)
+
+
+def _discard(tmp: pathlib.Path) -> None:
+    """A checkpoint that did not fit: what was written of it goes (the room it took is the run's again)."""
+    shutil.rmtree(tmp, ignore_errors=True)
+    raise DiskFullError(f"the disk filled up while writing checkpoint {tmp.name.removeprefix('.tmp-')} in "
+                        f"{tmp.parent} ({shutil.disk_usage(tmp.parent).free / 2**20:.1f} MiB free now); free space "
+                        "or lower checkpoint.keep_last")  # fmt: skip
 
 
 def _prepare(root: pathlib.Path, tmp: pathlib.Path, need: int) -> None:
-    check_writable(root, need)
     if tmp.exists():
-        shutil.rmtree(tmp)  # left by a learner killed mid-save
+        shutil.rmtree(tmp)  # left by a learner killed mid-save: its room counts
+    check_writable(root, need)
 
 
 def prune(root: pathlib.Path, keep_last: int, keep_every: int = 0) -> list[pathlib.Path]:
@@ -112,9 +148,8 @@ def write_hf_files(lm: nn.Module, model_source: str, out: pathlib.Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     source = pathlib.Path(model_source) if model_source else None
     if source is not None and source.is_dir():
-        for file in source.iterdir():
-            if file.is_file() and not file.name.endswith(_WEIGHT_SUFFIXES) and file.name not in _INDEX_FILES:
-                shutil.copy2(file, out / file.name)
+        for file in side_files(source):
+            shutil.copy2(file, out / file.name)
     elif model_source:
         from transformers import AutoTokenizer
 
@@ -146,6 +181,12 @@ def load(path: str | os.PathLike, lm: nn.Module, optimizer, scheduler) -> Learne
     # Same world size: each rank its own stream. Resharded: every rank takes rank 0's, as at a fresh start.
     _set_rng_state(rngs[parallel.rank()] if len(rngs) == parallel.world_size() else rngs[0])
     return meta.state
+
+
+def local_path(model: str) -> str:
+    """`model` made absolute when it is a folder here (a relative base would name another folder wherever the
+    checkpoint is exported or loaded from); a hub id or a missing path as given."""
+    return str(pathlib.Path(model).resolve()) if model and pathlib.Path(model).exists() else model
 
 
 def load_weights(spec: str | os.PathLike) -> dict[str, torch.Tensor]:
@@ -183,16 +224,17 @@ def _options(lm: nn.Module):
 
 
 def _on_rank0_then_share(fn) -> None:
-    """Run `fn` on rank 0; every rank raises its error (so no rank waits in a collective for it)."""
+    """Run `fn` on rank 0; every rank raises its error (so no rank waits in a collective for it), a full
+    disk as `DiskFullError`."""
     error = None
     if parallel.is_rank0():
         try:
             fn()
         except CheckpointError as e:
-            error = str(e)
+            error = (isinstance(e, DiskFullError), str(e))
     error = parallel.from_rank0(error)
     if error:
-        raise CheckpointError(error)
+        raise (DiskFullError if error[0] else CheckpointError)(error[1])
 
 
 def _rng_state() -> dict:

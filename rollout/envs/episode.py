@@ -241,10 +241,12 @@ def _in_thread(fn: Callable, *args) -> asyncio.Future:
 
 def build_runner(cfg: Config, engine: GenerationBackend, tokenizer) -> EpisodeRunner:
     """The runner for `cfg.env` (its tool pool started when `env.tools` names tools)."""
+    from streamrl.rollout.envs.check import bind
     from streamrl.rollout.envs.tools import ToolPool, ToolPoolError
 
     try:
         cls = load_environment(cfg.env.name)
+        bind(cls, dict(cfg.env.args, **({"toolbox": None} if cfg.env.tools else {})))  # as preflight checks it
         tools = None
         if cfg.env.tools:
             e = cfg.env

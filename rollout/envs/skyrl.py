@@ -18,7 +18,10 @@ summed.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
+
+SHOWN = 5  # ids named in a message at most
 
 
 class SkyRLGymEnv:
@@ -48,3 +51,26 @@ class SkyRLGymEnv:
     def close(self) -> None:
         if self.env is not None:
             self.env.close()
+
+
+def unregistered(env_id: str | None, rows: Iterable[dict]) -> str:
+    """Why some episode cannot make its environment ('' when every one can): `env_id` (env.args), else each
+    row's `env_class`, must be an id skyrl-gym has registered."""
+    try:
+        from skyrl_gym.envs.registration import registry
+    except ImportError as e:
+        return f"env.name = 'skyrl_gym' needs the skyrl-gym package ({e}): pip install skyrl-gym"
+    known = ", ".join(sorted(registry))
+    if env_id:
+        return "" if env_id in registry else f"env.args.env_id = {env_id!r} is not a skyrl-gym id; registered: {known}"
+    rows = [r for r in rows if isinstance(r, dict)]
+    classes = [r.get("env_class") for r in rows]
+    unnamed = sum(not isinstance(c, str) or not c for c in classes)
+    missing = sorted({c for c in classes if isinstance(c, str) and c and c not in registry})
+    if missing:
+        more = f" and {len(missing) - SHOWN} more" if len(missing) > SHOWN else ""
+        shown = ", ".join(map(repr, missing[:SHOWN])) + more
+        return f"env_class {shown} in data.path is not a skyrl-gym id; registered: {known}"
+    if unnamed:
+        return f"{unnamed} of {len(rows)} rows in data.path have no env_class; give each one, or env.args.env_id"
+    return ""

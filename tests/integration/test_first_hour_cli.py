@@ -149,6 +149,19 @@ def test_a_reward_that_needs_a_column_the_data_lacks(tmp_path, tiny_model):
     assert_fast(wall, cpu)
 
 
+def test_an_environment_name_that_does_not_exist(tmp_path, tiny_model):
+    """Issue 38: it started Redis, the learner and two nodes, which died on it 47 s later (exit 1)."""
+    proc, wall, cpu = streamrl(tmp_path, "run", "--model", tiny_model, "--set", "env.name='no_such_env'")
+    assert_refused(
+        proc,
+        wall,
+        cpu,
+        "error: env: env.name = 'no_such_env' is not a registered name (echo_target, tools, reasoning_gym, "
+        "skyrl_gym) nor of the form `module:name` or `path.py:name`",
+        tmp_path,
+    )
+
+
 def test_the_learner_and_a_node_check_before_they_start(tmp_path, tiny_model):
     proc, wall, cpu = streamrl(tmp_path, "learner", "--set", f"model.path='{tmp_path}/no-model'")
     assert_refused(

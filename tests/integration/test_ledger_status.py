@@ -1,6 +1,8 @@
 """`streamrl status`: the table of a run's books, exit 1 when they do not balance."""
 
 import io
+import re
+import time
 
 from rich.console import Console
 
@@ -20,6 +22,8 @@ def _run_status(run, url, deep=False):
 def _small_run(url, run) -> Ledger:
     ledger = Ledger(connect(url), run, LedgerConfig(max_staleness=1))
     ledger.init_run(groups_per_step=2)
+    ledger.announce_learner("inc-1", "tcp://127.0.0.1:1", "tcp://127.0.0.1:2")
+    ledger.learner_heartbeat("inc-1")  # a learner is running it
     ledger.heartbeat("node-a")
     ids = ledger.take_credit("node-a", "g0", 4)
     batch = [
@@ -69,6 +73,21 @@ def test_status_exits_1_when_a_sample_vanished(redis_url, ledger_run):
     ledger.drop(["g0:1", "g0:3"], "preempted")
 
 
+def test_a_run_whose_learner_stopped_beating_without_an_ending_is_not_running(redis_url, ledger_run):
+    ledger = _small_run(redis_url, ledger_run)
+    code, text = _run_status(ledger_run, redis_url)
+    assert code == 0 and _row(text, "run") == "running"  # it beats
+    ledger.client.delete(ledger.prefix + "learner:alive")  # its heartbeat ran out: killed, or its host lost
+    code, text = _run_status(ledger_run, redis_url)
+    beat = time.strftime("%Y-%m-%d %H:%M", time.localtime(float(ledger.learner()["beat"])))
+    assert code == 0 and _row(text, "run").startswith(f"stopped without an ending: no learner heartbeat since {beat}")
+
+
+def _row(text: str, name: str) -> str:
+    """The value of the table's row `name`."""
+    return re.search(rf"│ {name} +│ +(.*?) │", text).group(1)
+
+
 def test_status_of_an_unknown_run_or_server(redis_url):
     code, text = _run_status("never-ran", redis_url)
     assert code == 1 and "no run 'never-ran'" in text
@@ -80,7 +99,7 @@ def test_a_finished_run_with_unresolved_samples_exits_1_naming_their_holders(red
     ledger = _small_run(redis_url, ledger_run)  # node-a holds g0:3 (admitted); g0:1 received, never trained
     ledger.client.delete(ledger.prefix + "alive:node-a")  # node-a is gone (its heartbeat ran out)
     code, text = _run_status(ledger_run, redis_url)
-    assert code == 0 and "running" in text  # a run going on: these samples may still resolve
+    assert code == 0 and _row(text, "run") == "running"  # a run going on: these samples may still resolve
     assert "held by gone nodes" in text and "1 (node-a 1)" in text and "held by live nodes" in text
     ledger.finish_run()
     code, text = _run_status(ledger_run, redis_url)

@@ -1,13 +1,29 @@
 """The embedded Redis: started on a free port, stopped by pid, persistent across restarts, clear errors."""
 
+import io
 import os
 import pathlib
+import socket
+import subprocess
+import threading
+import time
 
 import pytest
+import redis
+from rich.console import Console
 
+from streamrl.engine import redis_server
 from streamrl.engine.config import LedgerConfig
 from streamrl.engine.ledger import Ledger
-from streamrl.engine.redis_server import RedisServer, RedisUnavailableError, bundled_redis_server, connect, free_port
+from streamrl.engine.redis_server import (
+    RedisServer,
+    RedisUnavailableError,
+    bundled_redis_server,
+    connect,
+    folder_password,
+    free_port,
+)
+from streamrl.ops.status import status_command
 
 
 def _alive(pid: int) -> bool:
@@ -121,3 +137,85 @@ def test_each_folder_gets_its_own_password_kept_private_and_off_the_command_line
     with RedisServer(tmp_path / "other") as other:
         assert other.password != password
     assert url.startswith("redis://:")
+
+
+@pytest.fixture(scope="module")
+def large_ledger(tmp_path_factory) -> tuple[pathlib.Path, int]:
+    """A run's books beside 20,000 incompressible 1 KiB values, rewritten as an append-only file with an RDB
+    preamble: ~20 MiB, which a server loads in 2 MiB slices (it answers LOADING between them, 10 times; a
+    client library's handshake takes 4 of them)."""
+    folder = tmp_path_factory.mktemp("large")
+    with RedisServer(folder) as server:
+        ledger = Ledger(connect(server.url), "large", LedgerConfig())
+        ledger.init_run(groups_per_step=1)
+        pipe = ledger.client.pipeline(transaction=False)
+        for i in range(20_000):
+            pipe.set(f"filler:{i}", os.urandom(512).hex())
+        pipe.execute()
+        deadline = time.monotonic() + 30
+        while True:  # a new server may be rewriting already: ask until it takes ours
+            try:
+                ledger.client.bgrewriteaof()
+                break
+            except redis.ResponseError:
+                assert time.monotonic() < deadline
+                time.sleep(0.2)
+        while int(ledger.client.info("persistence")["aof_rewrite_in_progress"]) or int(
+            ledger.client.info("persistence")["aof_rewrite_scheduled"]
+        ):
+            time.sleep(0.1)
+        keys = ledger.client.dbsize()
+        ledger.client.close()
+    return folder, keys
+
+
+SLOW_LOAD = ["--key-load-delay", "100"]  # 0.1 ms a key: ~3 s to load, a LOADING answer every ~0.3 s
+
+
+def _loading_answer(port: int, password: str, command: str = "PING") -> bytes:
+    """A bare command's answer once the server listens: no client library's handshake (a command that waits
+    for a slice of its own while the server loads) or retry of a LOADING answer."""
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=30) as probe:
+                probe.sendall(f"AUTH {password}\r\n{command}\r\n".encode())
+                answer = b""
+                while answer.count(b"\r\n") < 2:
+                    answer += probe.recv(200)
+                return answer.split(b"\r\n")[1]
+        except ConnectionRefusedError:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+
+
+def test_status_waits_for_a_ledger_that_is_still_loading(large_ledger):
+    folder, keys = large_ledger
+    server = RedisServer(folder)
+    server.password = folder_password(folder)
+    server.port = free_port()
+    process = subprocess.Popen([*server._args(), *SLOW_LOAD], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        answer = _loading_answer(server.port, server.password)
+        out = io.StringIO()
+        code = status_command("large", server.url, console=Console(file=out, width=200))
+        assert answer.startswith(b"-LOADING"), answer  # status came while it loaded
+        assert code == 0 and "books balance: 0 = 0 trained" in out.getvalue(), out.getvalue()
+    finally:
+        process.kill()
+        process.wait()
+
+
+def test_the_embedded_server_is_ready_only_once_it_has_loaded(large_ledger, monkeypatch):
+    folder, keys = large_ledger
+    args = RedisServer._args
+    monkeypatch.setattr(RedisServer, "_args", lambda self: [*args(self), *SLOW_LOAD])
+    monkeypatch.setattr(redis_server, "free_port", lambda: port)
+    port = free_port()
+    answers: list[bytes] = []
+    probe = threading.Thread(target=lambda: answers.append(_loading_answer(port, folder_password(folder))))
+    probe.start()
+    with RedisServer(folder) as server:
+        assert _loading_answer(server.port, server.password, "DBSIZE") == f":{keys}".encode()  # loaded
+    probe.join()
+    assert answers and answers[0].startswith(b"-LOADING"), answers  # it did load while start() waited

@@ -13,6 +13,8 @@ import json
 import os
 import re
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
@@ -114,6 +116,95 @@ class FaultRun:
             self._ledger.client.close()
 
 
+class CliRun:
+    """`streamrl run` as a user starts it: a process of its own, its console (wide, no terminal) in
+    `FOLDER/NAME.out`, its run folder `FOLDER/NAME`; and what a fault test reads of it and its children.
+    `wrap`: a command to run it under (e.g. `unshare` with a small disk mounted first)."""
+
+    def __init__(self, folder, name: str, sets: list[str], nodes: int = 2, wrap: list[str] = ()):
+        self.run_dir, self.out = folder / name, folder / f"{name}.out"
+        sets = [*sets, f"run.dir='{folder}'", f"run.name='{name}'"]
+        command = [*wrap, sys.executable, "-m", "streamrl", "run", "--rollout-nodes", str(nodes)]
+        command += [a for s in sets for a in ("--set", s)]
+        env = {**os.environ, "COLUMNS": "1000"}  # a line is a line: no wrapping
+        with self.out.open("wb") as sink:
+            self.process = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                            env=env)  # fmt: skip
+        self.children: dict[int, str] = {}  # every process below it seen so far (pid -> command line)
+
+    def said(self) -> str:
+        return self.out.read_text(errors="replace")
+
+    def records(self) -> list[dict]:
+        path = self.run_dir / "metrics.jsonl"
+        return read_metrics(path) if path.exists() else []
+
+    def wait(self, done, what: str, timeout_s: float = 300.0):
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if result := done():
+                return result
+            assert self.process.poll() is None, (
+                f"streamrl run exited ({self.process.returncode}):\n{self.said()[-3000:]}"
+            )
+            time.sleep(0.25)
+        raise AssertionError(f"{what} not reached in {timeout_s:g} s:\n{self.said()[-3000:]}")
+
+    def pids(self, needle: str) -> list[int]:
+        """The processes below `streamrl run` whose command line holds `needle` (remembered for `close`)."""
+        self.children.update(descendants(self.process.pid))
+        return [pid for pid, line in self.children.items() if needle in line and running(pid)]
+
+    def status(self) -> subprocess.CompletedProcess:
+        """`streamrl status` of this run, as a user types it (its embedded Redis started from the folder)."""
+        command = [sys.executable, "-m", "streamrl", "status", "--run", self.run_dir.name]
+        env = {**os.environ, "COLUMNS": "300"}
+        return subprocess.run([*command, "--runs-dir", str(self.run_dir.parent)], capture_output=True, text=True,
+                              env=env, timeout=120)  # fmt: skip
+
+    def finish(self, timeout_s: float = 600.0) -> int:
+        return self.process.wait(timeout=timeout_s)
+
+    def close(self) -> None:
+        """Whatever is left of it, by pid (children first seen by `pids`, then itself)."""
+        if self.process.poll() is None:
+            self.children.update(descendants(self.process.pid))
+            self.process.kill()
+            self.process.wait()
+        for pid in self.children:
+            if running(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+def descendants(pid: int) -> dict[int, str]:
+    """Every process below `pid` (pid -> command line), from /proc."""
+    parents: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = open(f"/proc/{entry}/stat").read()
+            except OSError:
+                continue
+            parents[int(entry)] = int(stat.rsplit(")", 1)[1].split()[1])
+    found, todo = {}, [pid]
+    while todo:
+        parent = todo.pop()
+        for child in (p for p, pp in parents.items() if pp == parent):
+            try:
+                found[child] = open(f"/proc/{child}/cmdline").read().replace("\0", " ")
+            except OSError:
+                continue
+            todo.append(child)
+    return found
+
+
+def running(pid: int) -> bool:
+    try:
+        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
 def kill(pid: int, sig: int = signal.SIGKILL) -> None:
     os.kill(pid, sig)
 
@@ -164,4 +255,5 @@ def fault_tools():
     import types
 
     return types.SimpleNamespace(kill=kill, figure=figure, log_time=log_time, settings=SETTINGS, run_settings=FAULT_RUN,
-                                 at_test_settings=at_test_settings)  # fmt: skip
+                                 at_test_settings=at_test_settings, CliRun=CliRun, descendants=descendants,
+                                 running=running)  # fmt: skip

@@ -115,35 +115,6 @@ def test_redis_killed_mid_run_back_within_the_bound_then_gone_for_good(fault_run
     assert run.ledger.finished() is None
 
 
-def _descendants(pid: int) -> dict[int, str]:
-    """Every process below `pid` (pid -> command line), from /proc."""
-    parents: dict[int, int] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = open(f"/proc/{entry}/stat").read()
-            except OSError:
-                continue
-            parents[int(entry)] = int(stat.rsplit(")", 1)[1].split()[1])
-    found, todo = {}, [pid]
-    while todo:
-        parent = todo.pop()
-        for child in (p for p, pp in parents.items() if pp == parent):
-            try:
-                found[child] = open(f"/proc/{child}/cmdline").read().replace("\0", " ")
-            except OSError:
-                continue
-            todo.append(child)
-    return found
-
-
-def _running(pid: int) -> bool:
-    try:
-        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 @pytest.mark.vllm
 @pytest.mark.slow
 def test_streamrl_run_with_its_redis_gone_for_good_says_so_in_one_line_and_leaves_no_process(tmp_path, fault_tools):
@@ -168,7 +139,7 @@ def test_streamrl_run_with_its_redis_gone_for_good_says_so_in_one_line_and_leave
         while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):
             assert run.poll() is None and time.monotonic() < deadline, out.read_text()[-3000:]
             time.sleep(0.5)
-        children = _descendants(run.pid)
+        children = fault_tools.descendants(run.pid)
         redis = [pid for pid, line in children.items() if "redis-server" in line]
         assert len(redis) == 1 and any("rollout" in line for line in children.values()), children
         gone = time.time()
@@ -180,9 +151,9 @@ def test_streamrl_run_with_its_redis_gone_for_good_says_so_in_one_line_and_leave
             run.kill()
     said = out.read_text(errors="replace")
     deadline = time.monotonic() + 15  # orphans are reaped by init
-    while any(_running(pid) for pid in children) and time.monotonic() < deadline:
+    while any(fault_tools.running(pid) for pid in children) and time.monotonic() < deadline:
         time.sleep(0.2)
-    left = {pid: line for pid, line in children.items() if _running(pid)}
+    left = {pid: line for pid, line in children.items() if fault_tools.running(pid)}
     fault_tools.figure("run_redis_gone", exit_code=code, exit_s=round(exit_s, 1), children=len(children),
                        left=len(left), traceback="Traceback" in said)  # fmt: skip
     assert code == 4, said[-3000:]
