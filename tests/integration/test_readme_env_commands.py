@@ -8,21 +8,17 @@ scorer or environment, and every step recorded a reward from it)."""
 from __future__ import annotations
 
 import json
-import os
 import pathlib
-import re
-import shlex
 import subprocess
-import sys
 
 import pytest
 
+from streamrl.bench.first_hour import REAL_MODEL, ROOT, argv, section_commands
 from streamrl.engine.config import load
 from streamrl.engine.telemetry import read_metrics
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
 OVERRIDE = {"run": ["--steps", "4"], "make-tiny-model": ["--train-steps", "10"]}  # README says so
 SCORED_BY = {  # what the run's config holds when the library scores it
     "reasoning-gym": ("reward.functions", "streamrl.rollout.envs.reasoning_gym:score"),
@@ -31,43 +27,21 @@ SCORED_BY = {  # what the run's config holds when the library scores it
 }
 
 
-def readme_commands(text: str) -> dict[str, list[str]]:
-    """Each library's commands: the indented lines under its `- **name**` bullet of "Bring your environment"."""
-    section = text.split("\n## Bring your environment\n", 1)[1].split("\n## ", 1)[0]
+def readme_commands() -> dict[str, list[str]]:
+    """Each library's command lines, as bench/first_hour.py reads them (the transcript's reading too)."""
     found: dict[str, list[str]] = {}
-    library = None
-    for line in section.splitlines():
-        bullet = re.match(r"- \*\*([\w-]+)\*\*", line)
-        if bullet:
-            library = found.setdefault(bullet.group(1), [])
-        elif library is not None and line.startswith("      ") and line.strip():
-            library.append(line.strip())
-        elif line and not line.startswith(" "):
-            library = None  # the bullet ended
+    for library, line in section_commands((ROOT / "README.md").read_text(), "Bring your environment"):
+        found.setdefault(library, []).append(line)
     return found
 
 
-def command(line: str) -> tuple[list[str], dict[str, str]]:
-    """(argv, environment) for one README line: leading VAR=value settings, then `streamrl ...` or `python ...`."""
-    words = shlex.split(line, comments=True)
-    env = {**os.environ, "COLUMNS": "200"}
-    while re.match(r"^[A-Z_]+=", words[0]):
-        key, value = words.pop(0).split("=", 1)
-        env[key] = os.pathsep.join(p for p in (value, os.environ.get(key, "")) if p) if key == "PYTHONPATH" else value
-    program, *args = words
-    if program == "streamrl":
-        return [sys.executable, "-m", "streamrl", *args, *OVERRIDE.get(args[0], [])], env
-    assert program == "python", f"README line {line!r}: the test runs `streamrl ...` and `python ...` lines"
-    return [sys.executable, *args], env
-
-
 def test_the_readme_gives_each_library_commands_that_learn_and_one_for_a_real_model():
-    found = readme_commands((ROOT / "README.md").read_text())
+    found = readme_commands()
     assert set(found) == set(SCORED_BY), found
     for library, lines in found.items():
-        runnable = [line for line in lines if "MODEL_DIR" not in line]
+        runnable = [line for line in lines if REAL_MODEL not in line]
         assert any(" run " in f" {line} " for line in runnable), (library, lines)
-        assert any("MODEL_DIR" in line for line in lines), (library, lines)
+        assert any(REAL_MODEL in line for line in lines), (library, lines)
 
 
 @pytest.fixture(scope="module")
@@ -75,13 +49,13 @@ def ran(tmp_path_factory) -> dict[str, tuple[list[int], str, list[pathlib.Path]]
     """Every library's runnable commands, run in order in its own scratch folder, up to the first that fails:
     (their exit statuses, their output, the run folders)."""
     out = {}
-    for library, lines in readme_commands((ROOT / "README.md").read_text()).items():
+    for library, lines in readme_commands().items():
         cwd = tmp_path_factory.mktemp(library)
         (cwd / "examples").symlink_to(ROOT / "examples")
         codes, said = [], []
-        for line in (line for line in lines if "MODEL_DIR" not in line):
-            argv, env = command(line)
-            proc = subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=900)
+        for line in (line for line in lines if REAL_MODEL not in line):
+            command, env = argv(line, OVERRIDE)
+            proc = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=900)
             codes.append(proc.returncode)
             said.append(f"$ {line}\n{proc.stdout}{proc.stderr}")
             if proc.returncode:
