@@ -27,7 +27,8 @@ def _plan(tmp_path, kind: str, torch_version: str) -> subprocess.CompletedProces
     """install.sh's plan with a `python3` first on PATH whose torch reports `torch_version` ('' : no CUDA torch)."""
     fake = tmp_path / "bin" / "python3"
     fake.parent.mkdir()
-    fake.write_text(f'#!/bin/sh\nif [ "$1" = -c ]; then echo "{torch_version}"; exit 0; fi\nexec {sys.executable} "$@"\n')
+    answer = f'if [ "$1" = -c ]; then echo "{torch_version}"; exit 0; fi'
+    fake.write_text(f'#!/bin/sh\n{answer}\nexec {sys.executable} "$@"\n')
     fake.chmod(0o755)
     env = dict(os.environ, PATH=f"{fake.parent}:{os.environ['PATH']}", STREAMRL_INSTALL_PLAN="1")
     return subprocess.run([str(ROOT / "install.sh"), kind], env=env, capture_output=True, text=True, timeout=60)
