@@ -34,22 +34,27 @@ PreflightOpt = Annotated[
 ]
 
 
-def _load(config: pathlib.Path | None, overrides: list[str] | None, debug: bool = False, roles: bool = False):
-    """The config of the file and overrides; for a role (`roles`), with what its data source implies
-    (rollout/envs/libraries.py: a library's reward, prompt length, environment), said in one line."""
+def _load(config: pathlib.Path | None, overrides: list[str] | None, debug: bool = False):
+    """The config of the file and overrides."""
+    return _load_role(config, overrides, debug, implied=False)[0]
+
+
+def _load_role(config: pathlib.Path | None, overrides: list[str] | None, debug: bool = False, implied: bool = True):
+    """(The config of the file and overrides, with what its data source implies: a library's reward,
+    prompt length, environment (rollout/envs/libraries.py); one line saying what that filled, or '').
+    The line is said by `_preflight` once the source passed, so a refused source is not first announced."""
     from streamrl.engine.config import ConfigError, build, given, read
 
     try:
         data = read(config)
-        cfg = build(data, overrides or [])
-        if roles:
-            from streamrl.rollout.envs.libraries import implied
+        cfg, said = build(data, overrides or []), ""
+        if implied:
+            from streamrl.rollout.envs.libraries import implied as implied_by
 
-            extra, said = implied(given(data, overrides or []), cfg)
+            extra, said = implied_by(given(data, overrides or []), cfg)
             if extra:
-                typer.echo(f"info: {said}", err=True)
                 cfg = build(data, [*(overrides or []), *extra])
-        return cfg
+        return cfg, said
     except ConfigError as e:
         if debug:
             raise
@@ -57,14 +62,17 @@ def _load(config: pathlib.Path | None, overrides: list[str] | None, debug: bool 
         raise typer.Exit(2) from None
 
 
-def _preflight(cfg, roles: list[str], debug: bool, nodes: int = 1) -> None:
+def _preflight(cfg, roles: list[str], debug: bool, nodes: int = 1, said: str = "") -> None:
     """Stop with exit 2, one line per problem, when a role would fail on its inputs; before any
-    process starts or any model loads (ops/preflight.py)."""
+    process starts or any model loads (ops/preflight.py). `said`: what the data source filled in, told
+    when nothing stops the command."""
     from streamrl.ops.preflight import preflight, report
 
     code = report(preflight(cfg, roles, nodes), debug)
     if code:
         raise typer.Exit(code)
+    if said:
+        typer.echo(f"info: {said}", err=True)
 
 
 def _write_run_config(cfg, given: pathlib.Path | None) -> None:
@@ -151,12 +159,12 @@ def learner(
     import os
     import sys
 
-    cfg = _load(config, overrides, debug, roles=True)
+    cfg, said = _load_role(config, overrides, debug)
     if not gpus and cfg.learner.gpus and "CUDA_VISIBLE_DEVICES" not in os.environ:
         gpus = ",".join(map(str, cfg.learner.gpus))  # a launcher that placed us set the variable already
     _use_gpus(gpus)
     if preflight and "RANK" not in os.environ:  # once, in the process the user started, not per rank
-        _preflight(cfg, ["learner"], debug)
+        _preflight(cfg, ["learner"], debug, said=said)
     if os.environ.get("RANK", "0") == "0":
         _write_run_config(cfg, config)
     if cfg.learner.ranks > 1 and "RANK" not in os.environ:
@@ -198,9 +206,9 @@ def rollout(
     debug: DebugOpt = False,
 ) -> None:
     """Run one rollout node: register with the learner, take its weights, generate until stopped."""
-    cfg = _load(config, overrides, debug, roles=True)
+    cfg, said = _load_role(config, overrides, debug)
     if preflight:
-        _preflight(cfg, ["rollout"], debug)
+        _preflight(cfg, ["rollout"], debug, said=said)
     from streamrl.rollout.service import main as rollout_main
 
     _use_gpus(gpus)
@@ -249,7 +257,11 @@ def run(
     ] = 2,
     model: Annotated[str, typer.Option(help="Local HF model folder (default: the built-in tiny model).")] = "",
     data: Annotated[
-        str, typer.Option(help="Prompt file (.jsonl/.parquet) or dataset folder (default: demo task).")
+        str,
+        typer.Option(
+            help="Prompts: a .jsonl/.parquet file or a saved dataset folder, reasoning_gym:TASK[:SIZE[:SEED]] or "
+            "verifiers:TASKSET_ID (the library's own scoring is then the reward); default: the demo task."
+        ),
     ] = "",
     reward: Annotated[
         list[str] | None,
@@ -265,8 +277,7 @@ def run(
 ) -> None:
     """Everything on this machine: embedded Redis, a learner and N rollout nodes, with a live view.
     The config, model, engine, data and rewards are checked first (exit 2, nothing started, on an error)."""
-    from streamrl.engine.config import RunConfig
-    from streamrl.ops.run import DEMO, run_local
+    from streamrl.ops.run import DEMO, name_sets, run_local
 
     builtin = config is None and not model and not data  # the built-in demo: its settings, then yours
     sets = (DEMO if builtin else []) + list(overrides or [])
@@ -275,10 +286,11 @@ def run(
     sets += [f"reward.functions={list(reward)!r}"] if reward else []
     sets += [f"run.steps={steps}"] if steps else []
     sets += [f"run.device={device!r}"] if device else []
-    cfg = _load(config, sets, debug, roles=True)
-    _preflight(cfg, ["learner", "rollout"], debug, nodes=rollout_nodes)
-    # a run named by you keeps its folder; the default name gets a fresh one when taken
-    raise typer.Exit(run_local(cfg, rollout_nodes, explicit_name=cfg.run.name != RunConfig().name, resume=resume))
+    named = name_sets(config, sets)
+    cfg, said = _load_role(config, sets + named, debug)
+    _preflight(cfg, ["learner", "rollout"], debug, nodes=rollout_nodes, said=said)
+    # a run named by you keeps its folder; a name made here gets a fresh one when taken
+    raise typer.Exit(run_local(cfg, rollout_nodes, explicit_name=not named, resume=resume))
 
 
 @app.command()
@@ -309,19 +321,27 @@ def export(
     typer.echo(f"exported to {folder}")
 
 
-def benchmarks() -> list[str]:
-    """What `bench/` holds: every module there is a benchmark (its `__main__` prints JSON lines)."""
-    folder = pathlib.Path(__file__).parent / "bench"
-    return sorted(p.stem for p in folder.glob("*.py") if not p.stem.startswith("_"))
+def _bench_help() -> str:
+    from streamrl.bench import names
+
+    return f"A module of bench/ (`streamrl bench` alone says what each measures): {', '.join(names())}"
 
 
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
-def bench(ctx: typer.Context, name: Annotated[str, typer.Argument(help="A module of bench/, e.g. pipeline.")]) -> None:
-    """Run a benchmark; it prints one JSON line per figure (extra arguments go to the benchmark)."""
+def bench(ctx: typer.Context, name: Annotated[str, typer.Argument(help=_bench_help())] = "") -> None:
+    """Run a benchmark; it prints one JSON line per figure (extra arguments go to the benchmark). Without a
+    name: the list of benchmarks."""
     import runpy
     import sys
 
-    known = benchmarks()
+    from streamrl.bench import catalogue
+
+    known = catalogue()
+    if not name:
+        width = max(map(len, known))
+        typer.echo("\n".join(f"{k:<{width}}  {v}" for k, v in known.items()))
+        typer.echo("run one: streamrl bench NAME [its options]; streamrl bench NAME --help for them")
+        return
     if name not in known:
         typer.secho(f"error: unknown benchmark {name!r}; choose one of {', '.join(known)}", fg="red", err=True)
         raise typer.Exit(2)
@@ -354,8 +374,9 @@ def keys(
         str, typer.Option(help="Also make a node's own folder FOLDER/NODE (its pair and the learner's public key).")
     ] = "",
 ) -> None:
-    """Make CURVE keys for runs across hosts: the learner's pair, a node pair, the node keys it lets in
-    (set transport.curve = true and transport.keys = the folder, or a copy of a node's half)."""
+    """Make CURVE keys for runs across hosts: the learner's pair, a node pair, the node keys it lets in.
+    Give the folder as transport.keys on the learner, and on each node the folder or a copy of the node's half
+    (CURVE is on by default: transport.curve)."""
     from streamrl.engine.auth import AuthError, make_keys
 
     try:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import pathlib
 import re
 import shutil
 import signal
@@ -30,6 +31,32 @@ LEDGER_LOST = 4  # the learner's exit status when Redis stayed unreachable past 
 LEDGER_UNWRITABLE = 5  # ... when it refused writes that long (its disk full: MISCONF; OOM; READONLY)
 POLL_S = 0.1  # how often the live view reads the logs and the metrics
 REDRAW_S = 0.5  # the view redraws at least this often (its clock), and whenever a state changes
+
+
+def name_after(config: str | None, data: str) -> str:
+    """The name of a run its config does not name: the config file's stem, else the data source's (a file's
+    stem, a library task's or taskset's id), else `demo` (the built-in demo)."""
+    if config:
+        base = pathlib.Path(config).stem
+    elif data.startswith(("reasoning_gym:", "verifiers:")):
+        base = data.split(":")[1]
+    else:
+        base = pathlib.Path(data).stem if data else "demo"
+    return re.sub(r"[^A-Za-z0-9_.-]+", "-", base).strip("-.") or "run"
+
+
+def name_sets(config: pathlib.Path | None, sets: list[str]) -> list[str]:
+    """`run.name=...` for a run that neither the config nor `--set` names (`name_after`); [] when it is
+    named (or the config cannot be read: loading it says why)."""
+    from streamrl.engine.config import given, read
+
+    try:
+        raw = given(read(config), sets)
+    except ConfigError:
+        return []
+    if "name" in raw.get("run", {}):
+        return []
+    return [f"run.name={name_after(config and str(config), str(raw.get('data', {}).get('path', '')))!r}"]
 
 
 def fresh_name(cfg: Config, explicit: bool) -> Config:
