@@ -34,22 +34,27 @@ PreflightOpt = Annotated[
 ]
 
 
-def _load(config: pathlib.Path | None, overrides: list[str] | None, debug: bool = False, roles: bool = False):
-    """The config of the file and overrides; for a role (`roles`), with what its data source implies
-    (rollout/envs/libraries.py: a library's reward, prompt length, environment), said in one line."""
+def _load(config: pathlib.Path | None, overrides: list[str] | None, debug: bool = False):
+    """The config of the file and overrides."""
+    return _load_role(config, overrides, debug, implied=False)[0]
+
+
+def _load_role(config: pathlib.Path | None, overrides: list[str] | None, debug: bool = False, implied: bool = True):
+    """(The config of the file and overrides, with what its data source implies: a library's reward,
+    prompt length, environment (rollout/envs/libraries.py); one line saying what that filled, or '').
+    The line is said by `_preflight` once the source passed, so a refused source is not first announced."""
     from streamrl.engine.config import ConfigError, build, given, read
 
     try:
         data = read(config)
-        cfg = build(data, overrides or [])
-        if roles:
-            from streamrl.rollout.envs.libraries import implied
+        cfg, said = build(data, overrides or []), ""
+        if implied:
+            from streamrl.rollout.envs.libraries import implied as implied_by
 
-            extra, said = implied(given(data, overrides or []), cfg)
+            extra, said = implied_by(given(data, overrides or []), cfg)
             if extra:
-                typer.echo(f"info: {said}", err=True)
                 cfg = build(data, [*(overrides or []), *extra])
-        return cfg
+        return cfg, said
     except ConfigError as e:
         if debug:
             raise
@@ -57,14 +62,17 @@ def _load(config: pathlib.Path | None, overrides: list[str] | None, debug: bool 
         raise typer.Exit(2) from None
 
 
-def _preflight(cfg, roles: list[str], debug: bool, nodes: int = 1) -> None:
+def _preflight(cfg, roles: list[str], debug: bool, nodes: int = 1, said: str = "") -> None:
     """Stop with exit 2, one line per problem, when a role would fail on its inputs; before any
-    process starts or any model loads (ops/preflight.py)."""
+    process starts or any model loads (ops/preflight.py). `said`: what the data source filled in, told
+    when nothing stops the command."""
     from streamrl.ops.preflight import preflight, report
 
     code = report(preflight(cfg, roles, nodes), debug)
     if code:
         raise typer.Exit(code)
+    if said:
+        typer.echo(f"info: {said}", err=True)
 
 
 def _write_run_config(cfg, given: pathlib.Path | None) -> None:
@@ -108,20 +116,22 @@ def make_tiny_model(
     shape: Annotated[
         str, typer.Option(help="Model body from engine/models.py's SHAPES, e.g. tiny, or 0.5b (Qwen2-0.5B's layers).")
     ] = "tiny",
-    dtype: Annotated[str, typer.Option(help="Weights' dtype: float32, or bfloat16 (half the bytes to write).")] = (
-        "float32"
-    ),
+    dtype: Annotated[str, typer.Option(help="Weights' dtype: float32, or bfloat16 (half the bytes).")] = "float32",
     device: Annotated[str, typer.Option(help="Where to initialise it: cpu, or cuda (seconds for a 7B shape).")] = "cpu",
+    for_: Annotated[
+        str, typer.Option("--for", help="reasoning_gym:TASK: the tiny model taught that task's answer format.")
+    ] = "",
+    train_steps: Annotated[int, typer.Option(min=1, help="With --for: the teaching steps (16 prompts each).")] = 150,
 ) -> None:
-    """Write a random-init Qwen2 with a BPE tokenizer (for tests, first runs and GPU benchmarks; no hub needed)."""
-    from streamrl.engine.models import SHAPES
-    from streamrl.engine.models import make_tiny_model as make
+    """Write a random-init Qwen2 with a BPE tokenizer (for tests, first runs and GPU benchmarks; no hub needed);
+    with --for, one taught the answer format of a reasoning-gym task, not its answers (ops/tiny_model.py)."""
+    from streamrl.ops.tiny_model import make
 
-    if shape not in SHAPES:
-        typer.secho(f"error: --shape {shape!r}: choose one of {', '.join(SHAPES)}", fg="red", err=True)
-        raise typer.Exit(2)
-    folder = make(path, seed=seed, dtype=dtype, device=device, **SHAPES[shape])
-    typer.echo(f"tiny model written to {folder}")
+    try:
+        typer.echo(make(path, seed, shape, dtype, device, for_, train_steps))
+    except (ImportError, ValueError) as e:
+        typer.secho(f"error: {e}", fg="red", err=True)
+        raise typer.Exit(2) from None
 
 
 GpusOpt = Annotated[str, typer.Option("--gpus", help="GPUs of this host for this role, e.g. 0 or 0,1.")]
@@ -151,12 +161,12 @@ def learner(
     import os
     import sys
 
-    cfg = _load(config, overrides, debug, roles=True)
+    cfg, said = _load_role(config, overrides, debug)
     if not gpus and cfg.learner.gpus and "CUDA_VISIBLE_DEVICES" not in os.environ:
         gpus = ",".join(map(str, cfg.learner.gpus))  # a launcher that placed us set the variable already
     _use_gpus(gpus)
     if preflight and "RANK" not in os.environ:  # once, in the process the user started, not per rank
-        _preflight(cfg, ["learner"], debug)
+        _preflight(cfg, ["learner"], debug, said=said)
     if os.environ.get("RANK", "0") == "0":
         _write_run_config(cfg, config)
     if cfg.learner.ranks > 1 and "RANK" not in os.environ:
@@ -198,9 +208,9 @@ def rollout(
     debug: DebugOpt = False,
 ) -> None:
     """Run one rollout node: register with the learner, take its weights, generate until stopped."""
-    cfg = _load(config, overrides, debug, roles=True)
+    cfg, said = _load_role(config, overrides, debug)
     if preflight:
-        _preflight(cfg, ["rollout"], debug)
+        _preflight(cfg, ["rollout"], debug, said=said)
     from streamrl.rollout.service import main as rollout_main
 
     _use_gpus(gpus)
@@ -210,9 +220,7 @@ def rollout(
 @app.command()
 def status(
     run: Annotated[str, typer.Option("--run", help="Run id (run.name).")] = "demo",
-    redis_url: Annotated[
-        str, typer.Option(help="Redis URL; default: the run folder's embedded server, started read-only for the look.")
-    ] = "",
+    redis_url: Annotated[str, typer.Option(help="Redis URL; default: the run folder's embedded server.")] = "",
     runs_dir: Annotated[str, typer.Option(help="Folder holding run folders.")] = "runs",
     deep: Annotated[bool, typer.Option(help="Also recount every sample record.")] = False,
 ) -> None:
@@ -247,9 +255,15 @@ def run(
             help="Rollout processes to start; with 0 the learner waits for nodes you start (the command is printed).",
         ),
     ] = 2,
-    model: Annotated[str, typer.Option(help="Local HF model folder (default: the built-in tiny model).")] = "",
+    model: Annotated[
+        str, typer.Option(help="Local HF model folder (default: the built-in tiny model, lr 1e-2: ops/run.py TINY).")
+    ] = "",
     data: Annotated[
-        str, typer.Option(help="Prompt file (.jsonl/.parquet) or dataset folder (default: demo task).")
+        str,
+        typer.Option(
+            help="Prompts: a .jsonl/.parquet file or a saved dataset folder, reasoning_gym:TASK[:SIZE[:SEED]] or "
+            "verifiers:TASKSET_ID (the library's own scoring is then the reward); default: the demo task."
+        ),
     ] = "",
     reward: Annotated[
         list[str] | None,
@@ -265,20 +279,20 @@ def run(
 ) -> None:
     """Everything on this machine: embedded Redis, a learner and N rollout nodes, with a live view.
     The config, model, engine, data and rewards are checked first (exit 2, nothing started, on an error)."""
-    from streamrl.engine.config import RunConfig
-    from streamrl.ops.run import DEMO, run_local
+    from streamrl.ops.run import DEMO, TINY, name_sets, run_local
 
-    builtin = config is None and not model and not data  # the built-in demo: its settings, then yours
-    sets = (DEMO if builtin else []) + list(overrides or [])
+    tiny = config is None and not model  # the built-in tiny model: its settings (the demo's too), then yours
+    sets = (TINY if tiny and data else DEMO if tiny else []) + list(overrides or [])
     sets += [f"model.path={model!r}"] if model else []
     sets += [f"data.path={data!r}"] if data else []
     sets += [f"reward.functions={list(reward)!r}"] if reward else []
     sets += [f"run.steps={steps}"] if steps else []
     sets += [f"run.device={device!r}"] if device else []
-    cfg = _load(config, sets, debug, roles=True)
-    _preflight(cfg, ["learner", "rollout"], debug, nodes=rollout_nodes)
-    # a run named by you keeps its folder; the default name gets a fresh one when taken
-    raise typer.Exit(run_local(cfg, rollout_nodes, explicit_name=cfg.run.name != RunConfig().name, resume=resume))
+    named = name_sets(config, sets)
+    cfg, said = _load_role(config, sets + named, debug)
+    _preflight(cfg, ["learner", "rollout"], debug, nodes=rollout_nodes, said=said)
+    # a run named by you keeps its folder; a name made here gets a fresh one when taken
+    raise typer.Exit(run_local(cfg, rollout_nodes, explicit_name=not named, resume=resume))
 
 
 @app.command()
@@ -309,19 +323,27 @@ def export(
     typer.echo(f"exported to {folder}")
 
 
-def benchmarks() -> list[str]:
-    """What `bench/` holds: every module there is a benchmark (its `__main__` prints JSON lines)."""
-    folder = pathlib.Path(__file__).parent / "bench"
-    return sorted(p.stem for p in folder.glob("*.py") if not p.stem.startswith("_"))
+def _bench_help() -> str:
+    from streamrl.bench import names
+
+    return f"A module of bench/ (`streamrl bench` alone says what each measures): {', '.join(names())}"
 
 
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
-def bench(ctx: typer.Context, name: Annotated[str, typer.Argument(help="A module of bench/, e.g. pipeline.")]) -> None:
-    """Run a benchmark; it prints one JSON line per figure (extra arguments go to the benchmark)."""
+def bench(ctx: typer.Context, name: Annotated[str, typer.Argument(help=_bench_help())] = "") -> None:
+    """Run a benchmark; it prints one JSON line per figure (extra arguments go to the benchmark). Without a
+    name: the list of benchmarks."""
     import runpy
     import sys
 
-    known = benchmarks()
+    from streamrl.bench import catalogue
+
+    known = catalogue()
+    if not name:
+        width = max(map(len, known))
+        typer.echo("\n".join(f"{k:<{width}}  {v}" for k, v in known.items()))
+        typer.echo("run one: streamrl bench NAME [its options]; streamrl bench NAME --help for them")
+        return
     if name not in known:
         typer.secho(f"error: unknown benchmark {name!r}; choose one of {', '.join(known)}", fg="red", err=True)
         raise typer.Exit(2)
@@ -354,8 +376,9 @@ def keys(
         str, typer.Option(help="Also make a node's own folder FOLDER/NODE (its pair and the learner's public key).")
     ] = "",
 ) -> None:
-    """Make CURVE keys for runs across hosts: the learner's pair, a node pair, the node keys it lets in
-    (set transport.curve = true and transport.keys = the folder, or a copy of a node's half)."""
+    """Make CURVE keys for runs across hosts: the learner's pair, a node pair, the node keys it lets in.
+    Give the folder as transport.keys on the learner, and on each node the folder or a copy of the node's half
+    (CURVE is on by default: transport.curve)."""
     from streamrl.engine.auth import AuthError, make_keys
 
     try:

@@ -84,4 +84,4 @@ def plain_console() -> Console:
     (soft wrap): a one-line error stays one line in a log, however long its paths; tables fit the width."""
     environ = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}
     terminal = Console(_environ=environ).is_terminal
-    return Console(width=None if terminal else NO_TERMINAL_WIDTH, soft_wrap=True, _environ=environ)
+    return Console(width=None if terminal else NO_TERMINAL_WIDTH, soft_wrap=True, emoji=False, _environ=environ)

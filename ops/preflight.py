@@ -335,7 +335,7 @@ def report(found: Preflight, debug: bool = False, err=None) -> int:
     from rich.console import Console
     from rich.markup import escape
 
-    console = Console(file=err or sys.stderr, highlight=False, soft_wrap=True)
+    console = Console(file=err or sys.stderr, highlight=False, soft_wrap=True, emoji=False)  # `:zzz:` in a path is text
     colours = {"error": "red", "warning": "yellow", "info": "dim"}
     for problem in found.problems:
         console.print(f"[{colours[problem.level]}]{problem.level}:[/] {problem.check}: {escape(problem.message)}")

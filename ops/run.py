@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import pathlib
 import re
 import shutil
 import signal
@@ -21,15 +22,44 @@ from streamrl.ops.launcher import Launcher
 from streamrl.ops.live import live_table, plain_console
 from streamrl.ops.phases import Board
 
+# The built-in tiny model's settings, whatever the data (`streamrl run` without --model or --config): a
+# learning rate this high suits only a tiny random model (real models want ~1e-6), and its completions are
+# noise past a few tokens. examples/demo.toml spells them out.
+TINY = ["learner.lr=1e-2", "rollout.group_size=8", "rollout.max_tokens=24"]
 # The built-in demo: the random-init tiny model learns to write the letter of the demo task's
 # `answer` column. Measured on 2 CPU cores with 2 nodes: mean reward 0.06 -> 1.0 in 30 steps.
-# A learning rate this high suits only a tiny random model; examples/demo.toml spells it out.
-DEMO = ["learner.lr=1e-2", "rollout.group_size=8", "rollout.max_tokens=24", "run.steps=30"]
+DEMO = [*TINY, "run.steps=30"]
 LEARNER_UP_S = 300.0  # from the learner's start to its sockets (RUN/learner.json)
 LEDGER_LOST = 4  # the learner's exit status when Redis stayed unreachable past ledger.retry_s
 LEDGER_UNWRITABLE = 5  # ... when it refused writes that long (its disk full: MISCONF; OOM; READONLY)
 POLL_S = 0.1  # how often the live view reads the logs and the metrics
 REDRAW_S = 0.5  # the view redraws at least this often (its clock), and whenever a state changes
+
+
+def name_after(config: str | None, data: str) -> str:
+    """The name of a run its config does not name: the config file's stem, else the data source's (a file's
+    stem, a library task's or taskset's id), else `demo` (the built-in demo)."""
+    if config:
+        base = pathlib.Path(config).stem
+    elif data.startswith(("reasoning_gym:", "verifiers:")):
+        base = data.split(":")[1]
+    else:
+        base = pathlib.Path(data).stem if data else "demo"
+    return re.sub(r"[^A-Za-z0-9_.-]+", "-", base).strip("-.") or "run"
+
+
+def name_sets(config: pathlib.Path | None, sets: list[str]) -> list[str]:
+    """`run.name=...` for a run that neither the config nor `--set` names (`name_after`); [] when it is
+    named (or the config cannot be read: loading it says why)."""
+    from streamrl.engine.config import given, read
+
+    try:
+        raw = given(read(config), sets)
+    except ConfigError:
+        return []
+    if "name" in raw.get("run", {}):
+        return []
+    return [f"run.name={name_after(config and str(config), str(raw.get('data', {}).get('path', '')))!r}"]
 
 
 def fresh_name(cfg: Config, explicit: bool) -> Config:

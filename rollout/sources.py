@@ -83,7 +83,10 @@ def read_rows(path: str) -> list[dict | _Malformed]:
     if path.startswith("reasoning_gym:"):
         from streamrl.rollout.envs.reasoning_gym import rows
 
-        return rows(path)
+        try:
+            return rows(path)
+        except (ImportError, ValueError) as e:
+            raise PromptSourceError(str(e)) from None
     if path.startswith("verifiers:"):
         from streamrl.rollout.envs.verifiers_tasks import rows
 

@@ -20,7 +20,7 @@ from streamrl.learner.checkpoint.layout import (
     estimate_bytes,
     resolve,
 )
-from streamrl.learner.checkpoint.store import _on_rank0_then_share, load, save, write_hf_files
+from streamrl.learner.checkpoint.store import _on_rank0_then_share, load, local_path, save, write_hf_files
 from streamrl.learner.export import export_adapter, export_state
 
 log = logging.getLogger("streamrl.learner")
@@ -50,7 +50,7 @@ class Keeper:
         adapter: AdapterSpec | None = None,
     ):
         """adapter: LoRA's spec; checkpoints then hold the adapters and their optimizer state alone."""
-        self.cfg, self.lm, self.trainer, self.model_source = cfg, lm, trainer, model_source
+        self.cfg, self.lm, self.trainer, self.model_source = cfg, lm, trainer, local_path(model_source)
         self.adapter = adapter
         self.root, self.exports = checkpoints_dir(run_dir), pathlib.Path(run_dir) / "exports"
         self.last_step = last_step

@@ -93,7 +93,7 @@ def _finish(root, tmp, final, lm, scheduler, state, model_source, adapter, rngs)
             shapes,
             dtypes,
             adapter=adapter,
-            base=model_source if adapter is not None else "",
+            base=local_path(model_source) if adapter is not None else "",
         )
         _write_atomic(tmp / META, msgspec.json.encode(meta))
     except (OSError, RuntimeError) as e:  # torch.save reports a full disk as a RuntimeError
@@ -186,6 +186,12 @@ def load(path: str | os.PathLike, lm: nn.Module, optimizer, scheduler) -> Learne
     # Same world size: each rank its own stream. Resharded: every rank takes rank 0's, as at a fresh start.
     _set_rng_state(rngs[parallel.rank()] if len(rngs) == parallel.world_size() else rngs[0])
     return meta.state
+
+
+def local_path(model: str) -> str:
+    """`model` made absolute when it is a folder here (a relative base would name another folder wherever the
+    checkpoint is exported or loaded from); a hub id or a missing path as given."""
+    return str(pathlib.Path(model).resolve()) if model and pathlib.Path(model).exists() else model
 
 
 def load_weights(spec: str | os.PathLike) -> dict[str, torch.Tensor]:

@@ -35,12 +35,12 @@ def parse_spec(spec: str) -> tuple[str, int, int]:
     prefix, _, rest = spec.partition(":")
     parts = rest.split(":")
     if prefix != "reasoning_gym" or not parts[0] or len(parts) > 3:
-        raise ValueError(f"data {spec!r}: write reasoning_gym:NAME[:SIZE[:SEED]], e.g. reasoning_gym:basic_arithmetic")
+        raise ValueError(f"data.path = {spec}: write reasoning_gym:NAME[:SIZE[:SEED]], e.g. reasoning_gym:syllogism")
     try:
         size = int(parts[1]) if len(parts) > 1 else DEFAULT_SIZE
         seed = int(parts[2]) if len(parts) > 2 else 0
     except ValueError:
-        raise ValueError(f"data {spec!r}: SIZE and SEED are whole numbers") from None
+        raise ValueError(f"data.path = {spec}: SIZE and SEED are whole numbers") from None
     return parts[0], size, seed
 
 
@@ -49,9 +49,12 @@ def rows(spec: str) -> list[dict]:
     name, size, seed = parse_spec(spec)
     rg = _rg()
     if name not in rg.factory.DATASETS:
-        raise ValueError(
-            f"data {spec!r}: reasoning-gym has no task {name!r}; e.g. {', '.join(sorted(rg.factory.DATASETS)[:8])}"
-        )
+        import difflib
+
+        tasks = sorted(rg.factory.DATASETS)
+        close = difflib.get_close_matches(name, tasks, n=3)
+        hint = f"did you mean {' or '.join(close)}?" if close else f"its {len(tasks)} tasks: {', '.join(tasks)}"
+        raise ValueError(f"data.path = {spec}: reasoning-gym has no task {name!r}; {hint}")
     system = rg.utils.SYSTEM_PROMPTS["default"]
     out = []
     for index, entry in enumerate(_dataset(name, size, seed)):
@@ -81,6 +84,9 @@ def score_one(completion: str, task: list) -> float:
 def score(prompts, completions, completion_ids, rg_task, **_) -> list[float]:
     """Reward function over a batch (the dataset's columns arrive as keyword lists)."""
     return [score_one(c, task) for c, task in zip(completions, rg_task, strict=True)]
+
+
+score.warm_up = _rg  # the reward worker imports reasoning-gym when it starts (seconds), not in a call's deadline
 
 
 class ReasoningGymEnv:
