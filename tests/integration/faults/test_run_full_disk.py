@@ -54,6 +54,7 @@ def full(tmp_path_factory, small_disk, fault_tools):
     fault_tools.figure("run_full_disk", exit_code=record["exit_code"], disk_kib=record["disk_kib"],
                        exit_s=round(record["exited_at"] - record.get("filled_at", record["exited_at"]), 1),
                        steps_at_fill=record.get("steps_at_fill"), in_flight=counts.in_flight, lost=len(books),
+                       children=record.get("children"), left=len(record.get("left", {})),
                        traceback=any("Traceback" in text for text in [said, *logs.values()]))  # fmt: skip
     return dict(record=record, said=said, run=run, books=books, counts=counts, finished=finished, logs=logs)
 
@@ -62,6 +63,11 @@ def test_the_disk_filled_mid_run_and_the_run_exits_5(full):
     record = full["record"]
     assert "filled_at" in record, full["said"][-3000:]  # it ran past a checkpoint and 3 steps, then filled
     assert record["exit_code"] == 5, full["said"][-3000:]
+
+
+def test_every_process_of_the_run_is_stopped(full):
+    record = full["record"]
+    assert record["children"] >= 4 and record["left"] == {}  # Redis, the learner, 2 nodes: none left
 
 
 def test_one_line_names_the_cause_and_the_folder(full):
