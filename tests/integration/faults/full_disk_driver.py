@@ -23,53 +23,19 @@ def main() -> None:
     with (out / "run.out").open("wb") as sink:
         run = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
     record: dict = {"disk_kib": os.statvfs(disk).f_blocks * os.statvfs(disk).f_frsize // 1024}
-    children: dict[int, str] = {}
     deadline = time.monotonic() + 600
     while run.poll() is None and time.monotonic() < deadline:
         saved = list(run_dir.glob("checkpoints/step_*/meta.json"))
         metrics = run_dir / "metrics.jsonl"
         done = len(metrics.read_text().splitlines()) if metrics.exists() else 0
         if saved and done >= steps:
-            children = _descendants(run.pid)  # the learner, the nodes, Redis: each must be gone at the end
             record.update(steps_at_fill=done, checkpoints_at_fill=len(saved), filled_at=time.time())
             record["filled_kib"] = _fill(disk / "filler") // 1024
             break
         time.sleep(0.25)
     record["exit_code"] = run.wait(timeout=600)
     record["exited_at"] = time.time()
-    gone_by = time.monotonic() + 15  # orphans are reaped by init
-    while any(_running(pid) for pid in children) and time.monotonic() < gone_by:
-        time.sleep(0.2)
-    record["children"] = len(children)
-    record["left"] = {pid: line for pid, line in children.items() if _running(pid)}
     (out / "driver.json").write_text(json.dumps(record))
-
-
-def _descendants(pid: int) -> dict[int, str]:
-    """Every process below `pid` (pid -> command line), from /proc (the namespace's own: this driver is in it)."""
-    parents = {}
-    for entry in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            parents[int(entry)] = int(open(f"/proc/{entry}/stat").read().rsplit(")", 1)[1].split()[1])
-        except OSError:
-            continue
-    found, todo = {}, [pid]
-    while todo:
-        parent = todo.pop()
-        for child in (p for p, pp in parents.items() if pp == parent):
-            try:
-                found[child] = open(f"/proc/{child}/cmdline").read().replace("\0", " ")
-            except OSError:
-                continue
-            todo.append(child)
-    return found
-
-
-def _running(pid: int) -> bool:
-    try:
-        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def _fill(path: pathlib.Path) -> int:
