@@ -15,6 +15,7 @@ import pathlib
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -38,12 +39,23 @@ def full(tmp_path_factory, small_disk, fault_tools):
     command = [*small_disk(disk, DISK_KIB), sys.executable, str(DRIVER), str(folder), str(disk), "full", "3"]
     command += [a for s in sets for a in ("--set", s)]
     driver = subprocess.Popen(command, env={**os.environ, "KEEP": str(kept)}, start_new_session=True)
+    children: dict[int, str] = {}  # every process below the driver (the pid namespace is the test's own)
     try:
-        driver.wait(timeout=900)
+        deadline = time.monotonic() + 900
+        while driver.poll() is None and time.monotonic() < deadline:
+            found = fault_tools.descendants(driver.pid).items()
+            children.update({pid: line for pid, line in found if "streamrl" in line or "redis-server" in line})
+            time.sleep(0.5)
+        gone_by = time.monotonic() + 15  # orphans are reaped by init
+        while any(fault_tools.running(pid) for pid in children) and time.monotonic() < gone_by:
+            time.sleep(0.2)
     finally:
         if driver.poll() is None:
             os.killpg(driver.pid, signal.SIGKILL)  # the driver and streamrl run; its children follow it (lifeline)
     record = json.loads((folder / "driver.json").read_text())
+    record.update(
+        children=len(children), left={pid: line for pid, line in children.items() if fault_tools.running(pid)}
+    )
     said = (folder / "run.out").read_text(errors="replace")
     run = kept / "full"
     with RedisServer(run / "redis") as server:  # the ledger as a resume would find it, from the kept folder
@@ -54,6 +66,7 @@ def full(tmp_path_factory, small_disk, fault_tools):
     fault_tools.figure("run_full_disk", exit_code=record["exit_code"], disk_kib=record["disk_kib"],
                        exit_s=round(record["exited_at"] - record.get("filled_at", record["exited_at"]), 1),
                        steps_at_fill=record.get("steps_at_fill"), in_flight=counts.in_flight, lost=len(books),
+                       children=record.get("children"), left=len(record.get("left", {})),
                        traceback=any("Traceback" in text for text in [said, *logs.values()]))  # fmt: skip
     return dict(record=record, said=said, run=run, books=books, counts=counts, finished=finished, logs=logs)
 
@@ -62,6 +75,11 @@ def test_the_disk_filled_mid_run_and_the_run_exits_5(full):
     record = full["record"]
     assert "filled_at" in record, full["said"][-3000:]  # it ran past a checkpoint and 3 steps, then filled
     assert record["exit_code"] == 5, full["said"][-3000:]
+
+
+def test_every_process_of_the_run_is_stopped(full):
+    record = full["record"]
+    assert record["children"] >= 5 and record["left"] == {}  # streamrl run, Redis, the learner, 2 nodes: none left
 
 
 def test_one_line_names_the_cause_and_the_folder(full):
