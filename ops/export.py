@@ -33,7 +33,7 @@ def export_checkpoint(
     meta = checkpoint.read_meta(path)
     if meta.adapter is None:
         return export_state(checkpoint.load_weights(path), hf_files, out_dir, max_shard_size, overwrite)
-    base = base or meta.base
+    base = checkpoint.local_path(base or meta.base)  # as PEFT's base_model_name_or_path: absolute
     if not merge:
         return export_adapter(checkpoint.load_weights(path), meta.adapter, base, hf_files, out_dir, overwrite)
     if not base or not pathlib.Path(base).exists():

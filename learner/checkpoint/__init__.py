@@ -13,7 +13,8 @@ from streamrl.learner.checkpoint.layout import (
     read_meta,
     resolve,
 )
-from streamrl.learner.checkpoint.store import load, load_weights, prune, save
+from streamrl.learner.checkpoint.store import load, load_weights, local_path, prune, save
 
 __all__ = ["CheckpointError", "DiskFullError", "Keeper", "LearnerState", "check_writable", "checkpoints_dir",
-           "list_checkpoints", "load", "load_weights", "prune", "read_meta", "resolve", "save"]  # fmt: skip
+           "list_checkpoints", "load", "load_weights", "local_path", "prune", "read_meta", "resolve",
+           "save"]  # fmt: skip

@@ -133,9 +133,27 @@ def resolve(spec: str | os.PathLike, run_dir: str | os.PathLike | None = None) -
         found = list_checkpoints(root)
         if found:
             return found[-1][1]
-    raise CheckpointError(
-        f"no complete checkpoint at {path} (a step_N folder with {META}, or a folder holding "
-        "them); check the path, or start without --resume"
+    raise CheckpointError(_none_at(path))
+
+
+def _none_at(path: pathlib.Path) -> str:
+    """Why there is no checkpoint at `path`: a run that saved none (and how to make it save), or a wrong path."""
+    run = next((p for p in (path, path.parent, path.parent.parent) if (p / "config.toml").is_file()), None)
+    if run is None:
+        return f"no checkpoint at {path}: give a step_N folder holding {META}, a run folder or its checkpoints/"
+    saved = list_checkpoints(checkpoints_dir(run))
+    if saved:
+        return f"no checkpoint at {path}; run {run} saved {', '.join(p.name for _, p in saved)}"
+    import tomllib
+
+    try:
+        said = tomllib.loads((run / "config.toml").read_text()).get("checkpoint", {})
+    except (OSError, tomllib.TOMLDecodeError):
+        said = {}
+    settings = ", ".join(f"checkpoint.{k} = {said[k]}" for k in ("every", "budget") if k in said)
+    return (
+        f"run {run} saved no checkpoint{f' ({settings})' if settings else ''}, or ended before its first: run it "
+        "again with --set checkpoint.every=N (one every N steps and one at the last step)"
     )
 
 

@@ -68,7 +68,7 @@ def save(
     _on_rank0_then_share(lambda: _prepare(root, tmp, need))
     try:
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
-    except Exception as e:  # DCP reports a rank's failed write on every rank (CheckpointException)
+    except BaseException as e:  # DCP reports a rank's failed write on every rank: CheckpointException, a BaseException
         if not _no_space(e):
             raise
         _on_rank0_then_share(lambda: _discard(tmp))
@@ -93,7 +93,7 @@ def _finish(root, tmp, final, lm, scheduler, state, model_source, adapter, rngs)
             shapes,
             dtypes,
             adapter=adapter,
-            base=model_source if adapter is not None else "",
+            base=local_path(model_source) if adapter is not None else "",
         )
         _write_atomic(tmp / META, msgspec.json.encode(meta))
     except (OSError, RuntimeError) as e:  # torch.save reports a full disk as a RuntimeError
@@ -108,12 +108,17 @@ def _finish(root, tmp, final, lm, scheduler, state, model_source, adapter, rngs)
 
 def _no_space(error: BaseException) -> bool:
     """The error, or one it wraps (DCP's CheckpointException keeps each rank's), is a full disk (ENOSPC)."""
-    seen = error
-    while seen is not None:
+    todo, looked = [error], set()
+    while todo:
+        seen = todo.pop()
+        if id(seen) in looked:
+            continue
+        looked.add(id(seen))
         if isinstance(seen, OSError) and seen.errno == errno.ENOSPC:
             return True
-        seen = seen.__cause__ or seen.__context__
-    return "No space left on device" in str(error) or "[Errno 28]" in str(error)
+        todo += [e for e in (seen.__cause__, seen.__context__) if e is not None]
+        todo += [failure for failure, _ in getattr(seen, "failures", {}).values()]
+    return f"[Errno {errno.ENOSPC}]" in str(error)  # torch.save's RuntimeError names it only in its text
 
 
 def _discard(tmp: pathlib.Path) -> None:
@@ -181,6 +186,12 @@ def load(path: str | os.PathLike, lm: nn.Module, optimizer, scheduler) -> Learne
     # Same world size: each rank its own stream. Resharded: every rank takes rank 0's, as at a fresh start.
     _set_rng_state(rngs[parallel.rank()] if len(rngs) == parallel.world_size() else rngs[0])
     return meta.state
+
+
+def local_path(model: str) -> str:
+    """`model` made absolute when it is a folder here (a relative base would name another folder wherever the
+    checkpoint is exported or loaded from); a hub id or a missing path as given."""
+    return str(pathlib.Path(model).resolve()) if model and pathlib.Path(model).exists() else model
 
 
 def load_weights(spec: str | os.PathLike) -> dict[str, torch.Tensor]:

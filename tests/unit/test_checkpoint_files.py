@@ -40,8 +40,28 @@ def test_latest_ignores_incomplete_and_temporary_folders(tmp_path):
 
 
 def test_no_checkpoint_names_the_folder(tmp_path):
-    with pytest.raises(checkpoint.CheckpointError, match=f"no complete checkpoint at {tmp_path}"):
+    with pytest.raises(checkpoint.CheckpointError, match=f"no checkpoint at {tmp_path}/checkpoints: give a step_N"):
         checkpoint.resolve("latest", tmp_path)
+
+
+def test_a_run_that_saved_no_checkpoint_is_told_how_to_save_one(tmp_path):
+    """Issue 38: README's LoRA export of a run that saved none read `... or start without --resume`."""
+    run = tmp_path / "runs" / "lora"
+    run.mkdir(parents=True)
+    (run / "config.toml").write_text("[run]\nname = 'lora'\n\n[checkpoint]\nevery = 0\nbudget = 0.0\n")
+    for spec in (run, run / "checkpoints", run / "checkpoints" / "step_30"):
+        with pytest.raises(checkpoint.CheckpointError) as e:
+            checkpoint.resolve(spec)
+        assert str(e.value) == (
+            f"run {run} saved no checkpoint (checkpoint.every = 0, checkpoint.budget = 0.0), or ended before its "
+            "first: run it again with --set checkpoint.every=N (one every N steps and one at the last step)"
+        )
+    (run / "checkpoints" / "step_10").mkdir(parents=True)
+    (run / "checkpoints" / "step_10" / "meta.json").write_text("{}")
+    with pytest.raises(
+        checkpoint.CheckpointError, match=f"no checkpoint at {run}/checkpoints/step_30; run {run} saved step_10$"
+    ):
+        checkpoint.resolve(run / "checkpoints" / "step_30")
 
 
 def test_unwritable_folder_fails_early(tmp_path):
@@ -61,3 +81,13 @@ def test_unreadable_meta_is_named(tmp_path):
     (tmp_path / "meta.json").write_text("{not json")
     with pytest.raises(checkpoint.CheckpointError, match="meta.json: not a readable streamrl checkpoint"):
         checkpoint.read_meta(tmp_path)
+
+
+def test_a_lora_base_is_written_as_an_absolute_folder(tmp_path, monkeypatch):
+    """Issue 38: adapter_config.json named the base by the config's relative path, which names another folder
+    (or none) wherever the adapter is loaded from; a hub id stays as given."""
+    (tmp_path / "models" / "tiny-sharp").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path)
+    assert checkpoint.local_path("models/tiny-sharp") == str(tmp_path / "models" / "tiny-sharp")
+    assert checkpoint.local_path("Qwen/Qwen2-0.5B") == "Qwen/Qwen2-0.5B"
+    assert checkpoint.local_path("") == ""
