@@ -116,20 +116,22 @@ def make_tiny_model(
     shape: Annotated[
         str, typer.Option(help="Model body from engine/models.py's SHAPES, e.g. tiny, or 0.5b (Qwen2-0.5B's layers).")
     ] = "tiny",
-    dtype: Annotated[str, typer.Option(help="Weights' dtype: float32, or bfloat16 (half the bytes to write).")] = (
-        "float32"
-    ),
+    dtype: Annotated[str, typer.Option(help="Weights' dtype: float32, or bfloat16 (half the bytes).")] = "float32",
     device: Annotated[str, typer.Option(help="Where to initialise it: cpu, or cuda (seconds for a 7B shape).")] = "cpu",
+    for_: Annotated[
+        str, typer.Option("--for", help="reasoning_gym:TASK: the tiny model taught that task's answer format.")
+    ] = "",
+    train_steps: Annotated[int, typer.Option(min=1, help="With --for: the teaching steps (16 prompts each).")] = 150,
 ) -> None:
-    """Write a random-init Qwen2 with a BPE tokenizer (for tests, first runs and GPU benchmarks; no hub needed)."""
-    from streamrl.engine.models import SHAPES
-    from streamrl.engine.models import make_tiny_model as make
+    """Write a random-init Qwen2 with a BPE tokenizer (for tests, first runs and GPU benchmarks; no hub needed);
+    with --for, one taught the answer format of a reasoning-gym task, not its answers (ops/tiny_model.py)."""
+    from streamrl.ops.tiny_model import make
 
-    if shape not in SHAPES:
-        typer.secho(f"error: --shape {shape!r}: choose one of {', '.join(SHAPES)}", fg="red", err=True)
-        raise typer.Exit(2)
-    folder = make(path, seed=seed, dtype=dtype, device=device, **SHAPES[shape])
-    typer.echo(f"tiny model written to {folder}")
+    try:
+        typer.echo(make(path, seed, shape, dtype, device, for_, train_steps))
+    except (ImportError, ValueError) as e:
+        typer.secho(f"error: {e}", fg="red", err=True)
+        raise typer.Exit(2) from None
 
 
 GpusOpt = Annotated[str, typer.Option("--gpus", help="GPUs of this host for this role, e.g. 0 or 0,1.")]
@@ -218,9 +220,7 @@ def rollout(
 @app.command()
 def status(
     run: Annotated[str, typer.Option("--run", help="Run id (run.name).")] = "demo",
-    redis_url: Annotated[
-        str, typer.Option(help="Redis URL; default: the run folder's embedded server, started read-only for the look.")
-    ] = "",
+    redis_url: Annotated[str, typer.Option(help="Redis URL; default: the run folder's embedded server.")] = "",
     runs_dir: Annotated[str, typer.Option(help="Folder holding run folders.")] = "runs",
     deep: Annotated[bool, typer.Option(help="Also recount every sample record.")] = False,
 ) -> None:
@@ -255,7 +255,9 @@ def run(
             help="Rollout processes to start; with 0 the learner waits for nodes you start (the command is printed).",
         ),
     ] = 2,
-    model: Annotated[str, typer.Option(help="Local HF model folder (default: the built-in tiny model).")] = "",
+    model: Annotated[
+        str, typer.Option(help="Local HF model folder (default: the built-in tiny model, lr 1e-2: ops/run.py TINY).")
+    ] = "",
     data: Annotated[
         str,
         typer.Option(
@@ -277,10 +279,10 @@ def run(
 ) -> None:
     """Everything on this machine: embedded Redis, a learner and N rollout nodes, with a live view.
     The config, model, engine, data and rewards are checked first (exit 2, nothing started, on an error)."""
-    from streamrl.ops.run import DEMO, name_sets, run_local
+    from streamrl.ops.run import DEMO, TINY, name_sets, run_local
 
-    builtin = config is None and not model and not data  # the built-in demo: its settings, then yours
-    sets = (DEMO if builtin else []) + list(overrides or [])
+    tiny = config is None and not model  # the built-in tiny model: its settings (the demo's too), then yours
+    sets = (TINY if tiny and data else DEMO if tiny else []) + list(overrides or [])
     sets += [f"model.path={model!r}"] if model else []
     sets += [f"data.path={data!r}"] if data else []
     sets += [f"reward.functions={list(reward)!r}"] if reward else []

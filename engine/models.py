@@ -15,6 +15,7 @@ import json
 import os
 import pathlib
 import random
+from collections.abc import Sequence
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "spiece.model")
 EOS = "<|endoftext|>"
@@ -171,8 +172,9 @@ def synthetic_text(seed: int, lines: int = 2000) -> list[str]:
     return out
 
 
-def make_tokenizer(seed: int = 0, vocab_size: int = 512):
-    """A byte-level BPE tokenizer trained on `synthetic_text(seed)`, wrapped for transformers."""
+def make_tokenizer(seed: int = 0, vocab_size: int = 512, text: Sequence[str] = (), tokens: Sequence[str] = ()):
+    """A byte-level BPE tokenizer trained on `synthetic_text(seed)` (and `text`), wrapped for transformers;
+    `tokens` are added whole (one id each, kept when decoding)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -186,11 +188,12 @@ def make_tokenizer(seed: int = 0, vocab_size: int = 512):
         show_progress=False,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
-    core.train_from_iterator(synthetic_text(seed), trainer=trainer)
+    core.train_from_iterator([*synthetic_text(seed), *text], trainer=trainer)
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=core, eos_token=EOS, pad_token=EOS, additional_special_tokens=specials[1:]
     )
     tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.add_tokens(list(tokens))
     return tokenizer
 
 
@@ -255,14 +258,15 @@ def make_tiny_model(
     files. device "cuda" initialises a large shape in seconds; dtype "bfloat16" halves the bytes written.
 
     `config_overrides` go to the Qwen2 config (e.g. the Qwen2-0.5B body: hidden_size=896, ...);
-    `model_vocab_size` makes the embedding larger than the tokenizer's vocabulary.
+    `model_vocab_size` makes the embedding larger than the tokenizer's vocabulary; `text` (more lines) and
+    `tokens` (whole tokens) go to the tokenizer (`make_tokenizer`).
     """
     import torch
     from transformers import AutoModelForCausalLM, GenerationConfig
 
     folder = pathlib.Path(path)
     folder.mkdir(parents=True, exist_ok=True)
-    tokenizer = make_tokenizer(seed, vocab_size)
+    tokenizer = make_tokenizer(seed, vocab_size, config_overrides.pop("text", ()), config_overrides.pop("tokens", ()))
     model_vocab = config_overrides.pop("model_vocab_size", len(tokenizer))  # may exceed the tokenizer's
     config = tiny_config(
         model_vocab,

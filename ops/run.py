@@ -22,10 +22,13 @@ from streamrl.ops.launcher import Launcher
 from streamrl.ops.live import live_table, plain_console
 from streamrl.ops.phases import Board
 
+# The built-in tiny model's settings, whatever the data (`streamrl run` without --model or --config): a
+# learning rate this high suits only a tiny random model (real models want ~1e-6), and its completions are
+# noise past a few tokens. examples/demo.toml spells them out.
+TINY = ["learner.lr=1e-2", "rollout.group_size=8", "rollout.max_tokens=24"]
 # The built-in demo: the random-init tiny model learns to write the letter of the demo task's
 # `answer` column. Measured on 2 CPU cores with 2 nodes: mean reward 0.06 -> 1.0 in 30 steps.
-# A learning rate this high suits only a tiny random model; examples/demo.toml spells it out.
-DEMO = ["learner.lr=1e-2", "rollout.group_size=8", "rollout.max_tokens=24", "run.steps=30"]
+DEMO = [*TINY, "run.steps=30"]
 LEARNER_UP_S = 300.0  # from the learner's start to its sockets (RUN/learner.json)
 LEDGER_LOST = 4  # the learner's exit status when Redis stayed unreachable past ledger.retry_s
 LEDGER_UNWRITABLE = 5  # ... when it refused writes that long (its disk full: MISCONF; OOM; READONLY)
@@ -161,8 +164,8 @@ def _ledger_lost(launcher: Launcher, cfg: Config) -> str:
 def _ledger_unwritable(launcher: Launcher, cfg: Config, ending: dict | None) -> str:
     """The one line for a run whose ledger refused writes for good (the learner's exit 5)."""
     where = launcher.redis.dir if launcher.redis is not None else None
-    said = (ending or {}).get("detail", "").splitlines()
-    refusal = said[0] if said else "Redis refused writes"
+    said = (ending or {}).get("detail", "").splitlines() if (ending or {}).get("by") == "learner" else []
+    refusal = said[0] if said else f"Redis refused writes (its log: {where}/redis.log)"
     room = f" ({shutil.disk_usage(where).free / 2**20:.1f} MiB free in {where})" if where is not None else ""
     resume = (
         f"continue with the same command and `--resume latest --set run.name={cfg.run.name}`"

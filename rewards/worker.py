@@ -26,6 +26,9 @@ def main(conn, cfg_bytes: bytes, specs: list[str]) -> None:
     def setup():
         cfg = msgspec.msgpack.decode(cfg_bytes, type=RewardConfig)
         fns = [None if spec == REWARD_MODEL else resolve(spec, cfg) for spec in specs]
+        for fn in fns:  # imports a reward defers (a library's) are paid here, under the boot deadline, not a call's
+            if callable(getattr(fn, "warm_up", None)):
+                fn.warm_up()
         return (lambda call: _serve(fns, call)), {}
 
     serve(conn, setup, RewardReady, _decoder, RewardStop)

@@ -1,12 +1,16 @@
 """A verifiers (0.4, `verifiers.v1`) taskset in the form verifiers packages take: say a letter, scored by
-the share of that letter in the reply. Put this folder on PYTHONPATH and run it by its id:
+the share of that letter in the reply's non-space characters. Put this folder on PYTHONPATH and run it by its id:
 
-    PYTHONPATH=examples/verifiers streamrl run --data verifiers:letter_taskset
+    PYTHONPATH=examples/verifiers streamrl run --data verifiers:letter_taskset --steps 30
+
+One letter, so that the built-in tiny model learns it in 30 steps on 2 CPU cores (bench/RESULTS.md, "The first
+hour, as written"); with four letters to tell apart ("abcd", one per prompt) its mean reward went 0.03 -> 0.17
+by step 27, then back to 0.04.
 """
 
 import verifiers.v1 as vf
 
-LETTERS = "abcd"
+LETTERS = "c"
 
 
 class LetterData(vf.TaskData):
@@ -16,8 +20,8 @@ class LetterData(vf.TaskData):
 class LetterTask(vf.Task[LetterData, vf.State, vf.TaskConfig]):
     @vf.reward(weight=1.0)
     async def share(self, task: LetterData, trace: vf.Trace) -> float:
-        reply = trace.last_reply
-        return reply.count(task.letter) / max(1, len(reply))
+        chars = [c for c in trace.last_reply if not c.isspace()]
+        return chars.count(task.letter) / max(1, len(chars))
 
 
 class LetterTaskset(vf.Taskset[LetterTask, vf.TasksetConfig]):

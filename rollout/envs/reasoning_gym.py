@@ -86,6 +86,9 @@ def score(prompts, completions, completion_ids, rg_task, **_) -> list[float]:
     return [score_one(c, task) for c, task in zip(completions, rg_task, strict=True)]
 
 
+score.warm_up = _rg  # the reward worker imports reasoning-gym when it starts (seconds), not in a call's deadline
+
+
 class ReasoningGymEnv:
     def __init__(self, attempts: int = 1, feedback: str = "That is not correct. Try again."):
         if attempts < 1:

@@ -10,8 +10,10 @@ containers) behind a client, which cannot be run on this machine's offline CPU s
 
 A row is SkyRL's dataset format: `prompt` (chat messages), `env_class` (a skyrl-gym registered id,
 e.g. gsm8k_multi_turn), `reward_spec` (e.g. `ground_truth`) and any `extra_info`; the row is passed
-as the environment's `extras`. A data file whose rows look so needs no setting (libraries.py fills
-env.name and data.messages_column). `env.args`: optional `env_id` (one id for every row, in place of
+as the environment's `extras`. An `env_class` that skyrl-gym has not registered but that is an entry point,
+`module:Class` (the form skyrl-gym's `register` takes), is made from that class: your own `BaseTextEnv`,
+importable from PYTHONPATH (examples/skyrl/letter_env.py). A data file whose rows look so needs no setting
+(libraries.py fills env.name and data.messages_column). `env.args`: optional `env_id` (one id for every row, in place of
 the rows' `env_class`) and `env_config` (a dict). The reward is the environment's: its step rewards,
 summed.
 """
@@ -30,14 +32,17 @@ class SkyRLGymEnv:
             import skyrl_gym
         except ImportError as e:
             raise ImportError(f"env.name = 'skyrl_gym' needs the skyrl-gym package ({e}): pip install skyrl-gym") from e
+        from skyrl_gym.envs.registration import EnvSpec, registry
+
         self._make, self.env_id, self.env_config = skyrl_gym.make, env_id, env_config or {}
+        self._spec = lambda i: i if i in registry or ":" not in i else EnvSpec(id=i, entry_point=i)
         self.env = None
 
     def reset(self, row: dict) -> list[dict]:
         env_id = self.env_id or row.get("env_class")
         if not env_id:
             raise ValueError("skyrl_gym: the row has no env_class; give one per row or env.args.env_id")
-        self.env = self._make(env_id, env_config=self.env_config, extras=row)
+        self.env = self._make(self._spec(env_id), env_config=self.env_config, extras=row)
         prompt = row.get("prompt")
         if isinstance(prompt, str):
             prompt = [{"role": "user", "content": prompt}]
@@ -57,20 +62,30 @@ def unregistered(env_id: str | None, rows: Iterable[dict]) -> str:
     """Why some episode cannot make its environment ('' when every one can): `env_id` (env.args), else each
     row's `env_class`, must be an id skyrl-gym has registered."""
     try:
-        from skyrl_gym.envs.registration import registry
+        from skyrl_gym.envs.registration import load_env_creator, registry
     except ImportError as e:
         return f"env.name = 'skyrl_gym' needs the skyrl-gym package ({e}): pip install skyrl-gym"
-    known = ", ".join(sorted(registry))
+    known = f"registered: {', '.join(sorted(registry))}; or an entry point module:Class"
+
+    def makeable(i: str) -> bool:
+        try:
+            return i in registry or (":" in i and callable(load_env_creator(i)))
+        except Exception:  # noqa: BLE001 - any import failure: the id cannot be made
+            return False
+
     if env_id:
-        return "" if env_id in registry else f"env.args.env_id = {env_id!r} is not a skyrl-gym id; registered: {known}"
+        return "" if makeable(env_id) else f"env.args.env_id = {env_id!r} is not a skyrl-gym id; {known}"
     rows = [r for r in rows if isinstance(r, dict)]
     classes = [r.get("env_class") for r in rows]
     unnamed = sum(not isinstance(c, str) or not c for c in classes)
-    missing = sorted({c for c in classes if isinstance(c, str) and c and c not in registry})
+    missing = sorted(
+        {c for c in classes if isinstance(c, str) and c}
+        - {c for c in set(classes) if isinstance(c, str) and c and makeable(c)}
+    )
     if missing:
         more = f" and {len(missing) - SHOWN} more" if len(missing) > SHOWN else ""
         shown = ", ".join(map(repr, missing[:SHOWN])) + more
-        return f"env_class {shown} in data.path is not a skyrl-gym id; registered: {known}"
+        return f"env_class {shown} in data.path is not a skyrl-gym id; {known}"
     if unnamed:
         return f"{unnamed} of {len(rows)} rows in data.path have no env_class; give each one, or env.args.env_id"
     return ""

@@ -138,3 +138,14 @@ def score_one(completion: str, task_ref: list) -> float:
 def score(prompts, completions, completion_ids, vf_task, **_) -> list[float]:
     """Reward function over a batch (the dataset's columns arrive as keyword lists)."""
     return [score_one(c, ref) for c, ref in zip(completions, vf_task, strict=True)]
+
+
+def _warm_up() -> None:
+    """What `score_one` imports, imported when the reward worker starts (seconds on a loaded machine) rather
+    than inside the first call's reward.timeout_s."""
+    _vf()
+    import verifiers.v1.graph  # noqa: F401
+    import verifiers.v1.trace  # noqa: F401
+
+
+score.warm_up = _warm_up

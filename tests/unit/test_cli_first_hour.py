@@ -48,7 +48,12 @@ def test_a_run_is_named_after_its_config_else_its_data():
     assert name_sets(None, ["data.path='x/rows.parquet'"]) == ["run.name='rows'"]
     # a name the config or --set gives is kept (and the run keeps its folder)
     assert name_sets(None, ["run.name='mine'", "data.path='rows.jsonl'"]) == []
-    assert name_sets(pathlib.Path(streamrl.__file__).parent / "examples" / "demo.toml", []) == []
+    assert name_sets(pathlib.Path(streamrl.__file__).parent / "examples" / "lora.toml", []) == ["run.name='lora'"]
+
+
+def test_a_run_named_in_its_config_keeps_the_name(tmp_path):
+    (tmp_path / "exp.toml").write_text("[run]\nname = 'mine'\n")
+    assert name_sets(tmp_path / "exp.toml", []) == []
 
 
 def test_keys_help_does_not_ask_to_turn_curve_on():

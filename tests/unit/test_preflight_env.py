@@ -63,3 +63,25 @@ def test_skyrl_gym_ids_the_library_has_not_registered(tiny_model, tmp_path):
     assert env_errors(tiny_model, *sky, ok, "env.args={env_id = 'gsm8k'}") == []
     (message,) = env_errors(tiny_model, *sky, ok, "env.args={env_id = 'gsm9k'}")
     assert message.startswith("env.args.env_id = 'gsm9k' is not a skyrl-gym id; registered: aime, gsm8k,")
+
+
+def test_a_skyrl_gym_entry_point_of_your_own_runs_without_registering(tiny_model, tmp_path, monkeypatch):
+    """examples/skyrl/letter_env.py: rows naming `letter_env:LetterEnv` pass preflight and run through the adapter
+    (skyrl-gym makes it from its EnvSpec); an entry point that does not import is refused (the control)."""
+    pytest.importorskip("skyrl_gym")
+    import pathlib
+
+    examples = pathlib.Path(__file__).resolve().parents[2] / "examples" / "skyrl"
+    monkeypatch.syspath_prepend(str(examples))
+    letter_env = __import__("letter_env")
+    path = tmp_path / "letters.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in letter_env.rows(8)))
+    sky = ("env.name='skyrl_gym'", "data.messages_column='prompt'", f"data.path={str(path)!r}")
+    assert env_errors(tiny_model, *sky) == []
+    from streamrl.rollout.envs.skyrl import SkyRLGymEnv
+
+    env, row = SkyRLGymEnv(), letter_env.rows(1)[0]  # asks for "e"
+    assert env.reset(row) == row["prompt"]
+    assert env.step("e e f") == ([], 2 / 3, True)
+    (message,) = env_errors(tiny_model, *sky, "env.args={env_id = 'no_such_module:Env'}")
+    assert message.startswith("env.args.env_id = 'no_such_module:Env' is not a skyrl-gym id; registered: aime")
