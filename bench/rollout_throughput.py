@@ -1,5 +1,6 @@
-"""Rollout throughput: streamrl's vLLM node against raw AsyncLLM on the same engine, and the hf node; same
-model, same prompts, same config, one call.
+"""Rollout throughput: the vLLM node vs raw AsyncLLM on the same engine vs the hf node, one call.
+
+Same model, same prompts, same config for all three.
 
     python -m streamrl.bench.rollout_throughput                 # CPU: the demo's config and tiny model
     python -m streamrl.bench.rollout_throughput --config examples/gpu.toml --shape 0.5b --shape 1.5b:152k \

@@ -38,7 +38,8 @@ def check_config(cfg: Config) -> None:
         log.warning("%s", finding.message)
 
 
-def run_learner(cfg: Config, resume: str = "") -> int:
+def run_learner(cfg: Config, resume: str = "") -> str:
+    """Train to `run.steps`; what was trained, in words (RUN/end.json's detail of a finished run)."""
     device = parallel.init_distributed()
     rank0 = parallel.is_rank0()
     setup_logging(cfg.run.path, f"learner-rank{parallel.rank()}", console=rank0, level=cfg.telemetry.log_level)
@@ -66,6 +67,7 @@ def run_learner(cfg: Config, resume: str = "") -> int:
     resumed_version = trainer.version if resume else None  # the ledger is rolled back to it
     orchestrator = _start_orchestrator(cfg, device, trainer, policy, resumed_version, first, adapter)
     ending = {"reason": "the learner stopped", "finished": False, "ledger_reachable": True}
+    skips = 0  # steps that took no optimizer update (no gradient, or a non-finite one): they trained nothing
     try:
         push_weights = parallel.PushWeights(policy, compute, adapters=adapter is not None)
         _hand_restored_weights(trainer, orchestrator, push_weights)
@@ -79,6 +81,7 @@ def run_learner(cfg: Config, resume: str = "") -> int:
             metrics = trainer.step(batch.micro_batches, batch.loss_tokens)  # step
             clock.lap("train_s")
             skipped = bool(metrics["skipped"])
+            skips += skipped
             if rank0:
                 orchestrator.commit(step, metrics)  # commit
             clock.lap("commit_s")
@@ -105,7 +108,10 @@ def run_learner(cfg: Config, resume: str = "") -> int:
         if orchestrator is not None:
             orchestrator.close(**ending)
         parallel.shutdown()
-    return 0
+    ran = cfg.run.steps - first + 1
+    return f"{ran} steps: {ran - skips} trained, {skips} skipped (no update)" + (
+        f", from step {first}" if first > 1 else ""
+    )
 
 
 def _trainer(cfg: Config, policy, device: torch.device, reference) -> Trainer:
@@ -205,8 +211,7 @@ def main(cfg: Config, resume: str = "") -> int:
 def _run(cfg: Config, resume: str) -> tuple[int, str, str]:
     """The learner's exit status, how the run ended (RUN/end.json's `ended`) and what ended it."""
     try:
-        run_learner(cfg, resume)
-        return 0, "finished", f"its {cfg.run.steps} steps ran"  # trained or not: the summary counts skips
+        return 0, "finished", run_learner(cfg, resume)
     except KeyboardInterrupt as e:
         log.warning("learner stopped by a signal")
         return 130, "interrupted", f"stopped by {e}"

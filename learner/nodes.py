@@ -227,13 +227,8 @@ class NodeRegistry(threading.Thread):
     def attach(self, node_id: str, link: Link) -> None:
         """Keep `link` with the node until it leaves the run (then it is closed); closed at once when the
         node is no longer in the run, and a link it had before is closed."""
-        with self.lock:
-            info = self.nodes.get(node_id)
-            before = info.link if info is not None else link
-            if info is not None:
-                info.link = link
-        if before is not None:
-            before.close()
+        if not self._swap(node_id, link):
+            link.close()
 
     def links(self) -> dict[str, Link]:
         """The links of the nodes in the run now (a copy: the caller may iterate while nodes leave)."""
@@ -241,13 +236,18 @@ class NodeRegistry(threading.Thread):
             return {node_id: info.link for node_id, info in self.nodes.items() if info.link is not None}
 
     def _detach(self, node_id: str) -> None:
+        self._swap(node_id, None)
+
+    def _swap(self, node_id: str, link: Link | None) -> bool:
+        """Put `link` on the node's entry and close the one it had; False when the node is not in the run."""
         with self.lock:
             info = self.nodes.get(node_id)
-            link = info.link if info is not None else None
+            before = info.link if info is not None else None
             if info is not None:
-                info.link = None
-        if link is not None:
-            link.close()
+                info.link = link
+        if before is not None:
+            before.close()
+        return info is not None
 
     @property
     def count(self) -> int:

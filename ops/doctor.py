@@ -163,7 +163,7 @@ def check_vllm(deep: bool = False) -> Check:
         return Check(
             "vllm",
             "warn",
-            "not installed: rollout nodes fall back to rollout.backend=hf",
+            "not installed: rollout.backend = 'auto' uses hf; 'vllm' is refused by preflight",
             "./install.sh cpu (or ./install.sh gpu on a CUDA machine)",
             required=False,
         )

@@ -42,7 +42,6 @@ ERROR_LINES = (
     re.compile(r"^(terminate called .+)"),  # C++ std::terminate, then SIGABRT
 )
 RANK_PREFIX = re.compile(r"^\[rank\d+\]:\s*")  # torch.distributed prefixes a rank's traceback lines
-MAX_DETAIL = 200
 
 
 def error_text(line: str) -> str | None:
@@ -102,8 +101,8 @@ class RoleWatch:
             else:
                 why = f"killed by signal {-code}" if code < 0 else f"exit {code}"
                 self.state.state = "dead"
+                # the error's line whole (the console and `streamrl status` show it; a cut one hid the reward's name)
                 self.state.detail = f"{why}: {self.last_error or 'no error line; see ' + str(self.child.log_path)}"
-                self.state.detail = self.state.detail[:MAX_DETAIL]
         return self.state
 
     def on_event(self, event: dict) -> None:

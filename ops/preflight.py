@@ -224,6 +224,16 @@ def check_telemetry(ctx: _Context) -> list[Problem]:
     return [_problem("telemetry", problem, level="warning")] if problem else []
 
 
+def check_disk(ctx: _Context) -> list[Problem]:
+    """The run folder's disk has room for what the run will write (ops/disk.py): a warning when it does not."""
+    from streamrl.ops import disk
+
+    if ctx.hf_config is None:
+        return []
+    problem = disk.check(ctx.cfg, ctx.hf_config, ctx.model_path)
+    return [_problem("disk", problem, level="warning")] if problem else []
+
+
 def tensorboard_problem(enabled: bool = True) -> str:
     """Why TensorBoard events would not be written ('' when they would); also a `doctor` row."""
     if enabled and importlib.util.find_spec("tensorboard") is None:
@@ -291,6 +301,7 @@ CHECKS: list[tuple[str, frozenset[str], Callable[[_Context], list[Problem]]]] = 
     ("reward", frozenset({"rollout"}), check_rewards),
     ("env", frozenset({"rollout"}), check_env),
     ("telemetry", frozenset({"learner"}), check_telemetry),
+    ("disk", frozenset({"learner"}), check_disk),
     ("gpu", frozenset(ROLES), check_gpu_placement),
 ]
 

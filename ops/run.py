@@ -164,8 +164,8 @@ def _ledger_lost(launcher: Launcher, cfg: Config) -> str:
 def _ledger_unwritable(launcher: Launcher, cfg: Config, ending: dict | None) -> str:
     """The one line for a run whose ledger refused writes for good (the learner's exit 5)."""
     where = launcher.redis.dir if launcher.redis is not None else None
-    said = (ending or {}).get("detail", "").splitlines()
-    refusal = said[0] if said else "Redis refused writes"
+    said = (ending or {}).get("detail", "").splitlines() if (ending or {}).get("by") == "learner" else []
+    refusal = said[0] if said else f"Redis refused writes (its log: {where}/redis.log)"
     room = f" ({shutil.disk_usage(where).free / 2**20:.1f} MiB free in {where})" if where is not None else ""
     resume = (
         f"continue with the same command and `--resume latest --set run.name={cfg.run.name}`"

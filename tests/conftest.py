@@ -300,8 +300,9 @@ def _torchrun(ranks: int, script, *args, timeout_s: float = 300.0) -> str:
     return output
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def torchrun():
+    """`_torchrun` (session-wide: a module's fixture may run its workers once for several tests)."""
     return _torchrun
 
 

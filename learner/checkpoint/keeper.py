@@ -30,8 +30,9 @@ class Keeper:
     """When the learner saves, exports and resumes (`checkpoint.every`, `export_every`, `--resume`).
 
     Saves every `checkpoint.every` steps, or by default as often as `checkpoint.budget` allows: the next save
-    waits until the time since the last one ended is at least the last one's duration / budget (and
-    `min_interval_s`), so saves take at most `budget` of the run's time; and at the last step. A save that
+    waits until the time since the last one ended (or since the first step) is at least the last one's
+    duration / budget and `min_interval_s`, so saves take at most `budget` of the run's time; and at the last
+    step. A save that
     does not fit on the disk is skipped with a warning, the run going on; the last one's failure ends it.
     Built before training: an unwritable folder, or a disk without room for one checkpoint, fails the run
     at start, not at the first save an hour in. `trainer` needs `.optimizer`, `.scheduler`, `.state_dict()`,
@@ -55,9 +56,12 @@ class Keeper:
         self.last_step = last_step
         self.saves = bool(cfg.every or cfg.budget)
         self.need = estimate_bytes(lm, model_source, parallel.world_size())
-        self.saved_at, self.save_s = time.monotonic(), 0.0  # when the last save ended, and what it took
+        # when the last save ended (the clock starts at the first step: not while the nodes start), what it took
+        self.saved_at: float | None = None
+        self.save_s = 0.0
         if self.saves:
             _on_rank0_then_share(lambda: check_writable(self.root, self.need))
+            import torch.distributed.checkpoint  # noqa: F401 - 1-3 s on a loaded CPU: now, not in the first save
         if cfg.export_every:
             _on_rank0_then_share(lambda: check_writable(self.exports, self.need // 3))
             if parallel.is_rank0():
@@ -103,6 +107,8 @@ class Keeper:
             return False
         if step == self.last_step or self.cfg.every:
             return step == self.last_step or step % self.cfg.every == 0
+        if self.saved_at is None:
+            self.saved_at = time.monotonic()
         wait_s = max(self.cfg.min_interval_s, self.save_s / self.cfg.budget)
         return parallel.from_rank0(time.monotonic() - self.saved_at >= wait_s)
 

@@ -68,7 +68,7 @@ def save(
     _on_rank0_then_share(lambda: _prepare(root, tmp, need))
     try:
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
-    except Exception as e:  # DCP reports a rank's failed write on every rank (CheckpointException)
+    except BaseException as e:  # DCP reports a rank's failed write on every rank: CheckpointException, a BaseException
         if not _no_space(e):
             raise
         _on_rank0_then_share(lambda: _discard(tmp))
@@ -108,12 +108,17 @@ def _finish(root, tmp, final, lm, scheduler, state, model_source, adapter, rngs)
 
 def _no_space(error: BaseException) -> bool:
     """The error, or one it wraps (DCP's CheckpointException keeps each rank's), is a full disk (ENOSPC)."""
-    seen = error
-    while seen is not None:
+    todo, looked = [error], set()
+    while todo:
+        seen = todo.pop()
+        if id(seen) in looked:
+            continue
+        looked.add(id(seen))
         if isinstance(seen, OSError) and seen.errno == errno.ENOSPC:
             return True
-        seen = seen.__cause__ or seen.__context__
-    return "No space left on device" in str(error) or "[Errno 28]" in str(error)
+        todo += [e for e in (seen.__cause__, seen.__context__) if e is not None]
+        todo += [failure for failure, _ in getattr(seen, "failures", {}).values()]
+    return f"[Errno {errno.ENOSPC}]" in str(error)  # torch.save's RuntimeError names it only in its text
 
 
 def _discard(tmp: pathlib.Path) -> None:

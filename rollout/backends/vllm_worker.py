@@ -211,7 +211,6 @@ def _lora_model(manager, lora_id: int, tensors: dict, spec):
     helper = PEFTHelper.from_dict({**peft_config(spec), "vllm_max_position_embeddings": positions})
     helper.validate_legal(manager.lora_config)
     model = manager._adapter_manager.model
-    mapper = getattr(model, "hf_to_vllm_mapper", None)
     return manager._lora_model_cls.from_lora_tensors(
         lora_model_id=lora_id,
         tensors={name: t.clone() for name, t in tensors.items()},  # vLLM scales B in place: keep ours as sent
@@ -219,9 +218,21 @@ def _lora_model(manager, lora_id: int, tensors: dict, spec):
         device="cpu",
         dtype=manager.lora_config.lora_dtype,
         model_vocab_size=manager.vocab_size,
-        weights_mapper=mapper.get_rename_mapper() if mapper is not None else None,
+        weights_mapper=lora_mapper(model),
         skip_prefixes=getattr(model, "lora_skip_prefixes", None),
     )
+
+
+def lora_mapper(model):
+    """The names mapper vLLM's own adapter loader passes for `model`: `get_rename_mapper()` in vLLM 0.32,
+    `get_unstacked_mapper()` in 0.25-0.26 (which has no get_rename_mapper: seen on the H200 with 0.25.1)."""
+    mapper = getattr(model, "hf_to_vllm_mapper", None)
+    if mapper is None:
+        return None
+    for name in ("get_rename_mapper", "get_unstacked_mapper"):
+        if hasattr(mapper, name):
+            return getattr(mapper, name)()
+    return mapper
 
 
 async def stage_and_swap_async_llm(engine, ready: WeightsReady) -> dict:

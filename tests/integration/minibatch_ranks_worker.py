@@ -1,5 +1,6 @@
-"""Run under torchrun on 2 ranks: one learner step of UPDATES updates with a reference KL; rank 0 saves
-every rank's metrics.
+"""Run under torchrun on 2 ranks: for each count in UPDATES (comma-separated), one learner step of that many
+updates with a reference KL, from the same fresh model; rank 0 saves every rank's metrics per count (one
+launch for all the counts: a torchrun start is most of a test's time).
 
 usage: torchrun --nproc_per_node 2 minibatch_ranks_worker.py MODEL_DIR OUT_FILE UPDATES
 The batch is fsdp_parity_worker's, shared unequally on purpose: rank 0 gets its first 6 samples (two
@@ -21,36 +22,42 @@ from streamrl.learner.reference import build_reference
 from streamrl.learner.train_step import Trainer
 
 
-def main(model_dir: str, out_file: str, updates: str) -> None:
+def main(model_dir: str, out_file: str, counts: str) -> None:
+    device = parallel.init_distributed(timeout_s=120)
+    try:
+        saved = {int(updates): step(model_dir, device, int(updates)) for updates in counts.split(",")}
+        if parallel.is_rank0():
+            torch.save(saved, out_file)
+    finally:
+        parallel.shutdown()
+
+
+def step(model_dir: str, device: torch.device, updates: int) -> dict:
+    """One step of `updates` updates on a fresh model: every rank's metrics and the version after it."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
-    device = parallel.init_distributed(timeout_s=120)
-    try:
-        cfg = build(
-            {
-                "model": {"path": model_dir},
-                "loss": {"kl_coef": 0.1},
-                "learner": {"lr": 5e-2, "mini_batches": int(updates), "micro_batch_tokens": 32},
-            }
-        )
-        lm = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa")
-        policy = parallel.wrap_model(lm, cfg.learner, device)
-        reference = build_reference(cfg, device, torch.float32, policy)
-        trainer = Trainer(policy, cfg.loss, cfg.learner, device, ref_model=reference)
-        trajs, advantages = fixed_batch()
-        per_rank = None
-        if parallel.is_rank0():
-            shares = [pack(trajs[:6], advantages[:6], 32), pack(trajs[6:], advantages[6:], 32)]
-            loss_tokens = sum(len(t.completion_ids) for t in trajs)
-            per_rank = [StepBatch(mbs, 0, loss_tokens) for mbs in shares]
-        mine = parallel.scatter_step(per_rank, device).micro_batches
-        metrics = trainer.step(mine)
-        everyone = parallel.gather_objects({"metrics": metrics, "micro_batches": len(mine)})
-        if parallel.is_rank0():
-            torch.save({"ranks": everyone, "version": trainer.version}, out_file)
-    finally:
-        parallel.shutdown()
+    cfg = build(
+        {
+            "model": {"path": model_dir},
+            "loss": {"kl_coef": 0.1},
+            "learner": {"lr": 5e-2, "mini_batches": updates, "micro_batch_tokens": 32},
+        }
+    )
+    lm = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa")
+    policy = parallel.wrap_model(lm, cfg.learner, device)
+    reference = build_reference(cfg, device, torch.float32, policy)
+    trainer = Trainer(policy, cfg.loss, cfg.learner, device, ref_model=reference)
+    trajs, advantages = fixed_batch()
+    per_rank = None
+    if parallel.is_rank0():
+        shares = [pack(trajs[:6], advantages[:6], 32), pack(trajs[6:], advantages[6:], 32)]
+        loss_tokens = sum(len(t.completion_ids) for t in trajs)
+        per_rank = [StepBatch(mbs, 0, loss_tokens) for mbs in shares]
+    mine = parallel.scatter_step(per_rank, device).micro_batches
+    metrics = trainer.step(mine)
+    everyone = parallel.gather_objects({"metrics": metrics, "micro_batches": len(mine)})
+    return {"ranks": everyone, "version": trainer.version}
 
 
 if __name__ == "__main__":

@@ -55,7 +55,7 @@ class FakeNode(threading.Thread):
 
 def fake_orchestrator(redis_url, run, mode, rewards, loss: LossConfig, steps=STEPS):
     """Stands in for the orchestrator's select -> commit / skip loop (learner/orchestrator.py), without a
-    learner, to read the ledger's books to the sample; test_dapo_run.py drives the real one in a run."""
+    learner, to read the ledger's books to the sample; test_short_run.py drives the real one in a run."""
     ledger = Ledger(connect(redis_url), run, LedgerConfig(max_staleness=1, heartbeat_ttl_s=30))
     ledger.init_run(PER_STEP, mode, steps_left=steps)
     receiver = TrajectoryReceiver()

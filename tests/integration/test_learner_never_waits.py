@@ -61,7 +61,10 @@ def test_a_silent_node_is_evicted_after_one_deadline_while_the_learner_keeps_ste
         text = log.read_text()
         assert "evicted node silent" in text, text[-3000:]
         steps_after = len(read_metrics(launcher.run_dir / "metrics.jsonl"))
-        time.sleep(3)
+        still = time.monotonic() + 60  # a step is ~1 s idle, several under load: wait for one, not a fixed 3 s
+        while len(read_metrics(launcher.run_dir / "metrics.jsonl")) <= steps_after and time.monotonic() < still:
+            assert launcher.learner.alive, launcher.learner.log_tail(40)
+            time.sleep(0.5)
         assert len(read_metrics(launcher.run_dir / "metrics.jsonl")) > steps_after  # still training
     finally:
         stop.set()

@@ -159,17 +159,24 @@ def test_the_entropy_bonus_raises_the_entropy(tiny_model, device):
     assert plain.step(mbs)["grad_norm"] == 0.0  # without the bonus the same batch has no gradient at all
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("updates", [2, 3])
-def test_updates_on_two_ranks_with_unequal_shares(tiny_model, tmp_path, torchrun, updates):
-    """Two CPU ranks (torchrun, gloo) whose shares split into mini-batches differently (minibatch_ranks_worker's
-    doc): the step ends on both (no rank waits in a collective the other skipped), with the same metrics."""
+@pytest.fixture(scope="module")
+def two_ranks(tiny_model, tmp_path_factory, torchrun) -> dict:
+    """One torchrun of minibatch_ranks_worker on two CPU ranks, a step of 2 and one of 3 updates: {updates: out}."""
     import pathlib
 
     worker = pathlib.Path(__file__).with_name("minibatch_ranks_worker.py")
-    output = torchrun(2, worker, tiny_model, tmp_path / "out.pt", updates)
+    out = tmp_path_factory.mktemp("two-ranks") / "out.pt"
+    output = torchrun(2, worker, tiny_model, out, "2,3")
     assert "terminate called" not in output
-    out = torch.load(tmp_path / "out.pt", weights_only=False)
+    return torch.load(out, weights_only=False)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("updates", [2, 3])
+def test_updates_on_two_ranks_with_unequal_shares(two_ranks, updates):
+    """Two CPU ranks (torchrun, gloo) whose shares split into mini-batches differently (minibatch_ranks_worker's
+    doc): the step ends on both (no rank waits in a collective the other skipped), with the same metrics."""
+    out = two_ranks[updates]
     (a, b) = out["ranks"]
     assert (a["micro_batches"], b["micro_batches"]) == (2, 1)
     a_metrics = {k: v for k, v in a["metrics"].items() if k != "step_seconds"}

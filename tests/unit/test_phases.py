@@ -289,3 +289,15 @@ def test_the_view_prints_each_kind_of_learner_warning_once(tmp_path):
     printed = console.export_text()
     assert printed.count("learner warning: ") == 1 and zero.format(1) in printed
     assert view.warned == {zero.format("N").replace("4 groups", "N groups").replace("= 0", "= N"): 3}
+
+
+def test_a_dead_roles_error_line_is_shown_whole(tmp_path):
+    # the always-NaN reward's stop, as the learner prints it: the reward's name sits past character 160
+    child = FakeChild(tmp_path / "learner.out", "learner")
+    watch = LearnerWatch(child, tmp_path / EVENTS_FILE)
+    first = "the run stops: the reward failed on 64 of the last 64 samples (" + "x" * 150 + ")"
+    line = f"{first}; first error: nan_always: streamrl.rewards.call.RewardValueError: returned nan"
+    child.write(f"16:40:01 ERROR: {line}")
+    child.process.returncode = 3
+    state = watch.poll()
+    assert state.state == "dead" and state.detail == f"exit 3: {line}" and len(state.detail) > 250

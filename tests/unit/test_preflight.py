@@ -43,9 +43,10 @@ def test_a_good_setup_passes_and_counts_its_rows(tiny_model, tmp_path):
     assert [str(p) for p in report.problems if p.check == "data"] == [
         f"info: data: data.path = {data}: 20 of 20 rows usable"
     ]
-    assert set(report.seconds) == {"config", "model", "engine", "lora", "data", "reward", "env", "telemetry", "gpu"}
+    checks = {"config", "model", "engine", "lora", "data", "reward", "env", "telemetry", "disk", "gpu"}
+    assert set(report.seconds) == checks
     learner_only = run_preflight(tiny_model, f"data.path={data!r}", roles=["learner"])
-    assert set(learner_only.seconds) == {"config", "model", "lora", "telemetry", "gpu"}  # a learner reads no data
+    assert set(learner_only.seconds) == {"config", "model", "lora", "telemetry", "disk", "gpu"}  # no data read
     with pytest.raises(
         ValueError, match=r"preflight roles \['node'\]; give a non-empty subset of \['learner', 'rollout'\]"
     ):

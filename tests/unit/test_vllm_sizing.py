@@ -121,3 +121,27 @@ def test_the_rotary_reload_warning_is_dropped_and_any_other_layer_still_warns(ca
         logger.warning("%s: Failed to load weights", "MRotaryEmbedding")
         logger.warning("%s: Failed to load weights", "QKVParallelLinear")
     assert [r.getMessage() for r in caplog.records] == ["QKVParallelLinear: Failed to load weights"]
+
+
+class FakeMapper032:
+    """Stands in for vLLM 0.32's WeightsMapper (get_rename_mapper)."""
+
+    def get_rename_mapper(self):
+        return "renamed"
+
+
+class FakeMapper025:
+    """Stands in for vLLM 0.25's WeightsMapper: no get_rename_mapper, get_unstacked_mapper instead."""
+
+    def get_unstacked_mapper(self):
+        return "unstacked"
+
+
+def test_the_adapter_loader_takes_the_mapper_each_vllm_release_has():
+    from types import SimpleNamespace
+
+    from streamrl.rollout.backends.vllm_worker import lora_mapper
+
+    assert lora_mapper(SimpleNamespace(hf_to_vllm_mapper=FakeMapper032())) == "renamed"
+    assert lora_mapper(SimpleNamespace(hf_to_vllm_mapper=FakeMapper025())) == "unstacked"
+    assert lora_mapper(SimpleNamespace()) is None
