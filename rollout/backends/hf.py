@@ -33,6 +33,7 @@ from streamrl.engine.config import LoraConfig, ModelConfig, RolloutConfig
 from streamrl.engine.lora import linear_modules as lora_modules
 from streamrl.engine.lora import resolve as lora_spec
 from streamrl.engine.messages import AdapterSpec, WeightsReady
+from streamrl.engine.placement import HF_GPU_ROWS
 from streamrl.engine.weights import Staged, Stager
 from streamrl.rollout.backends.protocol import BackendClock, Completion, LiveVersion
 
@@ -62,7 +63,7 @@ class HFBackend:
         rollout: RolloutConfig,
         seed: int = 0,
         device: str = "cpu",
-        max_batch: int = 256,
+        max_batch: int = HF_GPU_ROWS,
         static: bool | None = None,
         max_prompt_tokens: int = WIDTH_STEP,
         lora: LoraConfig | None = None,
