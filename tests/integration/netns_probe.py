@@ -2,8 +2,8 @@
 
     python netns_probe.py CONTROL_ADDR TRAJECTORY_ADDR KEYS_OF_ANOTHER_NODE VICTIM
 
-- stranger: a client without CURVE, and one with a key of its own, try to register and to push a
-  trajectory: neither gets through;
+- stranger: a client without CURVE, one with a key of its own, and one that holds a wrong server key
+  try to register and to push a trajectory: none gets through;
 - spoof: a peer with another node's (allowed) key sends a Goodbye and a Heartbeat for the victim, and
   tries to register under the victim's id;
 - forge: the same peer pushes a trajectory in the victim's name with a huge sequence number (the frame
@@ -55,6 +55,9 @@ def main(control: str, trajectories: str, other_keys_dir: str, victim: str) -> d
     other = auth.node_keys(other_keys_dir)
     own_public, own_secret = zmq.curve_keypair()
     stranger = auth.NodeKeys(other.server_public, own_public, own_secret)
+    # a CURVE client with the wrong server key: its HELLO reaches the gate and cannot be opened there, a
+    # handshake failure the gate always sees (a client without CURVE may hang up before the gate reads it)
+    wrong_server = auth.NodeKeys(zmq.curve_keypair()[0], own_public, own_secret)
     with ControlClient(control, "probe-spoofer", timeout_s=30, keys=other) as client:
         client.send(Goodbye(node_id=victim, reason="spoofed"))  # cut the victim off from weights (probe of main)
         client.send(Heartbeat(node_id=victim, policy_version=10**6))
@@ -66,6 +69,7 @@ def main(control: str, trajectories: str, other_keys_dir: str, victim: str) -> d
         # strangers never connect: each waits out a short timeout (all at once: the run goes on meanwhile)
         "stranger_plain_register": lambda: _register(control, "intruder", None, timeout_s=2),
         "stranger_key_register": lambda: _register(control, "intruder", stranger, timeout_s=2),
+        "stranger_wrong_server_register": lambda: _register(control, "intruder", wrong_server, timeout_s=2),
         "stranger_plain_push": lambda: _push(trajectories, victim, None, 10**9, timeout_s=2),
         "stranger_key_push": lambda: _push(trajectories, victim, stranger, 10**9, timeout_s=2),
     }
