@@ -219,14 +219,20 @@ def rollout(
 
 @app.command()
 def status(
-    run: Annotated[str, typer.Option("--run", help="Run id (run.name).")] = "demo",
+    run: Annotated[str, typer.Option("--run", help="Run id (run.name); default: the newest run in --runs-dir.")] = "",
     redis_url: Annotated[str, typer.Option(help="Redis URL; default: the run folder's embedded server.")] = "",
     runs_dir: Annotated[str, typer.Option(help="Folder holding run folders.")] = "runs",
     deep: Annotated[bool, typer.Option(help="Also recount every sample record.")] = False,
 ) -> None:
     """The run's books: generated, in flight, trained, dropped by reason; exit 1 when they do not balance."""
-    from streamrl.ops.status import status_command
+    from streamrl.ops.status import newest_run, status_command
 
+    if not run:
+        run = newest_run(pathlib.Path(runs_dir))
+        if not run:
+            typer.secho(f"error: no run folder in {runs_dir}/; give --run NAME (and --runs-dir)", fg="red", err=True)
+            raise typer.Exit(2)
+        typer.echo(f"run {run} (the newest in {runs_dir}/; --run NAME for another)", err=True)
     run_dir = pathlib.Path(runs_dir) / run
     if redis_url:
         raise typer.Exit(status_command(run, redis_url, deep=deep, run_dir=run_dir))

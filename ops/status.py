@@ -53,6 +53,17 @@ def status_command(
     return 1 if errors else 0
 
 
+def newest_run(runs_dir: pathlib.Path) -> str:
+    """The name of the run folder under `runs_dir` whose ledger or config changed last (a run is named after
+    its config or data, so a person who did not name it may not know its name); '' when there is none."""
+    def changed(folder: pathlib.Path) -> float:
+        marks = [folder / "redis", folder / "config.toml", folder / "metrics.jsonl", folder / "end.json"]
+        return max((m.stat().st_mtime for m in marks if m.exists()), default=-1.0)
+
+    folders = [f for f in runs_dir.iterdir() if f.is_dir() and changed(f) >= 0] if runs_dir.is_dir() else []
+    return max(folders, key=changed).name if folders else ""
+
+
 def live_ledger(run_dir: pathlib.Path) -> str:
     """The URL of the ledger a run going on in `run_dir` uses (RUN/config.toml, written by its launcher or
     learner), when it answers; '' when there is none (the run has ended: its embedded server stopped)."""

@@ -155,9 +155,10 @@ class CliRun:
         self.children.update(descendants(self.process.pid))
         return [pid for pid, line in self.children.items() if needle in line and running(pid)]
 
-    def status(self) -> subprocess.CompletedProcess:
-        """`streamrl status` of this run, as a user types it (its embedded Redis started from the folder)."""
-        command = [sys.executable, "-m", "streamrl", "status", "--run", self.run_dir.name]
+    def status(self, named: bool = True) -> subprocess.CompletedProcess:
+        """`streamrl status` of this run, as a user types it (its embedded Redis started from the folder);
+        `named=False`: without `--run`, which reads the newest run in the runs folder."""
+        command = [sys.executable, "-m", "streamrl", "status", *(["--run", self.run_dir.name] if named else [])]
         env = {**os.environ, "COLUMNS": "300"}
         return subprocess.run([*command, "--runs-dir", str(self.run_dir.parent)], capture_output=True, text=True,
                               env=env, timeout=120)  # fmt: skip

@@ -35,7 +35,7 @@ def killed(tmp_path_factory, fault_tools):
     ending = json.loads((run.run_dir / "end.json").read_text())
     status = run.status()
     (run.run_dir / "end.json").unlink()  # as if the launcher had died with it: the ledger alone must tell
-    status_without_ending = run.status()
+    status_without_ending = run.status(named=False)  # also: a run found without its name (the only one here)
     fault_tools.figure("run_learner_kill9", exit_code=code, exit_s=round(exit_s, 1), ended=ending["ended"],
                        status=_row(status.stdout, "run"))  # fmt: skip
     return dict(code=code, said=run.said(), ending=ending, before=status_before, status=status,
@@ -71,4 +71,5 @@ def test_status_names_the_kill_and_the_books_balance(killed):
 def test_without_end_json_status_says_the_learner_heartbeat_is_gone(killed):
     without = killed["without"]
     assert without.returncode == 0, without.stdout + without.stderr
+    assert "run killed (the newest in " in without.stderr  # found without --run, and said which
     assert _row(without.stdout, "run").startswith("stopped without an ending: no learner heartbeat since ")
