@@ -56,6 +56,7 @@ def status_command(
 def newest_run(runs_dir: pathlib.Path) -> str:
     """The name of the run folder under `runs_dir` whose ledger or config changed last (a run is named after
     its config or data, so a person who did not name it may not know its name); '' when there is none."""
+
     def changed(folder: pathlib.Path) -> float:
         marks = [folder / "redis", folder / "config.toml", folder / "metrics.jsonl", folder / "end.json"]
         return max((m.stat().st_mtime for m in marks if m.exists()), default=-1.0)
