@@ -397,6 +397,12 @@ def keys(
 
 
 def main() -> None:
+    import atexit
+    import gc
+
+    # the last full collection at interpreter exit walks every object torch, transformers and vLLM made: 1.5 s
+    # a process here, on the path of every run's end; frozen, the exit takes 0.2 s (open files still close)
+    atexit.register(gc.freeze)
     app()
 
 
