@@ -28,6 +28,7 @@ from streamrl.learner.overdue import OverdueGroups
 log = logging.getLogger("streamrl.learner")
 
 WAITING_WARN_S = 30.0
+NO_NODE_WARN_S = 10.0  # ... sooner while no node is registered: the hint then names the command that starts one
 GROUP_PATIENCE_S = 30.0  # a group missing members this long is used with the members it has
 OPEN_GROUPS_MAX = 4096  # more than any credit capacity: every open group
 ARRIVAL_GRACE_S = 2.0  # a group whose first members came this recently is still arriving
@@ -149,11 +150,12 @@ class Intake:
         between: Callable[[], None],
         waiting_hint: Callable[[], str],
         holding: set[str] = frozenset(),
+        warn_after: Callable[[], float] = lambda: WAITING_WARN_S,
     ) -> list[list[Trajectory]]:
         """Block until `n_groups` whole groups of samples fresh at `version` are here; return them,
         oldest first. `between` runs between receives (node service); `waiting_hint` says what is
-        waited for when the wait is long; `holding`: groups this step took already (a refill after
-        dynamic sampling dropped some), which the admission order passes over."""
+        waited for when the wait is longer than `warn_after()` seconds; `holding`: groups this step took
+        already (a refill after dynamic sampling dropped some), which the admission order passes over."""
         waiting_since = last_warn = time.monotonic()
         while True:
             self.alarm.check(waiting_hint)  # also between steps that train nothing (skipped steps)
@@ -165,7 +167,7 @@ class Intake:
             ready = self._take_ready(n_groups, version, holding)
             if ready is not None:
                 return ready
-            if time.monotonic() - last_warn > WAITING_WARN_S:
+            if time.monotonic() - last_warn > warn_after():
                 note = f"{len(self.groups)} groups partly here; {waiting_hint()}"
                 log.warning("waited %.0f s for trajectories: %s", time.monotonic() - waiting_since, note)
                 if self.events is not None:

@@ -37,7 +37,7 @@ from streamrl.engine.telemetry import EventLog, MetricsSink
 from streamrl.engine.transport import REFUSALS, TrajectoryReceiver, bind_address
 from streamrl.learner.batching import StepBatch, pack_for_ranks, sequence_cost
 from streamrl.learner.heartbeat import LearnerHeartbeat
-from streamrl.learner.intake import Intake, RewardWatch, StallAlarm
+from streamrl.learner.intake import NO_NODE_WARN_S, WAITING_WARN_S, Intake, RewardWatch, StallAlarm
 from streamrl.learner.nodes import NodeRegistry
 from streamrl.learner.overdue import OverdueGroups
 from streamrl.learner.publisher import Publisher
@@ -182,7 +182,8 @@ class Orchestrator:
         version, learner = self.version_of(), self.cfg.learner
 
         def take(n: int, holding: set[str]) -> list[list[Trajectory]]:
-            return self.intake.collect(n, version, self.serve_nodes, self._hint, holding=holding)
+            return self.intake.collect(n, version, self.serve_nodes, self._hint, holding=holding,
+                                       warn_after=self._warn_after)  # fmt: skip
 
         self.selection = select(take, self._drop, learner.groups_per_step, self.cfg.loss, completion_limit(self.cfg))
         warn_unfilled(step, self.selection, learner.groups_per_step, self.cfg.loss)
@@ -195,6 +196,9 @@ class Orchestrator:
         """Samples the step leaves out (zero_variance, truncated): resolved, counted as samples_<reason>."""
         self.ledger.drop(sample_ids, reason)
         self.intake.counters.update({reason: len(sample_ids)})
+
+    def _warn_after(self) -> float:
+        return WAITING_WARN_S if self.registry.count else NO_NODE_WARN_S
 
     def _hint(self) -> str:
         nodes = self.registry.count
