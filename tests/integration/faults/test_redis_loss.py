@@ -1,11 +1,11 @@
 """The ledger's Redis killed with `kill -9` mid-run, twice (and the reaper across a restart).
 
 1. Back within `ledger.retry_s` (restarted on its port from its append-only file): the learner and
-   the nodes wait for it and carry on; the stall is the outage plus a step.
+   the nodes (hf: the ledger is what is tested) wait for it and carry on; the stall is the outage plus a step.
 2. Gone for longer: the learner stops with exit 4 and an error naming the server, the nodes exit with
    an error too, and the ledger is intact: once Redis is back, every record agrees with the counters.
-3. Gone for good under `streamrl run`: one line saying so, exit 4, no traceback, no process of the run
-   left (checked by pid: learner, node, its engine, Redis).
+3. Gone for good under `streamrl run` (a vLLM node): one line saying so, exit 4, no traceback, no process
+   of the run left (checked by pid: learner, node, its engine core, Redis).
 """
 
 from __future__ import annotations
@@ -60,10 +60,10 @@ def test_a_restarted_redis_pauses_the_reaper_for_one_ttl(tmp_path, fault_tools):
         ledger.drop(["g-beats:0", "g-beats:1"], "preempted")
 
 
-@pytest.mark.vllm
 @pytest.mark.slow
 def test_redis_killed_mid_run_back_within_the_bound_then_gone_for_good(fault_run, fault_tools):
-    run = fault_run(["run.steps=100000", *fault_tools.at_test_settings([f"ledger.retry_s={RETRY_S}"])])
+    run = fault_run(["run.steps=100000", "rollout.backend='hf'",  # a vLLM node under `streamrl run`: the test below
+                    *fault_tools.at_test_settings([f"ledger.retry_s={RETRY_S}"])])  # fmt: skip
     retry_s = run.cfg.ledger.retry_s
     launcher = run.launcher
     launcher.start(nodes=2)

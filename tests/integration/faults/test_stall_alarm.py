@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-pytestmark = [pytest.mark.faults, pytest.mark.vllm, pytest.mark.slow]
+pytestmark = [pytest.mark.faults, pytest.mark.slow]
 
 STOP_S = 60.0  # from the node's first samples to the learner's exit
 
@@ -18,7 +18,7 @@ STOP_S = 60.0  # from the node's first samples to the learner's exit
 def test_an_always_nan_reward_stops_the_run_naming_the_reward(fault_run, fault_tools, tmp_path):
     reward = tmp_path / "nan_reward.py"
     reward.write_text("def nan_reward(completions, **kwargs):\n    return [float('nan')] * len(completions)\n")
-    run = fault_run([f"reward.functions=['{reward}:nan_reward']", "run.steps=100000"])
+    run = fault_run([f"reward.functions=['{reward}:nan_reward']", "run.steps=100000", "rollout.backend='hf'"])
     assert run.cfg.learner.stall_stop_s == 1800.0  # the default: the alarm is not what stops this run
     run.launcher.start(nodes=1)
     started = run.launcher.learner.started
