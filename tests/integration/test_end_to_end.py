@@ -117,10 +117,9 @@ def test_nodes_join_and_leave_mid_run(launched, demo_config):
 
     os.kill(launcher.nodes["node-0"].process.pid, signal.SIGKILL)  # lost without a word
     launcher.nodes.pop("node-0").process.wait(timeout=30)
+    launcher.add_node()  # node-2 replaces it: it loads its engine while the run goes on without node-0
     _wait_for_log(launcher, "learner-rank0.log", "node node-0 stopped beating", timeout_s=60)
     _wait_for_step(launcher, _step(launcher) + 3, timeout_s=300)  # the run goes on with node-1
-
-    launcher.add_node()  # node-2 replaces it
     _wait_for_log(launcher, "rollout-node-2.log", "live on node-2", timeout_s=300)
     _wait_for_step(launcher, _step(launcher) + 2, timeout_s=300)
     assert launcher.stop_node("node-1") == 0  # a clean leave: SIGTERM, its groups finished or resolved

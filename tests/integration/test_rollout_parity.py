@@ -23,11 +23,21 @@ def sharp_model(tmp_path_factory) -> str:
     return str(make_tiny_model(tmp_path_factory.mktemp("models") / "sharp", seed=1, initializer_range=0.2))
 
 
-def _engines(kind: str, model: str, rollout: RolloutConfig):
-    if kind == "vllm":
-        from streamrl.rollout.backends.vllm import VLLMBackend
+@pytest.fixture(scope="module")
+def vllm_engine(sharp_model):
+    """One vLLM engine for every sampling setting below (each request carries its own SamplingParams, made from
+    the backend's `rollout` when it is sent), on an event loop of its own: the engine is bound to the loop it
+    first ran in."""
+    from streamrl.rollout.backends.vllm import VLLMBackend
 
-        return VLLMBackend(model, MODEL, rollout, seed=0)
+    loop = asyncio.new_event_loop()
+    engine = VLLMBackend(sharp_model, MODEL, RolloutConfig(), seed=0)
+    yield engine, loop
+    loop.run_until_complete(engine.close())
+    loop.close()
+
+
+def _hf(model: str, rollout: RolloutConfig):
     from streamrl.rollout.backends.hf import HFBackend
 
     return HFBackend(model, MODEL, rollout, seed=0)
@@ -55,15 +65,14 @@ def _worst_gap(reference, prompts_and_groups) -> float:
     [dict(temperature=0.7), dict(temperature=1.0, top_k=5), dict(temperature=0.7, top_p=0.8)],
     ids=["T0.7", "topk5", "T0.7-topp0.8"],
 )
-def test_vllm_and_hf_backends_agree_on_logprobs(loop, sharp_model, sampling):
+def test_vllm_and_hf_backends_agree_on_logprobs(loop, sharp_model, vllm_engine, sampling):
     rollout = RolloutConfig(**sampling)
-    hf = _engines("hf", sharp_model, rollout)
+    hf = _hf(sharp_model, rollout)
     hf_groups = _generate_all(loop, hf, n=3, max_tokens=10)
-    vllm = _engines("vllm", sharp_model, rollout)
-    try:
-        vllm_groups = _generate_all(loop, vllm, n=3, max_tokens=10)
-    finally:
-        loop.run_until_complete(vllm.close())
+    vllm, vllm_loop = vllm_engine
+    vllm.rollout = rollout  # this test's sampling settings, for the requests it sends
+    assert vllm.sampling_params(3, 10).temperature == rollout.temperature
+    vllm_groups = _generate_all(vllm_loop, vllm, n=3, max_tokens=10)
     # vLLM's tokens scored by the hf backend's definition, and the hf backend's own tokens likewise.
     assert _worst_gap(hf, zip(PROMPTS, vllm_groups)) < 1e-3
     assert _worst_gap(hf, zip(PROMPTS, hf_groups)) < 1e-3
