@@ -225,29 +225,9 @@ def status(
     deep: Annotated[bool, typer.Option(help="Also recount every sample record.")] = False,
 ) -> None:
     """The run's books: generated, in flight, trained, dropped by reason; exit 1 when they do not balance."""
-    from streamrl.ops.status import newest_run, status_command
+    from streamrl.ops.status import status_cli
 
-    if not run:
-        run = newest_run(pathlib.Path(runs_dir))
-        if not run:
-            typer.secho(f"error: no run folder in {runs_dir}/; give --run NAME (and --runs-dir)", fg="red", err=True)
-            raise typer.Exit(2)
-        typer.echo(f"run {run} (the newest in {runs_dir}/; --run NAME for another)", err=True)
-    run_dir = pathlib.Path(runs_dir) / run
-    if redis_url:
-        raise typer.Exit(status_command(run, redis_url, deep=deep, run_dir=run_dir))
-    from streamrl.engine.redis_server import RedisServer
-    from streamrl.ops.status import live_ledger
-
-    live = live_ledger(run_dir)  # a run going on: its own server (a second one on its folder would share the AOF)
-    if live:
-        raise typer.Exit(status_command(run, live, deep=deep, run_dir=run_dir))
-    folder = run_dir / "redis"
-    if not folder.is_dir():
-        typer.secho(f"error: no ledger at {folder}; give --redis-url for a run on another server", fg="red", err=True)
-        raise typer.Exit(2)
-    with RedisServer(folder) as server:
-        raise typer.Exit(status_command(run, server.url, deep=deep, run_dir=run_dir))
+    raise typer.Exit(status_cli(run, redis_url, pathlib.Path(runs_dir), deep))
 
 
 @app.command()

@@ -35,6 +35,7 @@ from streamrl.engine.messages import AdapterSpec, Trajectory, Welcome
 from streamrl.engine.redis_server import redact
 from streamrl.engine.telemetry import EventLog, MetricsSink
 from streamrl.engine.transport import REFUSALS, TrajectoryReceiver, bind_address
+from streamrl.engine.weights.paths import this_process
 from streamrl.learner.batching import StepBatch, pack_for_ranks, sequence_cost
 from streamrl.learner.heartbeat import LearnerHeartbeat
 from streamrl.learner.intake import NO_NODE_WARN_S, WAITING_WARN_S, Intake, RewardWatch, StallAlarm
@@ -169,9 +170,10 @@ class Orchestrator:
         path = run_dir / "learner.json"
         tmp = path.with_suffix(".tmp")
         addresses = {"control_addr": self.registry.addr, "trajectory_addr": self.intake.addr}
-        # no credentials here: the file is readable by others, and nodes get the ledger's URL in their Welcome
+        # no credentials here: the file is readable by others, and nodes get the ledger's URL in their Welcome;
+        # the process: `streamrl status` on this machine tells a killed learner from a live one at once
         record = {**addresses, "redis_url": redact(self.redis_url), "run": self.cfg.run.name}
-        tmp.write_text(json.dumps({**record, "incarnation": self.incarnation}))
+        tmp.write_text(json.dumps({**record, "incarnation": self.incarnation, **this_process()}))
         tmp.rename(path)
 
     # ---- receive → admit → pack --------------------------------------------------------------

@@ -8,6 +8,7 @@ not trained yet) and, in readmit mode, groups waiting for a node. On a run that 
 
 from __future__ import annotations
 
+import os
 import pathlib
 import time
 
@@ -38,7 +39,7 @@ def status_command(
         if counts.total == 0 and ledger.capacity() is None:
             console.print(f"[red]no run {run!r} in the ledger at {redact(redis_url)}[/red]")
             return 1
-        console.print(_table(ledger, counts, ledger.in_flight(), read_ending(run_dir) if run_dir else None))
+        console.print(_table(ledger, counts, ledger.in_flight(), read_ending(run_dir) if run_dir else None, run_dir))
         errors = ledger.check(deep=deep)
     except (RedisUnavailableError, LedgerUnavailableError, LedgerError) as e:
         console.print(f"[red]{e}[/red]")
@@ -51,6 +52,33 @@ def status_command(
             f"+ {counts.in_flight} in flight"
         )
     return 1 if errors else 0
+
+
+def status_cli(run: str, redis_url: str, runs_dir: pathlib.Path, deep: bool) -> int:
+    """`streamrl status`: the named run, else the newest in `runs_dir` (said on stderr); its ledger from
+    `redis_url`, else the server of a run going on, else its folder's AOF in a server of our own."""
+    import sys
+
+    from streamrl.engine.redis_server import RedisServer
+
+    if not run:
+        run = newest_run(runs_dir)
+        if not run:
+            print(f"error: no run folder in {runs_dir}/; give --run NAME (and --runs-dir)", file=sys.stderr)
+            return 2
+        print(f"run {run} (the newest in {runs_dir}/; --run NAME for another)", file=sys.stderr)
+    run_dir = runs_dir / run
+    if redis_url:
+        return status_command(run, redis_url, deep=deep, run_dir=run_dir)
+    live = live_ledger(run_dir)  # a run going on: its own server (a second one on its folder would share the AOF)
+    if live:
+        return status_command(run, live, deep=deep, run_dir=run_dir)
+    folder = run_dir / "redis"
+    if not folder.is_dir():
+        print(f"error: no ledger at {folder}; give --redis-url for a run on another server", file=sys.stderr)
+        return 2
+    with RedisServer(folder) as server:
+        return status_command(run, server.url, deep=deep, run_dir=run_dir)
 
 
 def newest_run(runs_dir: pathlib.Path) -> str:
@@ -83,10 +111,11 @@ def _nodes(held: dict[str, int]) -> str:
     return f"{sum(held.values())} (" + ", ".join(f"{node} {n}" for node, n in held.items()) + ")" if held else "0"
 
 
-def _state(ledger: Ledger, ending: dict | None) -> str:
+def _state(ledger: Ledger, ending: dict | None, run_dir: pathlib.Path | None = None) -> str:
     """How the run ended (RUN/end.json: the learner's words as it exited, or the launcher's for a learner that
     could not say, its error's first line whole), else finished (the ledger's mark), running (its learner
-    beats: `Ledger.learner_alive`), or stopped without an ending (killed, its host lost)."""
+    beats: `Ledger.learner_alive`, and RUN/learner.json's process, when it ran on this machine, still runs), or
+    stopped without an ending (killed, its host lost)."""
     if ending is not None:
         said = str(ending.get("detail") or "").splitlines()
         words = f": {said[0]}" if said else ""
@@ -94,26 +123,58 @@ def _state(ledger: Ledger, ending: dict | None) -> str:
     finished = ledger.finished()
     if finished:
         return f"finished {_when(finished)}"
-    if ledger.learner_alive():
-        return "running"
     learner = ledger.learner()
+    gone = _process_gone(learner, run_dir)
+    if ledger.learner_alive() and not gone:
+        return "running"
     if not learner:
         return "no learner has announced itself"
-    beat = float(learner.get("beat") or learner["time"])
-    return f"stopped without an ending: no learner heartbeat since {_when(beat)}"
+    beat = _when(float(learner.get("beat") or learner["time"]))
+    if gone:  # its heartbeat may not have lapsed yet (ledger.heartbeat_ttl_s): the process says more, sooner
+        return f"stopped without an ending: {gone}; its last heartbeat {beat}"
+    return f"stopped without an ending: no learner heartbeat since {beat}"
+
+
+def _process_gone(learner: dict, run_dir: pathlib.Path | None) -> str:
+    """'the learner process PID is gone' when RUN/learner.json names the ledger's learner as a process of this
+    machine that no longer runs; '' when it runs, ran elsewhere, or nothing says (then the heartbeat decides)."""
+    import json
+
+    from streamrl.engine.weights.paths import this_process
+
+    try:
+        said = json.loads((run_dir / "learner.json").read_text()) if run_dir is not None else {}
+    except (OSError, ValueError):
+        return ""
+    pid = said.get("pid")
+    me = this_process()
+    here = (me["host"], me["boot_id"])
+    if not learner or said.get("incarnation") != learner.get("incarnation") or not isinstance(pid, int):
+        return ""
+    if (said.get("host"), said.get("boot_id")) != here or not here[1]:
+        return ""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return f"the learner process {pid} is gone"
+    except PermissionError:
+        pass  # another user's process holds that pid now, or still: it is not ours to judge
+    return ""
 
 
 def _when(t: float) -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(t)))
 
 
-def _table(ledger: Ledger, counts: Counts, held: InFlight, ending: dict | None = None) -> Table:
+def _table(
+    ledger: Ledger, counts: Counts, held: InFlight, ending: dict | None = None, run_dir: pathlib.Path | None = None
+) -> Table:
     table = Table(title=f"run {ledger.run}", show_header=False)
     table.add_column("what")
     table.add_column("value", justify="right")
     live = {node: n for node, n in held.by_node.items() if node in held.alive}
     rows = [
-        ("run", _state(ledger, ending)),
+        ("run", _state(ledger, ending, run_dir)),
         ("current policy version", ledger.current_version()),
         ("nodes alive", ", ".join(ledger.alive_nodes()) or "none"),
         ("groups in flight / capacity", f"{ledger.groups_in_flight()} / {ledger.capacity()}"),

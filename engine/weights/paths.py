@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 import pathlib
 import socket
 
@@ -54,6 +55,12 @@ class Location:
 def here(device: str) -> Location:
     """This process's location on `device` (the GPU's UUID read from the driver, not its index)."""
     return Location(host=socket.gethostname(), boot_id=boot_id(), device=str(device), gpu_uuid=gpu_uuid(str(device)))
+
+
+def this_process() -> dict:
+    """{pid, host, boot_id}: enough for another process to tell whether this one still runs (the learner writes
+    it into RUN/learner.json, which `streamrl status` reads)."""
+    return {"pid": os.getpid(), "host": socket.gethostname(), "boot_id": boot_id()}
 
 
 @functools.cache
