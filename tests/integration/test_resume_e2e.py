@@ -48,8 +48,9 @@ def _states(ledger: Ledger) -> dict[str, str]:
 
 @pytest.fixture(params=["full", "lora"])
 def launcher(tmp_path, request):
-    """The demo; `lora`: with rank-8 adapters (checkpoints and exports hold the adapters alone)."""
-    lora = ["lora.enabled=true", "lora.rank=8"] if request.param == "lora" else []
+    """The demo; `lora`: with rank-8 adapters (checkpoints and exports hold the adapters alone), on hf nodes."""
+    # lora: hf nodes (adapter pushes into vLLM are test_lora_push's; what is tested here is the learner's resume)
+    lora = ["lora.enabled=true", "lora.rank=8", "rollout.backend='hf'"] if request.param == "lora" else []
     cfg = build(
         {},
         [

