@@ -140,18 +140,16 @@ def _process_gone(learner: dict, run_dir: pathlib.Path | None) -> str:
     machine that no longer runs; '' when it runs, ran elsewhere, or nothing says (then the heartbeat decides)."""
     import json
 
-    from streamrl.engine.weights.paths import this_process
+    from streamrl.engine.weights.paths import Location, here
 
     try:
         said = json.loads((run_dir / "learner.json").read_text()) if run_dir is not None else {}
     except (OSError, ValueError):
         return ""
     pid = said.get("pid")
-    me = this_process()
-    here = (me["host"], me["boot_id"])
     if not learner or said.get("incarnation") != learner.get("incarnation") or not isinstance(pid, int):
         return ""
-    if (said.get("host"), said.get("boot_id")) != here or not here[1]:
+    if not here("cpu").same_machine(Location(str(said.get("host")), str(said.get("boot_id")), "cpu")):
         return ""
     try:
         os.kill(pid, 0)
