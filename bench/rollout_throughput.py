@@ -18,9 +18,11 @@ child process per engine family, each engine built by `build_backend` from the r
 - hf: the hf backend through `RolloutNode` the same way (pushes between its batches).
 
 A round is `--groups` groups (default: all the node runs at once). The first round of each kind is a warm-up.
-Printed: one JSON line per engine and round (tokens, seconds, tokens/s, the requests in flight sampled every
-50 ms, the swaps' pause), then per shape `{"figure": "vllm_node", "shape", "node_tok_s", "raw_tok_s",
-"hf_tok_s", "vs_raw"}`, each the median of its timed rounds.
+`--kv-at-swap keep recompute` also runs the node in the other `rollout.kv_at_swap` setting (kind `node:MODE`,
+same engine, rounds alternating). Printed: one JSON line per engine and round (tokens, seconds, tokens/s, the
+requests in flight sampled every 50 ms, each swap's pause and its phases: stage, pause, load, reset, resume),
+then per shape `{"figure": "vllm_node", "shape", "node_tok_s", "raw_tok_s", "hf_tok_s", "vs_raw"}` (and
+`node_MODE_tok_s`, `node_MODE_vs_raw`), each the median of its timed rounds.
 """
 
 from __future__ import annotations
@@ -118,14 +120,19 @@ async def _node_round(cfg, backend, prompts, scorer, tokenizer, device: str, pus
     """The groups through the loop's node code; a push before the round and one `mid_s` into it."""
     from streamrl.rollout.node import RolloutNode
 
-    sink, swaps = FakeLearnerSink(), []
+    sink, swaps, phases = FakeLearnerSink(), [], []
     node = RolloutNode(cfg, "bench-node", backend, list(prompts), scorer, sink, tokenizer, device=device)
-    if pusher is not None:
+
+    async def push() -> None:
         swaps.append(await pusher.push(node))
+        phases.append(getattr(backend, "last_swap", {}))
+
+    if pusher is not None:
+        await push()
 
     async def push_later() -> None:
         await asyncio.sleep(mid_s)
-        swaps.append(await pusher.push(node))
+        await push()
 
     later = asyncio.create_task(push_later()) if pusher is not None and mid_s > 0 else None
     start = time.perf_counter()
@@ -133,10 +140,12 @@ async def _node_round(cfg, backend, prompts, scorer, tokenizer, device: str, pus
     seconds = time.perf_counter() - start
     if later is not None:
         await later
-    return {"tokens": sink.tokens, "seconds": seconds, "swaps_s": [round(s, 3) for s in swaps], **in_flight}
+    return {"tokens": sink.tokens, "seconds": seconds, "swaps_s": [round(s, 3) for s in swaps], "phases": phases,
+            **in_flight}  # fmt: skip
 
 
-async def _measure(family: str, cfg, model: str, device: str, groups: int, rounds: int) -> list[dict]:
+async def _measure(family: str, cfg, model: str, device: str, groups: int, rounds: int, kv_modes=()) -> list[dict]:
+    """kv_modes: `rollout.kv_at_swap` settings the node also runs in, besides the config's (kinds `node:MODE`)."""
     from streamrl.engine.models import load_tokenizer
     from streamrl.engine.placement import node_groups
     from streamrl.rewards import build_scorer
@@ -150,7 +159,8 @@ async def _measure(family: str, cfg, model: str, device: str, groups: int, round
     backend = build_backend(cfg, device)
     pusher = Pusher(model, cfg, device) if family == "vllm" else None
     await backend.warm_up()
-    kinds = ["raw", "node"] if family == "vllm" else ["hf"]
+    extra = [m for m in kv_modes if m != cfg.rollout.kv_at_swap]
+    kinds = ["raw", "node", *(f"node:{m}" for m in extra)] if family == "vllm" else ["hf"]
     lines, mid_s = [], 0.0
     try:
         for round_ in range(rounds + 1):
@@ -158,6 +168,8 @@ async def _measure(family: str, cfg, model: str, device: str, groups: int, round
                 if kind == "raw":
                     got = await _raw_round(backend, prompts, cfg)
                 else:
+                    if family == "vllm":
+                        backend.keep_kv = (kind.partition(":")[2] or cfg.rollout.kv_at_swap) == "keep"
                     got = await _node_round(cfg, backend, prompts, scorer, tokenizer, device, pusher, mid_s)
                     mid_s = mid_s or got["seconds"] / 2  # pushes in flight from the first timed round on
                 got |= {"tokens_per_s": round(got["tokens"] / got["seconds"], 1), "seconds": round(got["seconds"], 3)}
@@ -180,6 +192,13 @@ def _parse(argv=None) -> argparse.Namespace:
     parser.add_argument("--hf-groups", type=int, default=0, help="the hf node's groups a round (0: --groups)")
     parser.add_argument("--rounds", type=int, default=2, help="timed rounds of each engine after a warm-up round")
     parser.add_argument("--engines", nargs="+", default=["vllm", "hf"], choices=("vllm", "hf"))
+    parser.add_argument(
+        "--kv-at-swap",
+        nargs="+",
+        default=[],
+        choices=("recompute", "keep"),
+        help="also run the vLLM node with these rollout.kv_at_swap settings (kinds node:MODE)",
+    )
     parser.add_argument("--device", default="auto")
     parser.add_argument("--out", default="", help="also append the figure lines to this file")
     parser.add_argument("--only", help=argparse.SUPPRESS)  # FAMILY:MODEL, in a child
@@ -201,6 +220,7 @@ def _child(args, family: str, model: str, groups: int) -> list[dict]:
     given back when the process ends."""
     cmd = [sys.executable, "-m", "streamrl.bench.rollout_throughput", "--only", f"{family}:{model}",
            "--groups", str(groups), "--rounds", str(args.rounds), "--device", args.device,
+           *(["--kv-at-swap", *args.kv_at_swap] if args.kv_at_swap else []),
            *(["--config", args.config] if args.config else []), *[f"--set={s}" for s in args.set]]  # fmt: skip
     out = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, timeout=3600)
     lines = [json.loads(line[len(RESULT) :]) for line in out.stdout.splitlines() if line.startswith(RESULT)]
@@ -237,6 +257,10 @@ def _figure(shape: str, lines: list[dict]) -> dict:
 
     node, raw, hf = median("node"), median("raw"), median("hf")
     figure = {"figure": "vllm_node", "shape": shape, "node_tok_s": node, "raw_tok_s": raw, "hf_tok_s": hf}
+    for kind in sorted({line["engine"] for line in lines if line["engine"].startswith("node:")}):
+        name = kind.replace(":", "_")
+        figure[f"{name}_tok_s"] = median(kind)
+        figure[f"{name}_vs_raw"] = round(median(kind) / raw, 3) if raw else None
     vs_raw, vs_hf = (round(node / raw, 3) if raw else None), (round(node / hf, 3) if hf and node else None)
     return figure | {"vs_raw": vs_raw, "vs_hf": vs_hf}
 
@@ -251,7 +275,7 @@ def main(argv=None) -> None:
         family, _, model = args.only.partition(":")
         device = resolve_device(args.device)
         cfg = _config(args, model, device, family)
-        lines = asyncio.run(_measure(family, cfg, model, device, args.groups, args.rounds))
+        lines = asyncio.run(_measure(family, cfg, model, device, args.groups, args.rounds, args.kv_at_swap))
         print(RESULT + json.dumps(lines), flush=True)
         return
     with tempfile.TemporaryDirectory() as tmp:

@@ -53,6 +53,15 @@ class RolloutConfig(_Section):
             ge=0,
         ),
     ] = 0
+    kv_at_swap: Annotated[
+        Literal["recompute", "keep"],
+        _doc(
+            "vLLM: what becomes of the KV of requests running when a new version goes live. recompute: they "
+            "are preempted and re-prefilled, so every later token comes from the new weights alone; keep: they "
+            "go on over the KV they have (PipelineRL's in-flight update: no stall), their tokens stamped with "
+            "the version they started under; new requests never reuse an older version's cached prefix."
+        ),
+    ] = "keep"
     kv_cache_gib: Annotated[
         float, _doc("KV cache size per vLLM engine in GiB (explicit: the CPU default reserves ~9 GiB).", gt=0.0)
     ] = 0.25

