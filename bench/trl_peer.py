@@ -75,7 +75,12 @@ def _config(args, cfg, folder: str):
         raise SystemExit(f"--micro-batches {accumulate} must divide the step's {completions} completions")
     extra = {}
     if args.vllm_colocate:
-        extra = dict(use_vllm=True, vllm_mode="colocate", vllm_gpu_memory_utilization=args.vllm_memory)
+        extra = dict(
+            use_vllm=True,
+            vllm_mode="colocate",
+            vllm_gpu_memory_utilization=args.vllm_memory,
+            vllm_max_model_length=cfg.model.max_model_len,
+        )  # as streamrl's engine (else the model's 32k)
     return GRPOConfig(
         output_dir=folder,
         max_steps=args.steps,
