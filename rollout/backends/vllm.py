@@ -6,14 +6,14 @@ log_softmax(logits / T)); the learner recomputes the same (rollout/backends/prot
 sampled token's logprob is requested (`logprobs=0`). On CUDA that mode keeps vLLM off FlashInfer's
 sampler (which cannot return processed logprobs) and on its torch one.
 
-Per-token versions: outputs stream as deltas and each delta's tokens are stamped with the
-engine's `policy_version` when the delta arrives. `update_weights` pauses generation keeping the
-running requests, applies the weights, resets the running requests' KV cache so every later token
-is computed by the new weights, bumps the version, then resumes. With `rollout.kv_at_swap = "keep"`
-the running requests go on over their KV (no recompute, no stall) and every token of a request is
-stamped with the version it started under: the oldest weights in its computation, which is what
-staleness counts; a request's prompt carries its version as vLLM's cache salt, so no request reuses a
-prefix another version computed.
+Per-token versions: `update_weights` pauses generation keeping the running requests, applies the
+weights, resumes, then bumps the version. With `rollout.kv_at_swap = "keep"` (the default) the running
+requests go on over the KV they have (nothing recomputed, PipelineRL's in-flight update) and every token
+of a request is stamped with the version it started under: the oldest weights in its computation, which
+is what staleness counts; a request's prompt carries its version as vLLM's cache salt, so no request
+reuses a prefix another version computed. With `"recompute"` the running requests' KV is reset before
+the resume (they are re-prefilled, every later token computed by the new weights alone) and each
+streamed delta's tokens are stamped with the engine's `policy_version` when the delta arrives.
 
 LoRA (`[lora] enabled`): a version arrives as its adapter's tensors and is loaded as an adapter of its
 own (vllm_worker.adapter_request: one name and id per version), without a pause; a request keeps the

@@ -7,9 +7,10 @@ its own while generation goes on; the engine then swaps it in where nothing is m
   the worker's receive in a background thread and returns at once (the engine core keeps stepping);
   `stage_and_swap_async_llm` polls `staged_status` between engine steps, then pauses generation
   keeping the running requests, loads the staged tensors with `reload_weights` (a plain
-  `model.load_weights` on the live model fails in vLLM 0.32), resets the prefix cache and the
-  running requests' KV (every later token comes from the new weights; `rollout.kv_at_swap = "keep"`
-  leaves it: they go on over it), and always resumes.
+  `model.load_weights` on the live model fails in vLLM 0.32), and always resumes; the running
+  requests go on over the KV they have (`rollout.kv_at_swap = "keep"`, the default), or
+  (`"recompute"`) the prefix cache and their KV are reset first, so every later token comes from
+  the new weights alone.
   No `timeout=` on `collective_rpc`: a timed-out RPC leaves the worker blocked and kills the engine
   core; every RPC here returns at once, and the staging's own deadline bounds the receive.
 - transformers: `swap_into_hf_model` copies the staged tensors into the model's parameters in place
