@@ -376,7 +376,7 @@ def pytest_terminal_summary(terminalreporter):
 
 @pytest.fixture
 def hf_nodes(tmp_path):
-    """`start(node_id, model, device)`: an `hf` node process (tests/integration/hf_node_worker.py, whose
+    """`start(node_id, model, device, backend="hf")`: a node process (tests/integration/hf_node_worker.py, whose
     `FakeRegistry` and `wait_for` are `start.harness`), killed after the test."""
     import importlib.util
 
@@ -386,8 +386,8 @@ def hf_nodes(tmp_path):
     spec.loader.exec_module(harness)
     started = []
 
-    def start(node_id: str, model: str, device: str = "cpu"):
-        started.append(harness.NodeProc(node_id, model, device, tmp_path / f"{node_id}.log"))
+    def start(node_id: str, model: str, device: str = "cpu", backend: str = "hf"):
+        started.append(harness.NodeProc(node_id, model, device, tmp_path / f"{node_id}.log", backend))
         return started[-1]
 
     start.harness = harness

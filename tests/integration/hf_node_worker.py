@@ -1,6 +1,7 @@
 """An `hf` rollout node in a process of its own, and the learner's side of it, for the weight-path tests.
 
-The worker (`python hf_node_worker.py --model M --device D --fd N`) runs an `HFBackend` and is driven
+The worker (`python hf_node_worker.py --model M --device D --fd N [--backend vllm]`) runs an `HFBackend` (or a
+`VLLMBackend`, eager, whose digest is empty: its weights are in vLLM's own layout) and is driven
 over an inherited socket in msgpack frames. It first says where it runs (`{"where": [host, boot_id,
 device, gpu_uuid]}`, what a node's `Register` carries); then
 `{"op": "weights", "ready": <WeightsReady>}` starts `update_weights` (stage while serving, swap between
@@ -51,18 +52,30 @@ def digest(named) -> dict[str, str]:
 # ---- the node process --------------------------------------------------------------------------
 
 
-def serve(model: str, device: str, fd: int) -> None:
+def serve(model: str, device: str, fd: int, backend: str = "hf") -> None:
     import torch
 
     from streamrl.engine.config import ModelConfig, RolloutConfig
     from streamrl.engine.weights import here
-    from streamrl.rollout.backends.hf import HFBackend
 
     conn, lock = Connection(fd), threading.Lock()
-    dtype = "bfloat16" if device.startswith("cuda") else "float32"
-    engine = HFBackend(model, ModelConfig(max_model_len=512, dtype=dtype), RolloutConfig(), device=device, static=False)
     loop = asyncio.new_event_loop()
     threading.Thread(target=loop.run_forever, daemon=True).start()
+    config = ModelConfig(max_model_len=512, dtype="bfloat16" if device.startswith("cuda") else "float32")
+    if backend == "vllm":
+        from streamrl.rollout.backends.vllm import Sizing, VLLMBackend
+
+        gpu = Sizing(max_seqs=16, batch_tokens=2048, kv_bytes=512 << 20, share_gib=4.0)
+        size = Sizing() if device == "cpu" else gpu
+
+        async def make():  # AsyncLLM starts its output loop in the running event loop
+            return VLLMBackend(model, config, RolloutConfig(enforce_eager=True), device=device, size=size)
+
+        engine = asyncio.run_coroutine_threadsafe(make(), loop).result(timeout=600)
+    else:
+        from streamrl.rollout.backends.hf import HFBackend
+
+        engine = HFBackend(model, config, RolloutConfig(), device=device, static=False)
 
     def reply(frame: dict) -> None:
         with lock:
@@ -86,7 +99,8 @@ def serve(model: str, device: str, fd: int) -> None:
             asyncio.run_coroutine_threadsafe(weights(messages.decode_control(req["ready"])), loop)
         elif req["op"] == "digest":
             with torch.no_grad():
-                reply({"digest": digest(engine.model.state_dict().items()), "version": engine.policy_version})
+                named = engine.model.state_dict().items() if backend == "hf" else []
+                reply({"digest": digest(named), "version": engine.policy_version})
         elif req["op"] == "generate":
             outs = asyncio.run_coroutine_threadsafe(engine.generate(req["prompt"], req["n"], req["max_tokens"]), loop)
             completions = outs.result(timeout=120)
@@ -98,13 +112,14 @@ def serve(model: str, device: str, fd: int) -> None:
 
 
 class NodeProc:
-    def __init__(self, node_id: str, model: str, device: str, log: pathlib.Path):
+    def __init__(self, node_id: str, model: str, device: str, log: pathlib.Path, backend: str = "hf"):
         from streamrl.engine.weights import Location
 
         ours, theirs = socket.socketpair()
         with open(log, "wb") as out:
             self.proc = subprocess.Popen(
-                [sys.executable, str(WORKER), "--model", model, "--device", device, "--fd", str(theirs.fileno())],
+                [sys.executable, str(WORKER), "--model", model, "--device", device, "--fd", str(theirs.fileno()),
+                 "--backend", backend],
                 pass_fds=[theirs.fileno()], stdout=out, stderr=subprocess.STDOUT,
             )  # fmt: skip
         theirs.close()
@@ -215,8 +230,9 @@ if __name__ == "__main__":
     parser.add_argument("--model", required=True)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--fd", type=int, required=True)
+    parser.add_argument("--backend", default="hf", choices=("hf", "vllm"))
     opts = parser.parse_args()
-    serve(opts.model, opts.device, opts.fd)
+    serve(opts.model, opts.device, opts.fd, opts.backend)
 
 
 def kill_mid_copy_scenario(start, model_path: str, device: str, deadline_s: float) -> dict:

