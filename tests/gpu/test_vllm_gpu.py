@@ -31,17 +31,6 @@ TIMEOUT_S = 60.0
 PROMPTS = [[5, 6, 7, 8], [40, 41, 42], [300, 12, 99, 100, 101, 7]]
 
 
-@pytest.fixture(scope="module")
-def gpu_model(tmp_path_factory) -> str:
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA device")
-    pytest.importorskip("vllm", reason="vLLM is not installed")
-    from streamrl.engine.models import SHAPES, make_tiny_model
-
-    folder = tmp_path_factory.mktemp("models") / "small"  # head_dim 64: FlashAttention 3's sizes
-    return str(make_tiny_model(folder, seed=3, dtype="bfloat16", device="cuda", **SHAPES["small"]))
-
-
 class Learner:
     """The learner's policy as it trains (FSDP2, one rank) and its end of one node's weights (CUDA IPC)."""
 

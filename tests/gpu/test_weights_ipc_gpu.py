@@ -33,18 +33,7 @@ def test_cuda_ipc_push_into_hf_nodes_on_the_learners_gpu_is_bit_exact_and_a_dead
     print({"holds_ms": [round(h * 1e3, 2) for h in got["holds"]], "evicted_after_s": got["evicted_after_s"]})
 
 
-@pytest.fixture(scope="module")
-def small_model(tmp_path_factory) -> str:
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA device")
-    pytest.importorskip("vllm", reason="vLLM is not installed")
-    from streamrl.engine.models import SHAPES, make_tiny_model
-
-    folder = tmp_path_factory.mktemp("models") / "small"  # head_dim 64: FlashAttention 3's sizes
-    return str(make_tiny_model(folder, seed=3, dtype="bfloat16", device="cuda", **SHAPES["small"]))
-
-
-def test_a_vllm_node_killed_mid_copy_on_the_learners_gpu_is_evicted_after_one_deadline(small_model, hf_nodes):
+def test_a_vllm_node_killed_mid_copy_on_the_learners_gpu_is_evicted_after_one_deadline(gpu_model, hf_nodes):
     """The same scenario with two vLLM nodes (VLLMBackend, eager): b dies as version 2 reaches it, inside vLLM's
     worker copy; the learner evicts it after one deadline and node a takes every version meanwhile. (Digests are
     not compared: vLLM holds its weights fused in its own layout; tests/gpu/test_vllm_gpu.py checks its logprobs.)"""
@@ -52,7 +41,7 @@ def test_a_vllm_node_killed_mid_copy_on_the_learners_gpu_is_evicted_after_one_de
     def start(node_id: str, model: str, device: str):
         return hf_nodes(node_id, model, device, backend="vllm")
 
-    got = hf_nodes.harness.kill_mid_copy_scenario(start, small_model, "cuda:0", DEADLINE_S)
+    got = hf_nodes.harness.kill_mid_copy_scenario(start, gpu_model, "cuda:0", DEADLINE_S)
     assert got["paths"] == {"a": "cuda_ipc", "b": "cuda_ipc"}
     _, a, b = got["v1"]
     assert a["version"] == b["version"] == 1
