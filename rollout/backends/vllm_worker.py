@@ -267,7 +267,8 @@ async def stage_and_swap_async_llm(engine, ready: WeightsReady, keep_kv: bool = 
     marks = [start, time.perf_counter()]  # then: paused, loaded, reset, resumed
     if ready.adapter is not None:
         results = await _swap(engine, peer)
-        marks += [marks[-1], time.perf_counter(), time.perf_counter(), time.perf_counter()]
+        loaded = time.perf_counter()
+        marks += [marks[-1], loaded, loaded, loaded]  # no pause, nothing reset: the load is the whole swap
         return _swapped(ready, results, marks, paused=False)
     await _pause(engine)
     marks.append(time.perf_counter())
