@@ -62,17 +62,23 @@ def _load_role(config: pathlib.Path | None, overrides: list[str] | None, debug: 
         raise typer.Exit(2) from None
 
 
-def _preflight(cfg, roles: list[str], debug: bool, nodes: int = 1, said: str = "") -> None:
+def _preflight(cfg, roles: list[str], debug: bool, nodes: int = 1, said: str = ""):
     """Stop with exit 2, one line per problem, when a role would fail on its inputs; before any
     process starts or any model loads (ops/preflight.py). `said`: what the data source filled in, told
-    when nothing stops the command."""
+    when nothing stops the command. Returns `cfg`, with run.mode = 'auto' set to what preflight chose."""
+    import msgspec
+
     from streamrl.ops.preflight import preflight, report
 
-    code = report(preflight(cfg, roles, nodes), debug)
+    found = preflight(cfg, roles, nodes)
+    code = report(found, debug)
     if code:
         raise typer.Exit(code)
     if said:
         typer.echo(f"info: {said}", err=True)
+    if not found.mode:
+        return cfg
+    return msgspec.structs.replace(cfg, run=msgspec.structs.replace(cfg.run, mode=found.mode))
 
 
 def _write_run_config(cfg, given: pathlib.Path | None) -> None:
@@ -276,7 +282,7 @@ def run(
     sets += [f"run.device={device!r}"] if device else []
     named = name_sets(config, sets)
     cfg, said = _load_role(config, sets + named, debug)
-    _preflight(cfg, ["learner", "rollout"], debug, nodes=rollout_nodes, said=said)
+    cfg = _preflight(cfg, ["learner", "rollout"], debug, nodes=rollout_nodes, said=said)
     # a run named by you keeps its folder; a name made here gets a fresh one when taken
     raise typer.Exit(run_local(cfg, rollout_nodes, explicit_name=not named, resume=resume))
 

@@ -5,8 +5,9 @@
 Both sides are counted alike: trained completion tokens of the steps after the first over the wall time from
 the first step's end to the last's (the first step of each holds its start-up: compilation, graph capture),
 steps per second the same way; the reward of each step against its wall time from the first step's end. Peak
-memory: TRL's process (torch's peak, vLLM's share inside it) and streamrl's learner (its metrics). `mode`:
-"sync" when the run's ledger.max_staleness is 0, else "async". Prints `{"figure": "one_gpu_vs_trl", "mode",
+memory: TRL's process (torch's peak, vLLM's share inside it) and streamrl's learner (its metrics). `mode`: the
+run's run.mode as its config.toml holds it (what `streamrl run`'s preflight made of 'auto'; 'auto' unresolved,
+off a shared GPU, runs async). Prints `{"figure": "one_gpu_vs_trl", "mode",
 "streamrl_tok_s", "trl_tok_s", "ratio", ...}`.
 """
 
@@ -34,10 +35,11 @@ def streamrl_side(run: pathlib.Path) -> dict:
         raise SystemExit(f"{run}: no metrics.jsonl records (did the run train a step?)")
     times = [r["time"] for r in records]
     tok_s, steps_s = _rate(times, [r.get("completion_tokens", 0) for r in records])
-    staleness = load(str(run / "config.toml")).ledger.max_staleness
+    cfg = load(str(run / "config.toml"))
     peaks = [r["memory/learner_peak_gib"] for r in records if "memory/learner_peak_gib" in r]
     return {
-        "mode": "sync" if staleness == 0 else "async",
+        "mode": "sync" if cfg.run.mode == "sync" else "async",
+        "max_staleness": cfg.ledger.max_staleness,
         "tok_s": tok_s,
         "steps_per_s": steps_s,
         "steps": len(records),

@@ -21,6 +21,10 @@ to their share. The formulas are first-order and were checked against measured p
   the node hands vLLM that KV size and that share, so vLLM never sizes itself from what another process
   on the GPU left free. `rollout.gpu_memory_utilization` > 0 lets vLLM size itself instead (that fraction of
   the GPU); `rollout.gpu_memory_gib` sets the share, the KV cache being what the rest leaves.
+- One GPU shared by both (`shared_gpu`): async keeps both resident; sync lets a vLLM node sleep while the
+  learner trains (KV cache released, weights in host memory: `VLLM_FIXED_GIB` stays), and the learner's
+  activations and logits go back to the driver before the node wakes, so the peak is the larger of the two
+  phases (learner training beside sleeping nodes; nodes generating beside the learner's resident state).
 """
 
 from __future__ import annotations
@@ -208,3 +212,44 @@ def device_gib(gpu: int) -> float:
     import torch
 
     return torch.cuda.get_device_properties(gpu).total_memory / GIB
+
+
+TRANSIENT = ("activations", "LM head")  # the learner's parts freed between steps (sync mode empties the cache)
+
+
+@dataclasses.dataclass(frozen=True)
+class SharedGpu:
+    """A GPU shared by a learner rank and `nodes` rollout nodes: what each mode needs of its `total` GiB."""
+
+    learner: Estimate
+    node: Estimate
+    nodes: int
+    total: float
+    async_gib: float  # both resident
+    sync_gib: float  # sync: a vLLM node asleep while the learner trains (hf nodes do not sleep: = async)
+
+    def fits(self, mode: str) -> bool:
+        return (self.sync_gib if mode == "sync" else self.async_gib) <= self.total
+
+    def pick(self, configured: str) -> str:
+        """The mode `run.mode` gives here: auto takes async when it fits, else sync when that fits."""
+        if configured != "auto":
+            return configured
+        return "async" if self.fits("async") or not self.fits("sync") else "sync"
+
+
+def shared_gpu(cfg: Config, shape: Shape, nodes: int, total: float) -> SharedGpu:
+    """Both modes' needs; `learner` and `node` are the estimates of the mode run.mode names (auto: async).
+    In sync mode a vLLM node holds fewer sequences (one step's groups: placement.admitted_groups)."""
+    import msgspec
+
+    sync_cfg = msgspec.structs.replace(cfg, run=msgspec.structs.replace(cfg.run, mode="sync"))
+    async_cfg = msgspec.structs.replace(cfg, run=msgspec.structs.replace(cfg.run, mode="async"))
+    learner_est = learner(cfg, shape)
+    async_node, sync_node = node(async_cfg, shape, total), node(sync_cfg, shape, total)
+    both = learner_est.gib + nodes * async_node.gib
+    sync = learner_est.gib + nodes * sync_node.gib
+    if cfg.rollout.backend == "vllm":
+        resident = sum(v for k, v in learner_est.parts.items() if not k.startswith(TRANSIENT))
+        sync = max(learner_est.gib + nodes * VLLM_FIXED_GIB, resident + nodes * sync_node.gib)
+    return SharedGpu(learner_est, sync_node if cfg.run.mode == "sync" else async_node, nodes, total, both, sync)

@@ -126,6 +126,7 @@ class Welcome(_Wire, tag="welcome"):
     run_name: str
     policy_version: int
     secret: bytes = b""  # this node's alone: it signs every trajectory frame the node sends (engine/auth.py)
+    weights_path: str = ""  # how its weights come (engine/weights/paths.py); shm, cuda_ipc: the learner's device
 
 
 class Heartbeat(_Wire, tag="heartbeat"):

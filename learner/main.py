@@ -68,10 +68,13 @@ def run_learner(cfg: Config, resume: str = "") -> str:
     orchestrator = _start_orchestrator(cfg, device, trainer, policy, resumed_version, first, adapter)
     ending = {"reason": "the learner stopped", "finished": False, "ledger_reachable": True}
     skips = 0  # steps that took no optimizer update (no gradient, or a non-finite one): they trained nothing
+    # sync mode on a GPU: a step's freed activations go back to the driver, for nodes waking on this GPU
+    release = cfg.run.mode == "sync" and torch.device(device).type == "cuda"
     try:
         push_weights = parallel.PushWeights(policy, compute, adapters=adapter is not None)
         _hand_restored_weights(trainer, orchestrator, push_weights)
-        if parallel.compiles(cfg.learner, device) and cfg.simulate.train_s <= 0:  # while the nodes start
+        # compiled while the nodes start, except where a node's start must find the GPU's room free (sync mode)
+        if parallel.compiles(cfg.learner, device) and cfg.simulate.train_s <= 0 and not release:
             log.info("learner compiled ahead of step 1 in %.1f s", trainer.warm_up())
         for step in range(first, cfg.run.steps + 1):
             clock = _Laps()
@@ -79,6 +82,8 @@ def run_learner(cfg: Config, resume: str = "") -> str:
             clock.lap("wait_s")
             batch = parallel.scatter_step(per_rank, device)
             metrics = trainer.step(batch.micro_batches, batch.loss_tokens)  # step
+            if release:
+                torch.cuda.empty_cache()
             clock.lap("train_s")
             skipped = bool(metrics["skipped"])
             skips += skipped

@@ -163,6 +163,7 @@ class Orchestrator:
             redis_url=self.redis_url if self.gate is not None else "",  # the password only to an authenticated node
             run_name=self.cfg.run.name,
             policy_version=self.version_of(),
+            weights_path=self.publisher.path_for(self.registry.location(node_id)),
         )
 
     def _write_address_file(self, run_dir: pathlib.Path) -> None:

@@ -216,12 +216,16 @@ class Publisher:
         the path its location `where` gives (a collective when unknown). Its link is the registry's to
         keep and to close (a link of an earlier process of that node is closed by it)."""
         w = self.cfg.weights
-        path = choose(self.here, where, w.backend) if where is not None else self.backend
+        path = self.path_for(where)
         sender = new_sender(path, node_id, host=w.store_host, device=self.device, timeout_s=w.timeout_s)
         log.info("node %s: weights by %s", node_id, path)
         link = _Link(self, node_id, sender)
         link.start()
         self.registry.attach(node_id, link)
+
+    def path_for(self, where: Location | None) -> str:
+        """The path weights take to a node at `where` (engine/weights/paths.py; a collective when unknown)."""
+        return choose(self.here, where, self.cfg.weights.backend) if where is not None else self.backend
 
     def poll(self) -> list[tuple[str, str]]:
         """Confirmations in, deadlines checked: the nodes that cannot take the weights, and why (evicting

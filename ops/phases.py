@@ -120,6 +120,8 @@ class NodeWatch(RoleWatch):
             self.state.state = NODE_PHASES[event["phase"]]
         elif event["event"] == "live":
             self.state.detail = f"policy v{event['version']}"
+        elif event["event"] == "asleep":  # sync mode on the learner's device: while the learner trains
+            self.state.detail = f"policy v{event['version']}, asleep"
 
 
 class LearnerWatch(RoleWatch):

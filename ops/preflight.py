@@ -44,6 +44,7 @@ class Problem:
 class Preflight:
     problems: list[Problem]
     seconds: dict[str, float]  # wall time of each check that ran
+    mode: str = ""  # what run.mode = 'auto' comes to where the GPU check chose ('' elsewhere: async)
 
     @property
     def errors(self) -> list[Problem]:
@@ -59,6 +60,7 @@ class _Context:
     tokenizer: Any = None  # likewise
     columns: list[str] | None = None  # reward column keywords, set by the data check
     nodes: int = 1  # rollout nodes `streamrl run` starts (the GPU placement)
+    mode: str = ""  # set by the GPU check: the mode run.mode = 'auto' comes to on a shared GPU
 
 
 def _one_line(text: str) -> str:
@@ -259,35 +261,50 @@ def check_gpu_placement(ctx: _Context) -> list[Problem]:
         placement = plan(cfg, gpus, ctx.nodes)
     except ConfigError as e:
         return [_problem("gpu", str(e))]
-    shape, out = memory.shape_of(ctx.hf_config), []
+    shape, out, modes = memory.shape_of(ctx.hf_config), [], set()
     for gpu in sorted(set(placement.learner)):
         nodes = [f"node-{i}" for i in range(ctx.nodes) if placement.node_gpu(i) == gpu]
         if nodes:
-            out.append(_shared_gpu(cfg, shape, gpu, nodes, memory.device_gib(gpu)))
+            shared = memory.shared_gpu(cfg, shape, len(nodes), memory.device_gib(gpu))
+            out.append(_shared_gpu(cfg, shape, gpu, nodes, shared))
+            modes.add(shared.pick(cfg.run.mode))
+    if cfg.run.mode == "auto" and modes:
+        ctx.mode = "sync" if "sync" in modes else "async"
     return out
 
 
-def _shared_gpu(cfg: Config, shape, gpu: int, nodes: list[str], total: float) -> Problem:
-    """One GPU shared by learner rank and `nodes`: an error naming the fields and the numbers when the
-    shares exceed its `total` GiB, else an info line with the split."""
+def _shared_gpu(cfg: Config, shape, gpu: int, nodes: list[str], shared) -> Problem:
+    """One GPU shared by learner rank and `nodes` (`memory.SharedGpu`): an error naming the fields and the
+    numbers when the mode run.mode gives cannot fit its memory, else an info line with the split (and with
+    run.mode = 'auto', the mode it comes to and why)."""
     from streamrl.engine import memory
 
-    learner, node = memory.learner(cfg, shape), memory.node(cfg, shape, total)
-    need = learner.gib + len(nodes) * node.gib
-    split = f"learner {learner}; {len(nodes)} x node {node}"
-    if need <= total:
-        return _problem("gpu", f"GPU {gpu} shared by the learner and {', '.join(nodes)}: {need:.1f} of {total:.1f} "
-                        f"GiB ({split})", level="info")  # fmt: skip
-    fits = memory.largest_tokens(cfg, shape, total - len(nodes) * node.gib)
+    mode, total, who = shared.pick(cfg.run.mode), shared.total, ", ".join(nodes)
+    need = shared.sync_gib if mode == "sync" else shared.async_gib
+    split = f"learner {shared.learner}; {len(nodes)} x node {shared.node}"
+    asleep = "the nodes asleep (KV cache released) while the learner trains"
+    if shared.fits(mode):
+        why = f"run.mode = '{mode}' with {asleep}" if mode == "sync" else f"run.mode = '{mode}'"
+        if cfg.run.mode == "auto" and mode == "sync":
+            why = f"run.mode = 'auto' → 'sync': async would need ≈ {shared.async_gib:.1f} GiB; sync with {asleep}"
+        elif cfg.run.mode == "auto":
+            why = "run.mode = 'auto' → 'async': both resident"
+        return _problem("gpu", f"GPU {gpu} shared by the learner and {who}, {why}: {need:.1f} of {total:.1f} GiB "
+                        f"({split})", level="info")  # fmt: skip
+    fits = memory.largest_tokens(cfg, shape, total - len(nodes) * shared.node.gib)
     fixes = [f"learner.micro_batch_tokens = {fits}" if fits else "",
              "" if cfg.learner.activation_checkpointing else "learner.activation_checkpointing = true",
              "a smaller rollout.gpu_memory_gib" if cfg.rollout.gpu_memory_gib else "",
+             f"run.mode = 'sync' ({asleep}: ≈ {shared.sync_gib:.1f} GiB)" if shared.fits("sync") else "",
              "a GPU of their own for the nodes (rollout.gpus)"]  # fmt: skip
+    need = min(shared.async_gib, shared.sync_gib) if cfg.run.mode == "auto" else need
+    modes = "run.mode = 'sync' and 'async' both keep the learner and the nodes resident"
+    if cfg.rollout.backend == "vllm":
+        modes = f"async keeps both resident, ≈ {shared.async_gib:.1f}; sync with {asleep}, ≈ {shared.sync_gib:.1f}"
     return _problem(
         "gpu",
-        f"GPU {gpu} has {total:.1f} GiB but the learner and {', '.join(nodes)} sharing it need ≈ {need:.1f} GiB "
-        f"({split}); run.mode = 'sync' and 'async' both keep the learner and the nodes resident, so neither "
-        f"fits. Fix: {' or '.join(f for f in fixes if f)}",
+        f"GPU {gpu} has {total:.1f} GiB but the learner and {who} sharing it need ≈ {need:.1f} GiB ({modes}; "
+        f"{split}), so run.mode = '{cfg.run.mode}' cannot fit. Fix: {' or '.join(f for f in fixes if f)}",
     )
 
 
@@ -324,7 +341,7 @@ def preflight(cfg: Config, roles: Iterable[str] = ROLES, nodes: int = 1) -> Pref
         except Exception as e:  # noqa: BLE001 - a check's own failure is a finding, never a crash
             problems.append(_problem(name, f"{type(e).__name__}: {e}", detail=traceback.format_exc()))
         seconds[name] = time.perf_counter() - start
-    return Preflight(problems=problems, seconds=seconds)
+    return Preflight(problems=problems, seconds=seconds, mode=ctx.mode)
 
 
 def report(found: Preflight, debug: bool = False, err=None) -> int:

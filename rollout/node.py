@@ -32,6 +32,7 @@ from streamrl.engine.ledger import sample_ids as ledger_sample_ids
 from streamrl.engine.messages import Timings, Trajectory, WeightsReady
 from streamrl.engine.placement import node_groups
 from streamrl.engine.telemetry import EventLog
+from streamrl.engine.weights.paths import SHARED
 from streamrl.rollout.backends.protocol import Completion, GenerationBackend
 from streamrl.rollout.envs.episode import Episode, build_runner
 from streamrl.rollout.sources import Prompt, prompt_text
@@ -87,6 +88,16 @@ class NodeStats:
     weight_updates: int = 0
     episodes_dropped: dict[str, int] = dataclasses.field(default_factory=dict)  # by reason (env mode)
     episode_limits: dict[str, int] = dataclasses.field(default_factory=dict)  # episodes/turns cut by each limit
+    sleeps: int = 0  # times the engine slept while the learner trained (sync mode, the learner's device)
+
+
+def sleeps_on(cfg: Config, weights_path: str, engine: GenerationBackend) -> bool:
+    """Sync mode on the learner's device (weights by shared memory or CUDA IPC) with an engine that can
+    sleep: the node sleeps while the learner trains (`RolloutNode.sleeps`)."""
+    if cfg.run.mode == "sync" and weights_path in SHARED and getattr(engine, "can_sleep", False):
+        log.info("sync mode on the learner's device: the engine sleeps while the learner trains")
+        return True
+    return False
 
 
 class RolloutNode:
@@ -117,6 +128,11 @@ class RolloutNode:
         self._groups = itertools.count()
         self._incarnation = uuid.uuid4().hex[:6]  # a restarted node with the same id never reuses a group id
         self._weights_lock = asyncio.Lock()
+        # sync mode on the learner's device (set from the Welcome, rollout/service.py): the engine sleeps once
+        # this version's groups are done and no credit is left, so the learner trains in the room it frees
+        self.sleeps = False
+        self._refused_at = -1  # the version a refused credit was asked at (no group left for it); -1: granted
+        self._generating = 0  # groups started and not yet generated and scored
         self._send_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="trajectory-send")
         self.episodes = build_runner(cfg, engine, tokenizer) if cfg.env.name else None
         if self.episodes is not None:  # the runner's live counters
@@ -171,10 +187,17 @@ class RolloutNode:
         """Take a credit for a new group (retrying while none is free) and start it; False when stopping."""
         group_id = f"{self.node_id}-{self._incarnation}-g{next(self._groups)}"
         sample_ids = ledger_sample_ids(group_id, self.cfg.rollout.group_size)  # the ids the ledger admits
-        while not await self.credits.acquire(group_id, sample_ids):
+        while True:
+            asked = self.engine.policy_version
+            if await self.credits.acquire(group_id, sample_ids):
+                break
+            self._refused_at = asked
             if self._stopping.is_set():
                 return False
+            if not self.in_flight:
+                await self._sleep()
             await asyncio.sleep(CREDIT_RETRY_S)
+        self._refused_at = -1
         self.stats.groups_started += 1
         task = asyncio.create_task(self._group(group_id, sample_ids, prompt), name=group_id)
         self.in_flight[group_id] = task
@@ -188,11 +211,15 @@ class RolloutNode:
             self._fatal = task.exception()
 
     async def _group(self, group_id: str, sample_ids: list[str], prompt: Prompt) -> None:
+        self._generating += 1
         try:
-            if self.episodes is not None:
-                trajectories = await self._episode_group(group_id, sample_ids, prompt)
-            else:
-                trajectories = await self._completion_group(group_id, sample_ids, prompt)
+            try:
+                if self.episodes is not None:
+                    trajectories = await self._episode_group(group_id, sample_ids, prompt)
+                else:
+                    trajectories = await self._completion_group(group_id, sample_ids, prompt)
+            finally:
+                self._generating -= 1
         except asyncio.CancelledError:
             self.stats.abandoned.append(group_id)
             await self.credits.release(group_id, sample_ids, "abandoned")
@@ -210,6 +237,8 @@ class RolloutNode:
                 self.stop("every group fails")
             return
         self._failures_in_a_row = 0
+        if not self._generating:  # none left generating and none to start: room before the learner trains on them
+            await self._sleep()
         if trajectories:
             await self._send(trajectories)
             self.stats.groups_sent += 1
@@ -300,6 +329,19 @@ class RolloutNode:
                 raise
             self.stats.samples_sent += 1
             self.stats.tokens_sent += traj.model_tokens
+
+    async def _sleep(self) -> None:
+        """Put the engine to sleep (`sleeps`) when a credit asked at the live version was refused: no group is
+        left for it (one refused just before a version went live, whose groups come next, keeps it awake). The
+        engine wakes itself for a version or a group."""
+        if not self.sleeps or self._refused_at != self.engine.policy_version or self.engine.asleep:
+            return
+        seconds = await self.engine.sleep()
+        if self.engine.asleep:
+            self.stats.sleeps += 1
+            log.debug("node %s asleep at version %d in %.3fs", self.node_id, self._refused_at, seconds)
+            if self.events is not None:
+                self.events.emit("asleep", version=self._refused_at, seconds=round(seconds, 4))
 
     async def apply_weights(self, ready: WeightsReady) -> float:
         """Load the policy of `ready.version` into the engine (generation keeps going around it)."""

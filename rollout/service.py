@@ -284,7 +284,7 @@ async def _session(
     """One learner's service: register, take its weights, generate until stopped. The next learner's
     control address when another learner took the run over meanwhile, else ''."""
     from streamrl.engine.redis_server import connect
-    from streamrl.rollout.node import RolloutNode
+    from streamrl.rollout.node import RolloutNode, sleeps_on
 
     t = cfg.transport
     keys = client_keys(cfg)  # CURVE: this node's key pair and the learner's public key (None without)
@@ -315,6 +315,7 @@ async def _session(
                 credits = LedgerCredits(ledger, node_id, version_of=lambda: engine.policy_version)
                 scorer, tokenizer = inputs.scorer, inputs.tokenizer
                 node = RolloutNode(cfg, node_id, engine, prompts, scorer, sink, tokenizer, credits, events, device)
+                node.sleeps = sleeps_on(cfg, welcome.weights_path, engine)
                 control = ControlLoop(client, node, asyncio.get_running_loop(), beat, sink)
                 signalled.attach(node, control, sink)
                 await _generate(cfg, client, ledger, node, welcome, control, signalled, max_groups)
@@ -363,11 +364,12 @@ async def _generate(
             except TransportError:
                 pass  # the learner is gone already
     log.info(
-        "node %s done with the learner at %s: %d groups sent, %d samples resolved on leaving",
+        "node %s done with the learner at %s: %d groups sent, %d samples resolved on leaving, asleep %d times",
         node.node_id,
         client.addr,
         stats.groups_sent,
         left,
+        stats.sleeps,
     )
 
 

@@ -71,10 +71,13 @@ class RunConfig(_Section):
     ] = "auto"
     steps: Annotated[int, _doc("Learner steps (batches, one policy version each) to run before stopping.", ge=1)] = 20
     mode: Annotated[
-        Literal["async", "sync"],
+        Literal["auto", "async", "sync"],
         _doc("async: nodes generate ahead, within ledger.max_staleness versions; sync: the classic loop, one "
-             "step's groups generated with the newest weights, then trained, then pushed (the baseline)."),
-    ] = "async"  # fmt: skip
+             "step's groups generated with the newest weights, then trained, then pushed (the baseline), a vLLM "
+             "node on the learner's device asleep (KV cache released) while the learner trains; auto: async, "
+             "or sync where the learner and vLLM nodes share a GPU that holds both only that way (preflight "
+             "says which)."),
+    ] = "auto"  # fmt: skip
 
     @property
     def path(self) -> pathlib.Path:

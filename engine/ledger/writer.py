@@ -85,10 +85,10 @@ class Ledger(LedgerBooks):
         learner resuming a run that had finished takes it up again: it is no longer finished."""
         if groups_per_step < 1:
             raise ValueError(f"groups_per_step = {groups_per_step}: must be >= 1")
-        if mode not in ("async", "sync"):
-            raise ValueError(f"mode = {mode!r}: 'async' or 'sync'")
+        if mode not in ("async", "sync", "auto"):  # auto: what no preflight resolved (off a shared GPU) runs async
+            raise ValueError(f"mode = {mode!r}: 'async', 'sync' or 'auto'")
         bound = self.config.staleness_bound
-        capacity = (bound + 1) * groups_per_step if mode == "async" else groups_per_step
+        capacity = groups_per_step if mode == "sync" else (bound + 1) * groups_per_step
         self.client.hset(
             self.prefix + "meta",
             mapping={

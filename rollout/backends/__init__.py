@@ -25,7 +25,7 @@ def build_backend(cfg: Config, device: str = "cpu") -> GenerationBackend:
 
         return SimBackend(cfg, device)
     if cfg.rollout.backend == "vllm":
-        from streamrl.rollout.backends.vllm import VLLMBackend, sizing
+        from streamrl.rollout.backends.vllm import VLLMBackend, sizing, sleeps
 
         return VLLMBackend(
             model_path,
@@ -36,6 +36,7 @@ def build_backend(cfg: Config, device: str = "cpu") -> GenerationBackend:
             lora=cfg.lora,
             max_staleness=cfg.ledger.max_staleness,
             size=sizing(cfg, device, model_path),
+            sleep=sleeps(cfg),
         )
     from streamrl.rollout.backends.hf import HFBackend
 

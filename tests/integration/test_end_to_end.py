@@ -78,6 +78,8 @@ def test_demo_learns_and_the_books_balance(launched, demo_config):
     # a step is skipped only when its loss had no gradient (every group flat): then its version did not move
     assert all(r["skipped"] == r["skipped_no_gradient"] for r in records)
     _books_balance(ledger)
+    # async (run.mode auto, on CPU): the engines never sleep (test_sync_sleep has the mode where they do)
+    assert '"event": "asleep"' not in (launcher.run_dir / "events.jsonl").read_text()
     assert ledger.counts().trained >= 30 * launcher.cfg.learner.groups_per_step
 
     logs = launcher.run_dir / "logs"

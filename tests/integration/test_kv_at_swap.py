@@ -8,6 +8,8 @@ One `VLLMBackend` in this process, versions pushed into it through the learner's
   a full recomputation by either; all its tokens carry the version it started under. A request sent after
   the swap with the same prompt reuses none of the old version's cached blocks (its cache salt).
 - recompute: the same push gives tokens after the swap that equal the new weights' full recomputation.
+- sleep (sync mode): never under a running request; a version or a group wakes the engine, and the new
+  weights serve after the wake.
 """
 
 from __future__ import annotations
@@ -180,3 +182,34 @@ def test_recompute_gives_the_new_weights_alone_after_the_swap(node):
     new = _scored(learner.lm, first.token_ids)
     assert _worst(new[switch + 3 :], first.logprobs[switch + 3 :]) < FP32_GAP
     assert _worst(_scored(learner.lm, second.token_ids), second.logprobs) < FP32_GAP
+
+
+def test_an_engine_sleeps_only_when_idle_and_wakes_for_a_version_or_a_group(node):
+    """`VLLMBackend.sleep` (run.mode = 'sync', rollout/node.py): vLLM's scheduler stopped (on a GPU the KV cache
+    released too), never under a running request; a version pushed to a sleeping engine wakes it and goes live."""
+    learner, backend, loop = node
+    engine = backend._engine
+
+    async def go():
+        base = backend.tokens_generated
+        running = asyncio.ensure_future(backend.generate(PROMPT, 1, LONG))
+        while backend.tokens_generated == base:
+            await asyncio.sleep(0.001)
+        assert await backend.sleep() == 0.0 and not backend.asleep  # a request runs: no sleep
+        assert len((await running)[0].token_ids) == LONG
+        await backend.sleep()
+        assert backend.asleep and await engine.is_sleeping()
+        assert await backend.sleep() == 0.0  # once
+        learner.next_version(seed=3)
+        await learner.push(backend)  # asserts the version went live
+        assert not backend.asleep and not await engine.is_sleeping()
+        after_push = (await backend.generate(PROMPT, 1, 24))[0]
+        await backend.sleep()
+        woken = (await backend.generate(PROMPT, 1, 24))[0]  # a group wakes it
+        assert not backend.asleep and backend.sleep_s > 0 and backend.wake_s > 0
+        return after_push, woken
+
+    after_push, woken = loop.run_until_complete(go())
+    for got in (after_push, woken):  # the new weights serve, whole, after each wake
+        assert got.token_versions == [learner.version] * 24
+        assert _worst(_scored(learner.lm, got.token_ids), got.logprobs) < FP32_GAP

@@ -175,7 +175,7 @@ def one_gpu(tiny_model, tmp_path, monkeypatch):
     (folder / "config.json").write_text(json.dumps({**config, **SHAPES["0.5b"]}))
     monkeypatch.setattr(placement, "visible_gpus", lambda: 1)
 
-    def make(gib: float, *sets: str) -> pf.Preflight:
+    def config(gib: float, *sets: str):
         monkeypatch.setattr(memory, "device_gib", lambda gpu: gib)
         base = [
             f"model.path='{folder}'",
@@ -183,7 +183,7 @@ def one_gpu(tiny_model, tmp_path, monkeypatch):
             "rollout.backend='hf'",
             "rollout.share_learner_gpus=true",
         ]
-        cfg = build(
+        return build(
             {},
             [
                 *base,
@@ -194,11 +194,15 @@ def one_gpu(tiny_model, tmp_path, monkeypatch):
                 *sets,
             ],
         )
+
+    def make(gib: float, *sets: str) -> pf.Preflight:
+        cfg = config(gib, *sets)
         start = time.perf_counter()
         found = pf.preflight(cfg, pf.ROLES, nodes=1)
         assert time.perf_counter() - start < PREFLIGHT_BUDGET_S
         return found
 
+    make.config = config
     return make
 
 
@@ -222,7 +226,39 @@ def test_a_shared_gpu_that_fits_says_its_split(one_gpu):
     found = one_gpu(139.8)
     assert found.errors == []
     (line,) = [str(p) for p in found.problems if p.check == "gpu"]
-    assert line.startswith("info: gpu: GPU 0 shared by the learner and node-0: 53.7 of 139.8 GiB (learner ≈ 50.6")
+    assert line.startswith(
+        "info: gpu: GPU 0 shared by the learner and node-0, run.mode = 'auto' → 'async': both resident: 53.7 of "
+        "139.8 GiB (learner ≈ 50.6"
+    )
+    assert found.mode == "async"
+
+
+def test_auto_mode_takes_sync_with_the_vllm_node_asleep_only_where_async_cannot_fit_and_the_run_gets_it(one_gpu):
+    # learner 50.6 GiB, of which 8.3 stays between steps (weights, AdamW, push buffers, context); vLLM node: 5.1
+    # async (480 sequences), 4.4 sync (240), 2.0 asleep: async needs 55.7, sync max(50.6 + 2.0, 8.3 + 4.4) = 52.6
+    import streamrl.cli as cli
+
+    vllm = ("rollout.backend='vllm'", "learner.groups_per_step=60")
+    roomy = one_gpu(80.0, *vllm)
+    assert roomy.errors == [] and roomy.mode == "async"
+    tight = one_gpu(54.0, *vllm)
+    assert tight.errors == [] and tight.mode == "sync"
+    (line,) = [p.message for p in tight.problems if p.check == "gpu"]
+    assert line.startswith(
+        "GPU 0 shared by the learner and node-0, run.mode = 'auto' → 'sync': async would need ≈ 55.7 GiB; sync with "
+        "the nodes asleep (KV cache released) while the learner trains: 52.6 of 54.0 GiB"
+    )
+    forced = only_error(one_gpu(54.0, *vllm, "run.mode='async'"), "gpu")
+    assert "so run.mode = 'async' cannot fit" in forced
+    assert "or run.mode = 'sync' (the nodes asleep (KV cache released) while the learner trains: ≈ 52.6 GiB)" in forced
+    small = only_error(one_gpu(45.0, *vllm), "gpu")
+    assert small.startswith("GPU 0 has 45.0 GiB but the learner and node-0 sharing it need ≈ 52.6 GiB (async keeps")
+    assert "run.mode = 'sync'" not in small.split("Fix:")[1]  # sync does not fit either: not offered
+    # an hf node never sleeps: sync needs what async does
+    assert "run.mode = 'sync' and 'async' both keep the learner" in only_error(one_gpu(52.0, "run.mode='sync'"), "gpu")
+    # `streamrl run` hands the chosen mode on (its config.toml is what the learner and the nodes read)
+    assert cli._preflight(one_gpu.config(54.0, *vllm), ["learner", "rollout"], debug=False).run.mode == "sync"
+    assert cli._preflight(one_gpu.config(80.0, *vllm), ["learner", "rollout"], debug=False).run.mode == "async"
 
 
 def test_cuda_on_a_host_without_one_is_refused_by_preflight(tiny_model, monkeypatch):
