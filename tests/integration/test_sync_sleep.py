@@ -64,4 +64,3 @@ def test_every_node_is_asleep_before_each_step_trains_and_each_version_wakes_it(
     counts = ledger.counts()
     assert ledger.check(deep=True) == [] and counts.in_flight == 0
     assert counts.total == counts.trained + counts.dropped
-
