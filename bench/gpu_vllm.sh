@@ -7,6 +7,9 @@
 #           (the node in each rollout.kv_at_swap of KV_MODES too; each swap's phases in $OUT/bench-SHAPE.txt)
 #   loop:   the README's one-GPU command, STEPS steps, vLLM then hf (RUN_LIMIT_vllm, RUN_LIMIT_hf seconds),
 #           each run's books and loop figures
+#   learn:  (not in the default) the same command on each reward of TASKS ("copy"), STEPS steps: whether the model
+#           still learns at the end (the loop line's reward_mid5, reward_last5, reward_slope_second_half,
+#           no_gradient_share; issue 35's GPU example)
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"; RUNS=/tmp/runs; F="$OUT/figures.jsonl"
@@ -42,5 +45,18 @@ if has loop; then
     python3 -m streamrl.bench.loop_figures "$RUNS/$name" --skip 8 | sed "s/^{/{\"backend\": \"$backend\", /" >> "$F"
     for f in "$RUNS/$name"/logs/*.log; do echo "== $f"; grep -E "WARNING|ERROR|Traceback|engine warmed|KV cache|graph" "$f" | tail -8; done > "$OUT/logs-$backend.txt" 2>/dev/null
     tail -n 4 "$OUT/run-$backend.txt"; tail -n 2 "$OUT/status-$backend.txt"; tail -n 1 "$F" | cut -c1-600
+  done
+fi
+
+if has learn; then
+  [ -d models/qwen2-0.5b-shape ] || python3 -m streamrl make-tiny-model models/qwen2-0.5b-shape --shape 0.5b \
+    --dtype bfloat16 --device cuda > /dev/null 2>&1
+  for task in ${TASKS:-copy}; do
+    name="gpu-learn-$task"
+    timeout "${LEARN_LIMIT:-300}" python3 -m streamrl run --config examples/gpu.toml --rollout-nodes 1 \
+      --steps "${STEPS:-50}" --reward "$task" --set "run.dir='$RUNS'" --set "run.name='$name'" \
+      > "$OUT/learn-$task.txt" 2>&1; echo "run exit $?" >> "$OUT/learn-$task.txt"
+    python3 -m streamrl.bench.loop_figures "$RUNS/$name" --skip 8 | sed "s/^{/{\"task\": \"$task\", /" >> "$F"
+    tail -n 4 "$OUT/learn-$task.txt"; tail -n 1 "$F" | cut -c1-600
   done
 fi

@@ -31,6 +31,24 @@ def _node_figures(last: dict) -> dict:
     return {n: {k.rsplit("/", 1)[1]: round(v, 3) for k, v in last.items() if k.startswith(f"node/{n}/")} for n in nodes}
 
 
+def _learning(records: list[dict]) -> dict:
+    """Whether the run still learns at its end: the mean reward of the 5 steps up to the middle one, the reward's
+    least-squares slope a step over the second half, and the share of steps that had no gradient (every group's
+    rewards equal: nothing left to learn from them)."""
+    rewards = [r["reward/mean"] for r in records]
+    half = len(rewards) // 2
+    tail = rewards[half:]
+    xs = range(len(tail))
+    mean_x, mean_y = statistics.fmean(xs), statistics.fmean(tail)
+    spread = sum((x - mean_x) ** 2 for x in xs)
+    slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, tail)) / spread if spread else 0.0
+    return {
+        "reward_mid5": round(statistics.fmean(rewards[max(0, half - 5) : half] or rewards[:1]), 4),
+        "reward_slope_second_half": round(slope, 5),
+        "no_gradient_share": round(sum(r.get("skipped_no_gradient", 0) > 0 for r in records) / len(records), 3),
+    }
+
+
 def figures(run: pathlib.Path, skip: int, standalone_mfu: float, raw_ms: float, copy_ms: float = 0.0) -> dict:
     records = read_metrics(run / "metrics.jsonl")
     if not records:
@@ -43,6 +61,7 @@ def figures(run: pathlib.Path, skip: int, standalone_mfu: float, raw_ms: float, 
         "steps": len(records),
         "reward_first5": round(sum(r["reward/mean"] for r in records[:k]) / k, 4),
         "reward_last5": round(sum(r["reward/mean"] for r in records[-k:]) / k, 4),
+        **_learning(records),
         "skipped_steps": records[-1].get("skipped_steps"),
         "trained_tokens_per_step": _median([r.get("train_tokens_per_s", 0) * r.get("time/train_s", 0) for r in steady]),
         "mfu_in_loop": _median([r.get("mfu") for r in steady]),

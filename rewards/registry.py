@@ -28,6 +28,7 @@ def _math(cfg: RewardConfig) -> RewardFn:
 
 BUILTINS: dict[str, Callable[[RewardConfig], RewardFn]] = {
     "demo": lambda cfg: demo.demo,
+    "copy": lambda cfg: demo.copy_words,
     "exact_match": lambda cfg: builtin.exact_match,
     "regex": lambda cfg: builtin.make_regex(cfg.regex),
     "length_penalty": lambda cfg: builtin.make_length_penalty(cfg.length_target_tokens),

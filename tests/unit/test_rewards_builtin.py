@@ -22,6 +22,16 @@ def test_demo_reward_is_the_share_of_answer_letters():
     assert letter_share("bbbb", "b") == 1.0
 
 
+def test_copy_reward_is_the_f1_of_the_completions_words_against_the_prompts():
+    scorer = inline(functions=["copy"])
+    prompt = "sun red sun dog"
+    completions = ["sun red sun dog", "dog sun", "sun sun sun sun sun sun", "cat cat", "", "red dog sun sun cat"]
+    rewards = scorer.score([prompt] * 6, completions, [[1]] * 6, [{"answer": "a"}] * 6)
+    # exact (any order) 1; 2 of 2 said, 2 of 4 asked: 2 * 1 * 0.5 / 1.5; sun counted twice at most: 2/6 and 2/4;
+    # nothing matching, nothing said: 0; all 4 asked among 5 said: 2 * 0.8 * 1 / 1.8
+    assert rewards == pytest.approx([1.0, 2 / 3, 2 * (1 / 3) * 0.5 / (1 / 3 + 0.5), 0.0, 0.0, 1.6 / 1.8])
+
+
 def test_demo_rows_are_seeded_and_answer_a():
     rows = demo_rows(5, seed=3)
     assert rows == demo_rows(5, seed=3)
