@@ -237,8 +237,8 @@ class RolloutNode:
                 self.stop("every group fails")
             return
         self._failures_in_a_row = 0
-        if not self._generating:  # none left generating and none to start: room before the learner trains on them
-            await self._sleep()
+        if not self._generating:  # its last group of the version: room before the learner trains on them
+            await self._sleep(last_group=True)
         if trajectories:
             await self._send(trajectories)
             self.stats.groups_sent += 1
@@ -330,18 +330,21 @@ class RolloutNode:
             self.stats.samples_sent += 1
             self.stats.tokens_sent += traj.model_tokens
 
-    async def _sleep(self) -> None:
-        """Put the engine to sleep (`sleeps`) when a credit asked at the live version was refused: no group is
-        left for it (one refused just before a version went live, whose groups come next, keeps it awake). The
-        engine wakes itself for a version or a group."""
-        if not self.sleeps or self._refused_at != self.engine.policy_version or self.engine.asleep:
+    async def _sleep(self, last_group: bool = False) -> None:
+        """Put the engine to sleep (`sleeps`): before sending the last group it was generating (`last_group`: in
+        sync mode the step's groups were admitted long before they finish, and a node holding as many as its
+        slots never gets to ask for another), or once a credit asked at the live version was refused (one
+        refused just before a version went live, whose groups come next, keeps it awake). The engine wakes
+        itself for a version or a group: a group admitted after all costs one wake."""
+        version = self.engine.policy_version
+        if not self.sleeps or self.engine.asleep or not (last_group or self._refused_at == version):
             return
         seconds = await self.engine.sleep()
         if self.engine.asleep:
             self.stats.sleeps += 1
-            log.debug("node %s asleep at version %d in %.3fs", self.node_id, self._refused_at, seconds)
+            log.debug("node %s asleep at version %d in %.3fs", self.node_id, version, seconds)
             if self.events is not None:
-                self.events.emit("asleep", version=self._refused_at, seconds=round(seconds, 4))
+                self.events.emit("asleep", version=version, seconds=round(seconds, 4))
 
     async def apply_weights(self, ready: WeightsReady) -> float:
         """Load the policy of `ready.version` into the engine (generation keeps going around it)."""

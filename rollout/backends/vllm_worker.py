@@ -166,7 +166,7 @@ class WeightReceiverExtension:
             digest = hashlib.sha256()
             for name in sorted(tensors):
                 digest.update(name.encode())
-                digest.update(tensors[name].contiguous().view(torch.uint8).numpy().tobytes())
+                digest.update(tensors[name].contiguous().view(torch.uint8).cpu().numpy().tobytes())  # GPU: host bytes
             out[lora_id - 1] = digest.hexdigest()
         return out
 

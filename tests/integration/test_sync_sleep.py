@@ -35,7 +35,9 @@ def _train_start(record: dict) -> float:
 
 
 def test_every_node_is_asleep_before_each_step_trains_and_each_version_wakes_it(launched, demo_config):
-    launcher = Launcher(demo_config("sync-sleep", STEPS, "run.mode='sync'"))
+    # each node holds at most 2 of a step's 4 groups: with its slots full it never asks for a credit while they
+    # generate (as a GPU node does, whose slots are a whole step's groups), and still sleeps before its last send
+    launcher = Launcher(demo_config("sync-sleep", STEPS, "run.mode='sync'", "rollout.max_concurrent_groups=2"))
     launched.append(launcher)
     launcher.start(nodes=NODES)
     launcher.learner.process.wait(timeout=600)
