@@ -61,7 +61,7 @@ def trl_side(path: pathlib.Path) -> dict:
         "steps_per_s": steps_s,
         "steps": len(steps),
         "curve": [(t - times[0], s["reward_mean"]) for t, s in zip(times, steps)],
-        "peak_gib": runs[-1].get("peak_gib") if runs else None,
+        "peak_gib": runs[-1].get("peak_gib") if runs else steps[-1].get("peak_gib"),  # a run cut at its limit
         "vllm": runs[-1].get("vllm") if runs else None,
     }
 

@@ -47,6 +47,13 @@ def _rewards(cfg) -> list:
     return [resolve(name, cfg.reward) for name in cfg.reward.functions]
 
 
+def _peak_gib() -> float | None:
+    """torch's peak allocation in this process so far (TRL's model, optimizer and, colocated, vLLM's share)."""
+    import torch
+
+    return round(torch.cuda.max_memory_allocated() / 2**30, 2) if torch.cuda.is_available() else None
+
+
 class _Steps:
     """A TrainerCallback's log hook: one line a step, and the run's totals."""
 
@@ -60,7 +67,8 @@ class _Steps:
             return
         length = logs.get("completions/mean_length", 0.0)
         line = {"figure": "trl_step", "step": state.global_step, "wall_s": round(time.perf_counter() - self.start, 3),
-                "reward_mean": logs["reward"], "completion_tokens": round(length * self.completions)}  # fmt: skip
+                "reward_mean": logs["reward"], "completion_tokens": round(length * self.completions),
+                "peak_gib": _peak_gib()}  # fmt: skip (the peak a step, so a run cut at its limit still has one)
         self.lines.append(line)
         self.out(line)
 
@@ -143,7 +151,7 @@ def run(args) -> dict:
         "steps_per_s": round(len(timed) / seconds, 4) if seconds else None,
         "reward_first": steps.lines[0]["reward_mean"],
         "reward_last": steps.lines[-1]["reward_mean"],
-        "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if torch.cuda.is_available() else None,
+        "peak_gib": _peak_gib(),
         "model": model,
         "vllm": bool(args.vllm_colocate),
         "completions_per_step": completions,

@@ -48,3 +48,9 @@ def _assert_the_comparison(run, trl_lines, trl_steps: list[dict], png) -> None:
     assert got["ratio"] == round(got["streamrl_tok_s"] / got["trl_tok_s"], 3) and got["trl_vllm"] is False
     assert got["streamrl_reward_last"] == round(records[-1]["reward/mean"], 4)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # a TRL run cut at its limit has no trl_run line: its peak is the last step's (on a GPU; None on CPU)
+    cut = trl_lines.with_name("trl-cut.jsonl")
+    cut.write_text("".join(json.dumps({**s, "peak_gib": 3.5 + s["step"]}) + "\n" for s in trl_steps))
+    got = compare([str(run), str(cut)])
+    assert got["trl_steps"] == 2 and got["trl_peak_gib"] == 5.5 and got["trl_vllm"] is None
+    assert all("peak_gib" in s for s in trl_steps)
