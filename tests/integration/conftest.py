@@ -1,4 +1,5 @@
-"""Fixtures of the integration tests beside tests/conftest.py's: a small disk (the full-disk tests)."""
+"""Fixtures of the integration tests beside tests/conftest.py's: a small disk (the full-disk tests), and the
+launchers a test started (stopped whatever the test's outcome)."""
 
 from __future__ import annotations
 
@@ -38,3 +39,12 @@ def small_disk():
     if tried.returncode != 0:
         pytest.skip(f"no small disk: `{' '.join(wrap(probe, 64))} true` failed here ({tried.stderr.strip()})")
     return wrap
+
+
+@pytest.fixture
+def launched():
+    """A list the test appends each `ops.launcher.Launcher` it starts to; every one is stopped afterwards."""
+    started: list = []
+    yield started
+    for launcher in started:
+        launcher.stop_all()

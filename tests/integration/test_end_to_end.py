@@ -50,14 +50,6 @@ def _books_balance(ledger: Ledger) -> None:
     assert counts.total == counts.trained + counts.dropped
 
 
-@pytest.fixture
-def launched():
-    started: list[Launcher] = []
-    yield started
-    for launcher in started:
-        launcher.stop_all()
-
-
 def test_demo_learns_and_the_books_balance(launched, demo_config):
     launcher = Launcher(demo_config("learns", 30))
     launched.append(launcher)

@@ -20,14 +20,6 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 STEPS, NODES = 5, 2
 
 
-@pytest.fixture
-def launched():
-    started: list[Launcher] = []
-    yield started
-    for launcher in started:
-        launcher.stop_all()
-
-
 def _train_start(record: dict) -> float:
     """When the learner began training a step: its record is written at the end of the step's phases."""
     phases = ("time/train_s", "time/commit_s", "time/push_s", "time/checkpoint_s")
