@@ -128,8 +128,8 @@ class RolloutNode:
         self._groups = itertools.count()
         self._incarnation = uuid.uuid4().hex[:6]  # a restarted node with the same id never reuses a group id
         self._weights_lock = asyncio.Lock()
-        # sync mode on the learner's device (set from the Welcome, rollout/service.py): the engine sleeps once
-        # this version's groups are done and no credit is left, so the learner trains in the room it frees
+        # sync mode on the learner's device (set from the Welcome, rollout/service.py): the engine sleeps before
+        # the node sends the last group it was generating, so the learner trains in the room it frees (`_sleep`)
         self.sleeps = False
         self._refused_at = -1  # the version a refused credit was asked at (no group left for it); -1: granted
         self._generating = 0  # groups started and not yet generated and scored
