@@ -111,7 +111,6 @@ def _config(args, cfg, folder: str):
 
 
 def run(args) -> dict:
-    import torch
     from trl import GRPOTrainer
 
     from streamrl.engine.config import load
