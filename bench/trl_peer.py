@@ -66,9 +66,14 @@ class _Steps:
         if "reward" not in logs:
             return
         length = logs.get("completions/mean_length", 0.0)
-        line = {"figure": "trl_step", "step": state.global_step, "wall_s": round(time.perf_counter() - self.start, 3),
-                "reward_mean": logs["reward"], "completion_tokens": round(length * self.completions),
-                "peak_gib": _peak_gib()}  # fmt: skip (the peak a step, so a run cut at its limit still has one)
+        line = {
+            "figure": "trl_step",
+            "step": state.global_step,
+            "wall_s": round(time.perf_counter() - self.start, 3),
+            "reward_mean": logs["reward"],
+            "completion_tokens": round(length * self.completions),
+            "peak_gib": _peak_gib(),
+        }  # the peak on every step: a run cut at its limit still has one
         self.lines.append(line)
         self.out(line)
 
