@@ -344,7 +344,8 @@ class RolloutNode:
             self.stats.sleeps += 1
             log.debug("node %s asleep at version %d in %.3fs", self.node_id, version, seconds)
             if self.events is not None:
-                self.events.emit("asleep", version=version, seconds=round(seconds, 4))
+                after = "last_group" if last_group else "refused"  # its own groups done / none left to take
+                self.events.emit("asleep", version=version, seconds=round(seconds, 4), after=after)
 
     async def apply_weights(self, ready: WeightsReady) -> float:
         """Load the policy of `ready.version` into the engine (generation keeps going around it)."""

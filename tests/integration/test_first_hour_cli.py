@@ -86,8 +86,8 @@ def test_an_unknown_reward_name(tmp_path, tiny_model):
         proc,
         wall,
         cpu,
-        "error: reward: reward 'exact_mach' is not a registry name (demo, exact_match, regex, length_penalty, math, "
-        "reward_model) nor of the form `module:function` or `path.py:function`",
+        "error: reward: reward 'exact_mach' is not a registry name (demo, copy, exact_match, regex, length_penalty, "
+        "math, reward_model) nor of the form `module:function` or `path.py:function`",
         tmp_path,
     )
 

@@ -63,7 +63,7 @@ def test_a_missing_data_file(tiny_model, tmp_path):
 
 def test_an_unknown_reward_name(tiny_model):
     message = only_error(run_preflight(tiny_model, "reward.functions=['demo', 'exact_mach']"), "reward")
-    assert message.startswith("reward 'exact_mach' is not a registry name (demo, exact_match, regex,")
+    assert message.startswith("reward 'exact_mach' is not a registry name (demo, copy, exact_match, regex,")
     assert message.endswith("nor of the form `module:function` or `path.py:function`")
 
 
