@@ -32,3 +32,26 @@ def test_the_bench_measures_raw_vllm_and_the_node_in_both_kv_settings(tmp_path):
     assert figure["figure"] == "vllm_node" and figure["raw_tok_s"] > 0 and figure["node_tok_s"] > 0
     assert figure["node_recompute_tok_s"] > 0
     assert figure["vs_raw"] == round(figure["node_tok_s"] / figure["raw_tok_s"], 3)
+
+
+def test_the_host_cost_bench_runs_each_variant_and_two_engines_together():
+    """bench/vllm_host_cost.py as the GPU call runs it: two engines, each with half the groups, their timed rounds
+    started together; every sequence runs max_tokens (ignore_eos), so the token counts are exact."""
+    import argparse
+
+    from streamrl.bench.rollout_throughput import _config
+
+    cfg = _config(argparse.Namespace(config="", set=[]), "", "cpu")
+    cmd = [sys.executable, "-m", "streamrl.bench.vllm_host_cost", "--groups", "4", "--engines", "2",
+           "--variants", "base", "nolp", "half"]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    figures = [json.loads(line) for line in done.stdout.splitlines() if line.startswith('{"figure"')]
+    assert [f["variant"] for f in figures] == ["base", "nolp", "half"]
+    seqs = 4 * cfg.rollout.group_size
+    for f, want in zip(figures, (seqs, seqs, seqs // 2)):
+        assert f["engines"] == 2 and f["seqs"] == want and f["tokens"] == want * cfg.rollout.max_tokens, f
+        assert len(f["per_engine_tok_s"]) == 2 and f["tokens_per_s"] > 0
+    rounds = [json.loads(line) for line in done.stderr.splitlines() if line.startswith('{"variant"')]
+    starts = [r["start"] for r in rounds if r["variant"] == "base"]
+    assert len(starts) == 2 and abs(starts[0] - starts[1]) < 1.0, starts  # the barrier: timed rounds together
