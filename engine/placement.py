@@ -92,6 +92,20 @@ def admitted_groups(cfg: Config) -> int:
     return (cfg.ledger.staleness_bound + 1) * cfg.learner.groups_per_step
 
 
+def shared_gpu_share(cfg: Config, placement: Placement, nodes: int, index: int) -> list[str]:
+    """The `--set` a launched vLLM node takes when `nodes` nodes share its GPU and `rollout.max_concurrent_groups`
+    is left to the engine: an equal share of what the ledger admits, not all of it each (every engine's KV cache
+    sized for all of them, and the first node up taking them all while the others wait). Several engines on one
+    GPU are worth it where one engine's host work is the limit (bench/vllm_host_cost.py: two engines 1.9x one)."""
+    if cfg.rollout.backend != "vllm" or cfg.rollout.max_concurrent_groups:
+        return []
+    gpu = placement.node_gpu(index)
+    peers = sum(1 for i in range(max(nodes, index + 1)) if placement.node_gpu(i) == gpu)
+    if peers < 2:
+        return []
+    return ["--set", f"rollout.max_concurrent_groups={-(-admitted_groups(cfg) // peers)}"]
+
+
 def node_groups(cfg: Config, device: str) -> int:
     """Groups one node generates at once: `rollout.max_concurrent_groups`, or with 0 the engine's choice.
 

@@ -31,7 +31,7 @@ import msgspec
 from streamrl.engine.auth import keys_folder, make_keys
 from streamrl.engine.config import Config, dump
 from streamrl.engine.ledger import Ledger, LedgerError, LedgerUnavailableError
-from streamrl.engine.placement import Placement, plan, visible_gpus
+from streamrl.engine.placement import Placement, plan, shared_gpu_share, visible_gpus
 from streamrl.engine.redis_server import RedisServer, RedisUnavailableError, connect, write_private
 from streamrl.engine.telemetry import read_ending, write_ending
 from streamrl.rollout.service import stop_bound_s
@@ -94,10 +94,12 @@ class Launcher:
         self.tmp = pathlib.Path(tempfile.mkdtemp(prefix="streamrl-"))
         self._next_node = 0
         self.placement: Placement | None = _UNPLANNED
+        self._planned_nodes = 1  # the nodes plan_gpus placed (their share of a GPU they share)
         self._ledger: Ledger | None = None
 
     def plan_gpus(self, nodes: int) -> Placement | None:
         """Each role's GPU (None on CPU); raises ConfigError naming the fields of a placement that cannot be."""
+        self._planned_nodes = nodes
         gpus = visible_gpus() if self.cfg.run.device in ("auto", "cuda") else 0
         if gpus == 0 and self.cfg.run.device != "cuda":
             self.placement = None
@@ -191,9 +193,17 @@ class Launcher:
     def add_node(self) -> str:
         name = f"node-{self._next_node}"
         self._next_node += 1
-        command = [sys.executable, "-m", "streamrl", *self.node_arguments(), "--node-id", name, "--no-preflight"]
-        self.nodes[name] = self._spawn(f"rollout-{name}", command, self._node_gpu(self._next_node - 1))
+        index = self._next_node - 1
+        self.nodes[name] = self._spawn(f"rollout-{name}", self.node_process(name, index), self._node_gpu(index))
         return name
+
+    def node_process(self, name: str, index: int) -> list[str]:
+        """The command of launched node `index`: on a GPU that several vLLM nodes share, with its share of what
+        the ledger admits (placement.shared_gpu_share)."""
+        command = [sys.executable, "-m", "streamrl", *self.node_arguments(), "--node-id", name, "--no-preflight"]
+        if self.placement not in (None, _UNPLANNED):
+            command += shared_gpu_share(self.cfg, self.placement, self._planned_nodes, index)
+        return command
 
     def stop_node(self, name: str, timeout_s: float | None = None) -> int | None:
         """SIGTERM, the node's grace (`stop_grace_s`, or `timeout_s`), SIGKILL; then what it still held

@@ -58,3 +58,32 @@ def test_the_placement_line_names_each_nodes_weights_path():
     assert two.describe(2).endswith("node-0 → GPU 0 (the learner's GPU; weights by CUDA IPC), "
                                     "node-1 → GPU 1 (the learner's GPU; weights by NCCL)")  # fmt: skip
     assert "(the learner's GPU; weights by gloo)" in one.describe(1, weights_backend="gloo")
+
+
+def test_vllm_nodes_that_share_a_gpu_each_take_an_equal_share_of_what_the_ledger_admits(tmp_path):
+    from streamrl.engine.placement import Placement, shared_gpu_share
+    from streamrl.ops.launcher import Launcher
+
+    cfg = _cfg("rollout.backend='vllm'", "run.device='cuda'", "learner.groups_per_step=60",
+               "rollout.share_learner_gpus=true", "ledger.max_staleness=1")  # fmt: skip
+    one_gpu = plan(cfg, gpus=1, nodes=3)
+    assert [shared_gpu_share(cfg, one_gpu, 2, i) for i in range(2)] == [
+        ["--set", "rollout.max_concurrent_groups=60"]
+    ] * 2
+    assert shared_gpu_share(cfg, one_gpu, 3, 2) == ["--set", "rollout.max_concurrent_groups=40"]
+    assert shared_gpu_share(cfg, one_gpu, 1, 0) == []  # alone on its GPU: every admitted group, as before
+    assert shared_gpu_share(cfg, plan(cfg, gpus=3, nodes=2), 2, 0) == []  # GPUs 1 and 2: one node each
+    hf = _cfg("rollout.backend='hf'", "run.device='cuda'", "rollout.share_learner_gpus=true")
+    assert shared_gpu_share(hf, plan(hf, gpus=1, nodes=2), 2, 0) == []  # hf fills its static rows, shared or not
+    given = _cfg("rollout.backend='vllm'", "run.device='cuda'", "rollout.max_concurrent_groups=16")
+    assert shared_gpu_share(given, Placement(learner=[0], nodes=[0]), 2, 0) == []  # the user's number stands
+
+    launcher = Launcher(
+        _cfg("rollout.backend='vllm'", "run.device='cuda'", "learner.groups_per_step=6", f"run.dir='{tmp_path}'")
+    )
+    launcher.placement, launcher._planned_nodes = Placement(learner=[0], nodes=[0]), 2
+    command = launcher.node_process("node-1", 1)
+    assert command[command.index("--node-id") + 1] == "node-1" and command[-2:] == [
+        "--set",
+        "rollout.max_concurrent_groups=6",
+    ]
