@@ -50,7 +50,7 @@ cp /tmp/trl.jsonl "$OUT/trl.jsonl" 2>/dev/null
 # the node asleep while the learner trains (TRL's `vllm_enable_sleep_mode`, off by default there and here)
 for mode in ${MODES:-auto}; do
   name="vs-trl-$mode"
-  timeout "${RUN_LIMIT:-270}" python3 -m streamrl run --config examples/gpu.toml --rollout-nodes 1 --steps "$STEPS" \
+  timeout "${RUN_LIMIT:-270}" python3 -m streamrl run --config examples/gpu.toml --rollout-nodes "${NODES:-2}" --steps "$STEPS" \
     --set "run.dir='$RUNS'" --set "run.name='$name'" --set "rollout.backend='vllm'" --set "run.mode='$mode'" \
     > "$OUT/run-$mode.txt" 2>&1
   echo "run exit $?" >> "$OUT/run-$mode.txt"

@@ -7,6 +7,8 @@
 #           (the node in each rollout.kv_at_swap of KV_MODES too; each swap's phases in $OUT/bench-SHAPE.txt)
 #   loop:   the README's one-GPU command, STEPS steps, vLLM then hf (RUN_LIMIT_vllm, RUN_LIMIT_hf seconds),
 #           each run's books and loop figures
+#   cost:   (not in the default) bench/vllm_host_cost.py at COST_SHAPE (0.5b): raw AsyncLLM with one thing changed per
+#           variant, then two engines on the one GPU; under py-spy where it is installed ($OUT/prof-cost.txt.gz)
 #   learn:  (not in the default) the same command on each reward of TASKS ("copy"), STEPS steps: whether the model
 #           still learns at the end (the loop line's reward_mid5, reward_last5, reward_slope_second_half,
 #           no_gradient_share; issue 35's GPU example)
@@ -15,9 +17,19 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"; RUNS=/tmp/runs; F="$OUT/figures.jsonl"
 has() { [[ " ${PARTS:-tests bench loop} " == *" $1 "* ]]; }
 
+if has cost; then
+  prof=(); command -v py-spy > /dev/null && prof=(py-spy record --subprocesses --format raw -r 50 -o "$OUT/prof-cost.txt" --)
+  timeout "${COST_LIMIT:-200}" "${prof[@]}" python3 -m streamrl.bench.vllm_host_cost --config examples/gpu.toml \
+    --shape "${COST_SHAPE:-0.5b}" --variants base nolp final half > "$OUT/cost.txt" 2>&1; echo "cost exit $?" >> "$OUT/cost.txt"
+  [ -f "$OUT/prof-cost.txt" ] && gzip -f "$OUT/prof-cost.txt"
+  timeout "${COST_LIMIT:-200}" python3 -m streamrl.bench.vllm_host_cost --config examples/gpu.toml \
+    --shape "${COST_SHAPE:-0.5b}" --engines 2 --variants base nolp >> "$OUT/cost.txt" 2>&1; echo "cost2 exit $?" >> "$OUT/cost.txt"
+  grep '^{"figure' "$OUT/cost.txt" >> "$F"; grep -E '^\{"figure|exit|Error' "$OUT/cost.txt" | cut -c1-300
+fi
+
 if has tests; then
   timeout "${TESTS_LIMIT:-360}" python3 -m pytest -q -s -p no:cacheprovider -o addopts="--strict-markers -ra" \
-    tests/gpu/test_vllm_gpu.py tests/gpu/test_weights_ipc_gpu.py > "$OUT/vllm_tests.txt" 2>&1
+    ${TESTS_K:+-k "$TESTS_K"} tests/gpu/test_vllm_gpu.py tests/gpu/test_weights_ipc_gpu.py > "$OUT/vllm_tests.txt" 2>&1
   echo "tests exit $?" >> "$OUT/vllm_tests.txt"
   grep -E "engine|lora|processed|kept kv|holds_ms|passed|failed|Error|error" "$OUT/vllm_tests.txt" | tail -25
 fi
@@ -26,9 +38,9 @@ if has bench; then
   for shape in ${SHAPES:-0.5b}; do
     timeout "${BENCH_LIMIT:-240}" python3 -m streamrl.bench.rollout_throughput --config examples/gpu.toml \
       --shape "$shape" --rounds "${ROUNDS:-2}" --groups "${ROUND_GROUPS:-0}" --hf-groups "${HF_GROUPS:-0}" --out "$F" \
-      --kv-at-swap ${KV_MODES:-keep recompute} \
-      > "$OUT/bench-$shape.txt" 2>&1; echo "bench $shape exit $?" >> "$OUT/bench-$shape.txt"
-    grep -E '^\{|exit|Error' "$OUT/bench-$shape.txt" | cut -c1-400 | tail -12
+      --kv-at-swap ${KV_MODES:-keep recompute} ${BENCH_SET:+--set "$BENCH_SET"} \
+      > "$OUT/bench-${shape/:/-}.txt" 2>&1; echo "bench $shape exit $?" >> "$OUT/bench-${shape/:/-}.txt"
+    grep -E '^\{|exit|Error' "$OUT/bench-${shape/:/-}.txt" | cut -c1-400 | tail -12
   done
 fi
 
@@ -37,7 +49,7 @@ if has loop; then
     --dtype bfloat16 --device cuda > /dev/null 2>&1
   for backend in ${BACKENDS:-vllm hf}; do
     name="gpu-$backend"
-    limit=RUN_LIMIT_${backend}; timeout "${!limit:-270}" python3 -m streamrl run --config examples/gpu.toml --rollout-nodes 1 \
+    limit=RUN_LIMIT_${backend}; timeout "${!limit:-270}" python3 -m streamrl run --config examples/gpu.toml --rollout-nodes "${NODES:-2}" \
       --steps "${STEPS:-50}" --set "run.dir='$RUNS'" --set "run.name='$name'" --set "rollout.backend='$backend'" \
       > "$OUT/run-$backend.txt" 2>&1; echo "run exit $?" >> "$OUT/run-$backend.txt"
     python3 -m streamrl status --run "$name" --runs-dir "$RUNS" > "$OUT/status-$backend.txt" 2>&1
@@ -53,7 +65,7 @@ if has learn; then
     --dtype bfloat16 --device cuda > /dev/null 2>&1
   for task in ${TASKS:-copy}; do
     name="gpu-learn-$task"
-    timeout "${LEARN_LIMIT:-300}" python3 -m streamrl run --config examples/gpu.toml --rollout-nodes 1 \
+    timeout "${LEARN_LIMIT:-300}" python3 -m streamrl run --config examples/gpu.toml --rollout-nodes "${NODES:-2}" \
       --steps "${STEPS:-50}" --reward "$task" --set "run.dir='$RUNS'" --set "run.name='$name'" \
       > "$OUT/learn-$task.txt" 2>&1; echo "run exit $?" >> "$OUT/learn-$task.txt"
     python3 -m streamrl.bench.loop_figures "$RUNS/$name" --skip 8 | sed "s/^{/{\"task\": \"$task\", /" >> "$F"
