@@ -33,7 +33,7 @@ import dataclasses
 
 from streamrl.engine.config import Config
 from streamrl.engine.config.rules import longest_sample
-from streamrl.engine.placement import HF_GPU_ROWS, node_groups
+from streamrl.engine.placement import HF_GPU_ROWS, node_groups, shared_groups
 
 GIB = 1 << 30
 CONTEXT_GIB = 1.0  # a CUDA context, the allocator's slack, compiled graphs
@@ -240,11 +240,18 @@ class SharedGpu:
 
 def shared_gpu(cfg: Config, shape: Shape, nodes: int, total: float) -> SharedGpu:
     """Both modes' needs; `learner` and `node` are the estimates of the mode run.mode names (auto: async).
-    In sync mode a vLLM node holds fewer sequences (one step's groups: placement.admitted_groups)."""
+    In sync mode a vLLM node holds fewer sequences (one step's groups: placement.admitted_groups), and vLLM nodes
+    that share the GPU split them (placement.shared_groups, as the launcher sizes them)."""
     import msgspec
 
-    sync_cfg = msgspec.structs.replace(cfg, run=msgspec.structs.replace(cfg.run, mode="sync"))
-    async_cfg = msgspec.structs.replace(cfg, run=msgspec.structs.replace(cfg.run, mode="async"))
+    def in_mode(mode: str) -> Config:  # each node holding its share of the groups (placement.shared_groups)
+        moded = msgspec.structs.replace(cfg, run=msgspec.structs.replace(cfg.run, mode=mode))
+        groups = shared_groups(moded, nodes) or cfg.rollout.max_concurrent_groups
+        return msgspec.structs.replace(
+            moded, rollout=msgspec.structs.replace(cfg.rollout, max_concurrent_groups=groups)
+        )
+
+    sync_cfg, async_cfg = in_mode("sync"), in_mode("async")
     learner_est = learner(cfg, shape)
     async_node, sync_node = node(async_cfg, shape, total), node(sync_cfg, shape, total)
     both = learner_est.gib + nodes * async_node.gib

@@ -92,18 +92,22 @@ def admitted_groups(cfg: Config) -> int:
     return (cfg.ledger.staleness_bound + 1) * cfg.learner.groups_per_step
 
 
+def shared_groups(cfg: Config, peers: int) -> int:
+    """The groups each of `peers` vLLM nodes on one GPU runs at once when `rollout.max_concurrent_groups` is left
+    to the engine: an equal share of what the ledger admits, not all of it each (every engine's KV cache sized
+    for all of them, and the first node up taking them all while the others wait); 0 where it does not apply.
+    Several engines on one GPU are worth it where one engine's host work is the limit (bench/vllm_host_cost.py:
+    two engines 1.9x one)."""
+    if cfg.rollout.backend != "vllm" or cfg.rollout.max_concurrent_groups or peers < 2:
+        return 0
+    return -(-admitted_groups(cfg) // peers)
+
+
 def shared_gpu_share(cfg: Config, placement: Placement, nodes: int, index: int) -> list[str]:
-    """The `--set` a launched vLLM node takes when `nodes` nodes share its GPU and `rollout.max_concurrent_groups`
-    is left to the engine: an equal share of what the ledger admits, not all of it each (every engine's KV cache
-    sized for all of them, and the first node up taking them all while the others wait). Several engines on one
-    GPU are worth it where one engine's host work is the limit (bench/vllm_host_cost.py: two engines 1.9x one)."""
-    if cfg.rollout.backend != "vllm" or cfg.rollout.max_concurrent_groups:
-        return []
+    """The `--set` that launched node `index` of `nodes` takes for its `shared_groups` (none when alone)."""
     gpu = placement.node_gpu(index)
-    peers = sum(1 for i in range(max(nodes, index + 1)) if placement.node_gpu(i) == gpu)
-    if peers < 2:
-        return []
-    return ["--set", f"rollout.max_concurrent_groups={-(-admitted_groups(cfg) // peers)}"]
+    share = shared_groups(cfg, sum(1 for i in range(max(nodes, index + 1)) if placement.node_gpu(i) == gpu))
+    return ["--set", f"rollout.max_concurrent_groups={share}"] if share else []
 
 
 def node_groups(cfg: Config, device: str) -> int:

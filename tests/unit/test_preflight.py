@@ -270,3 +270,20 @@ def test_cuda_on_a_host_without_one_is_refused_by_preflight(tiny_model, monkeypa
     assert only_error(report, "gpu") == (
         "run.device = 'cuda' but this host has no CUDA device (nvidia-smi?); use run.device = 'cpu'"
     )
+
+
+def test_vllm_nodes_sharing_the_gpu_are_counted_at_their_share_of_the_groups(one_gpu):
+    # two vLLM nodes, 60 groups each of the 120 admitted (placement.shared_groups, as the launcher starts them):
+    # each node as one holding 240 sequences (4.4 GiB), not 480 (5.05): 50.6 + 2 x 4.4 = 59.4, not 60.7
+    cfg = one_gpu.config(80.0, "rollout.backend='vllm'", "learner.groups_per_step=60")
+    found = pf.preflight(cfg, pf.ROLES, nodes=2)
+    (line,) = [str(p) for p in found.problems if p.check == "gpu"]
+    assert line.startswith(
+        "info: gpu: GPU 0 shared by the learner and node-0, node-1, run.mode = 'auto' → 'async': both resident: "
+        "59.4 of 80.0 GiB"
+    ), line
+    given = one_gpu.config(
+        80.0, "rollout.backend='vllm'", "learner.groups_per_step=60", "rollout.max_concurrent_groups=120"
+    )
+    (line,) = [str(p) for p in pf.preflight(given, pf.ROLES, nodes=2).problems if p.check == "gpu"]
+    assert "both resident: 60.7 of 80.0 GiB" in line  # the user's number stands: 2 nodes of 480 sequences
