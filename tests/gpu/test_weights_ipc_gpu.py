@@ -26,7 +26,7 @@ def test_cuda_ipc_push_into_hf_nodes_on_the_learners_gpu_is_bit_exact_and_a_dead
     learner, a, b = got["v1"]
     assert a["version"] == b["version"] == 1 and a["digest"] == learner and b["digest"] == learner
     assert got["evicted"] == ["b"] and got["stopped"] == ["b"]
-    assert DEADLINE_S * 0.8 < got["evicted_after_s"] < DEADLINE_S + 2.0, got["evicted_after_s"]
+    assert hf_nodes.harness.evicted_in_time(got, DEADLINE_S), (got["evicted_after_s"], got["why"])
     assert got["versions_meanwhile"] >= 5 and max(got["holds"]) < 0.5, got["holds"]
     version, learner, a = got["last"]
     assert got["a_applied"] == version and a == {"digest": learner, "version": version}
@@ -46,7 +46,7 @@ def test_a_vllm_node_killed_mid_copy_on_the_learners_gpu_is_evicted_after_one_de
     _, a, b = got["v1"]
     assert a["version"] == b["version"] == 1
     assert got["evicted"] == ["b"] and got["stopped"] == ["b"]
-    assert DEADLINE_S * 0.8 < got["evicted_after_s"] < DEADLINE_S + 2.0, got["evicted_after_s"]
+    assert hf_nodes.harness.evicted_in_time(got, DEADLINE_S), (got["evicted_after_s"], got["why"])
     assert got["versions_meanwhile"] >= 5 and max(got["holds"]) < 0.5, got["holds"]
     version, _, a = got["last"]
     assert got["a_applied"] == version and a["version"] == version

@@ -23,7 +23,7 @@ def test_a_node_killed_mid_copy_is_evicted_after_one_deadline_and_the_learner_ke
     assert a["version"] == b["version"] == 1 and a["digest"] == learner and b["digest"] == learner  # bit-exact
     assert got["evicted"] == ["b"] and got["stopped"] == ["b"]
     # one deadline from the kill (and a poll), not one per bucket or phase; the learner went on meanwhile
-    assert DEADLINE_S * 0.8 < got["evicted_after_s"] < DEADLINE_S + 2.0, got["evicted_after_s"]
+    assert hf_nodes.harness.evicted_in_time(got, DEADLINE_S), (got["evicted_after_s"], got["why"])
     assert got["versions_meanwhile"] >= 5 and max(got["holds"]) < 0.5, got["holds"]
     version, learner, a = got["last"]
     assert got["a_applied"] == version and a == {"digest": learner, "version": version}
@@ -43,7 +43,7 @@ def test_a_vllm_node_killed_mid_copy_is_evicted_the_same_way(tiny_model, hf_node
     _, a, b = got["v1"]
     assert a == b == {"digest": {}, "version": 1}
     assert got["evicted"] == ["b"] and got["stopped"] == ["b"]
-    assert DEADLINE_S * 0.8 < got["evicted_after_s"] < DEADLINE_S + 2.0, got["evicted_after_s"]
+    assert hf_nodes.harness.evicted_in_time(got, DEADLINE_S), (got["evicted_after_s"], got["why"])
     assert got["versions_meanwhile"] >= 5 and max(got["holds"]) < 0.5, got["holds"]
     version, _, a = got["last"]
     assert got["a_applied"] == version and a == {"digest": {}, "version": version}
