@@ -171,16 +171,21 @@ class NodeProc:
 class FakeRegistry(NodeRegistry):
     """Stands in for `NodeRegistry`'s control channel only, over node processes: `send` hands a
     `WeightsReady` to the node's socket, `take_applied` reads its confirmations; the membership (`attach`,
-    `links`, `evict`, `forget`) is NodeRegistry's own. `on_ready(node_id, ready)` runs when a `WeightsReady`
-    has gone out to a node (the tests kill a node there)."""
+    `links`, `evict`, `forget`) is NodeRegistry's own (`evict` only notes why and when first).
+    `on_ready(node_id, ready)` runs when a `WeightsReady` has gone out to a node (the tests kill a node there)."""
 
     def __init__(self, procs: dict[str, NodeProc], on_ready=None):
         super().__init__(server=None, welcome=None)  # no socket: the control thread is never started
         self.procs, self.on_ready = procs, on_ready
         self.stopped: list[str] = []
-        self.why: dict[str, str] = {}  # node -> why it was evicted (evicted_now)
+        self.why: dict[str, str] = {}  # node -> why it was evicted
+        self.evicted_at: dict[str, float] = {}  # node -> when (time.monotonic)
         for node_id, proc in procs.items():  # registered, as their Register would
             self.nodes[node_id] = NodeInfo(node_id.encode(), proc.where.host, 0.0, 0.0, where=proc.where)
+
+    def evict(self, node_id: str, why: str) -> None:
+        self.why[node_id], self.evicted_at[node_id] = why, time.monotonic()
+        super().evict(node_id, why)
 
     def send(self, node_id, msg, then_forget=False):
         done: concurrent.futures.Future = concurrent.futures.Future()
@@ -210,12 +215,10 @@ class FakeRegistry(NodeRegistry):
 
 
 def evicted_now(publisher) -> list[str]:
-    """What the orchestrator does with the publisher's report: the registry evicts each node (why kept in
-    `registry.why`)."""
+    """What the orchestrator does with the publisher's report: the registry evicts each node."""
     reported = publisher.poll()
     for node_id, why in reported:
         publisher.registry.evict(node_id, why)
-        getattr(publisher.registry, "why", {})[node_id] = why
     return [node_id for node_id, _ in reported]
 
 
@@ -228,16 +231,6 @@ def wait_for(cond, publisher, timeout_s: float) -> list[str]:
     return evicted + evicted_now(publisher)
 
 
-if __name__ == "__main__":
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--model", required=True)
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--fd", type=int, required=True)
-    parser.add_argument("--backend", default="hf", choices=("hf", "vllm"))
-    opts = parser.parse_args()
-    serve(opts.model, opts.device, opts.fd, opts.backend)
-
-
 def evicted_in_time(got: dict, deadline_s: float) -> bool:
     """Node b evicted within one deadline of its kill (and a poll), not one per bucket or phase: at the deadline
     when nothing told the learner sooner, or at once when its next write to the dead node broke (the kill
@@ -246,6 +239,16 @@ def evicted_in_time(got: dict, deadline_s: float) -> bool:
     if after < deadline_s * 0.8:
         return "failed in phase" in why and "weights.timeout_s" not in why
     return after < deadline_s + 2.0
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--fd", type=int, required=True)
+    parser.add_argument("--backend", default="hf", choices=("hf", "vllm"))
+    opts = parser.parse_args()
+    serve(opts.model, opts.device, opts.fd, opts.backend)
 
 
 def kill_mid_copy_scenario(start, model_path: str, device: str, deadline_s: float) -> dict:
@@ -280,14 +283,15 @@ def kill_mid_copy_scenario(start, model_path: str, device: str, deadline_s: floa
         wait_for(lambda: all(s.applied == 1 for s in publisher.states().values()), publisher, 120)
         out["v1"] = [digest(model.state_dict().items()), a.request(op="digest"), b.request(op="digest")]
         version = 1
-        while "b" in publisher.states() and version < 200:
+        # until b is gone, and past version 6 whatever the path: b's eviction can be at once (a broken write)
+        while ("b" in publisher.states() or version < 7) and version < 200:
             version += 1
             with torch.no_grad():
                 for p in model.parameters():
                     p.add_(0.01)
             out["holds"].append(publisher.publish(version, model.state_dict()))
             out["evicted"] += wait_for(lambda: False, publisher, 0.2)
-        out["evicted_after_s"] = time.monotonic() - killed["at"]
+        out["evicted_after_s"] = nodes.evicted_at.get("b", time.monotonic()) - killed["at"]
         out["versions_meanwhile"] = version - 2
         out["stopped"], out["why"] = nodes.stopped, dict(nodes.why)
         wait_for(lambda: publisher.states()["a"].applied == version, publisher, 60)
