@@ -12,8 +12,12 @@ do), a batch waits up to `FILL_S` for requests to fill it, and `warm_up` compile
 node registers, so nothing compiles mid-run. (Seen on H200s with rows bucketed to powers of two: each
 change of batch size cost a new cache and graphs, and generation ran at 2.2k instead of ~30k tok/s.)
 Behavior logprobs are those of the distribution generate sampled from: the log-softmax of its processed
-scores (logits / T, top-k and top-p filtered, as `output_scores` returns them) at the sampled token — the
-same definition as the vLLM backend's (rollout/backends/protocol.py).
+scores (logits / T, top-k and top-p filtered) at the sampled token — the same definition as the vLLM backend's
+(rollout/backends/protocol.py). `_SampledLogprobs`, the last logits processor, takes it one step at a time:
+`output_scores` kept every step's scores to the end, rows x max_tokens x vocabulary floats (23 GiB at 256 rows,
+160 tokens and Qwen2's 152k vocabulary: out of memory on an H100). Sampling is the run's config and nothing
+else: the model's own generation_config (a hub model's repetition_penalty, its top_k) is replaced at load, as
+vLLM's SamplingParams leave it out.
 
 Weights: a new version is received into staging buffers while a batch runs (`weights.Stager`, in a
 thread of its own) and swapped into the model between batches, on the generation thread itself. LoRA:
@@ -41,6 +45,45 @@ log = logging.getLogger("streamrl.rollout")
 
 WIDTH_STEP = 64  # prompt widths are padded to a multiple of this on CUDA
 FILL_S = 0.25  # on CUDA a batch waits this long at most for requests to fill it
+
+
+class _SampledLogprobs:
+    """The last logits processor of a generate call: each step's log-softmax of the processed scores, kept
+    only until the next step's input shows the token drawn from it; `result` gathers the last step's."""
+
+    def __init__(self) -> None:
+        self._pending = None  # [rows, vocab] of the step whose token is not drawn yet
+        self._steps: list = []  # [rows] per step: the drawn token's logprob
+
+    def __call__(self, input_ids, scores):
+        self._take(input_ids[:, -1])
+        self._pending = scores.float().log_softmax(-1)
+        return scores
+
+    def _take(self, drawn) -> None:
+        if self._pending is not None:
+            self._steps.append(self._pending.gather(-1, drawn[:, None]).squeeze(-1))
+            self._pending = None
+
+    def result(self, sequences):
+        """[rows, new tokens]: each drawn token's logprob (`sequences`: generate's output, prompt included)."""
+        import torch
+
+        self._take(sequences[:, -1])
+        return torch.stack(self._steps, dim=1)
+
+
+def _sampling_processors(rollout: RolloutConfig) -> list:
+    """transformers' own warpers for the run's temperature, top-k and top-p, in generate's order; generate
+    itself is given T = 1, top_k = 0, top_p = 1 so it adds none after the recorder."""
+    from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+    processors = [TemperatureLogitsWarper(rollout.temperature)] if rollout.temperature != 1.0 else []
+    if rollout.top_k > 0:
+        processors.append(TopKLogitsWarper(top_k=rollout.top_k))
+    if rollout.top_p < 1.0:
+        processors.append(TopPLogitsWarper(top_p=rollout.top_p))
+    return processors
 
 
 class _Request:
@@ -85,6 +128,11 @@ class HFBackend:
         self.width = _round_up(max(max_prompt_tokens, 1), WIDTH_STEP)
         self.tokenizer = load_tokenizer(model_path, model.trust_remote_code)
         self.model = load_model(model_path, model.dtype, device, model.trust_remote_code)
+        from transformers import GenerationConfig
+
+        self.model.generation_config = GenerationConfig(  # the run's sampling only (see the module's doc)
+            eos_token_id=self.tokenizer.eos_token_id, pad_token_id=self.tokenizer.pad_token_id, do_sample=True
+        )
         self.live = LiveVersion()
         self.tokens_generated = 0
         self.clock = BackendClock()
@@ -158,33 +206,31 @@ class HFBackend:
     def _generate_batch(self, batch: list[_Request]) -> tuple[int, list[list[Completion]]]:
         """(the policy version that generated it, each request's completions); on the generation thread."""
         import torch
+        from transformers import LogitsProcessorList
 
         rows = [r.prompt_ids for r in batch for _ in range(r.n)]
         version, used = self.policy_version, len(rows)
         input_ids, attention_mask = self._left_pad(self._bucket_rows(rows))
         max_new = self.rollout.max_tokens if self.static else max(r.max_tokens for r in batch)
+        recorder = _SampledLogprobs()
         self.clock.begin()
         try:
             with torch.inference_mode():
-                out = self.model.generate(
+                sequences = self.model.generate(
                     input_ids=input_ids,
                     attention_mask=attention_mask,
                     do_sample=True,
                     max_new_tokens=max_new,
-                    temperature=self.rollout.temperature,
-                    top_p=self.rollout.top_p,
-                    top_k=self.rollout.top_k,
-                    output_scores=True,  # processed: what the sampler drew from
-                    return_dict_in_generate=True,
+                    temperature=1.0,  # the run's sampling is in the processors, the recorder last
+                    top_p=1.0,
+                    top_k=0,
+                    logits_processor=LogitsProcessorList([*_sampling_processors(self.rollout), recorder]),
                     pad_token_id=self.tokenizer.pad_token_id,
                     eos_token_id=self.tokenizer.eos_token_id,
                     cache_implementation="static" if self.static else None,
                 )
-            new_tokens = out.sequences[:used, input_ids.shape[1] :]  # [B, T]
-            scores = torch.stack(out.scores, dim=1)[:used].float()  # [B, T, V], -inf where top-k/top-p cut
-            picked = scores.log_softmax(-1).gather(-1, new_tokens.unsqueeze(-1))
-            picked = picked.squeeze(-1).tolist()  # [B, T]
-            new_tokens = new_tokens.tolist()
+            picked = recorder.result(sequences)[:used].tolist()  # [B, T], -inf where top-k/top-p cut
+            new_tokens = sequences[:used, input_ids.shape[1] :].tolist()  # [B, T]
         finally:
             self.clock.end()
         results, row = [], 0

@@ -20,6 +20,22 @@ def sharp_model(tmp_path_factory) -> str:
     return str(make_tiny_model(tmp_path_factory.mktemp("models") / "sharp", seed=1, initializer_range=0.2))
 
 
+@pytest.fixture(scope="module")
+def hub_defaults_model(sharp_model, tmp_path_factory) -> str:
+    """The sharp model with a generation_config as a hub model ships one (Qwen2.5's has repetition_penalty 1.05,
+    top_k 20, temperature 0.7), strong enough to change every distribution if generate applied it."""
+    import shutil
+
+    from transformers import GenerationConfig
+
+    folder = tmp_path_factory.mktemp("models") / "hub-defaults"
+    shutil.copytree(sharp_model, folder, dirs_exist_ok=True)
+    hub = GenerationConfig(do_sample=True, repetition_penalty=3.0, top_k=2, temperature=0.3, min_p=0.2,
+                           no_repeat_ngram_size=1, eos_token_id=0, pad_token_id=0)  # fmt: skip
+    hub.save_pretrained(folder)
+    return str(folder)
+
+
 def learner_logprobs(lm, sampling: RolloutConfig, prompt: list[int], completion: list[int]) -> list[float]:
     """The learner's logprobs of `completion` (one packed sequence through PolicyModel, as a step computes them)."""
     from streamrl.learner.logprobs import PolicyModel
@@ -38,9 +54,19 @@ def learner_logprobs(lm, sampling: RolloutConfig, prompt: list[int], completion:
     ids=["T0.7-p0.8", "T1.2-k6-p0.9"],
 )
 def test_hf_behaviour_logprobs_are_the_sampled_distributions_and_the_learner_recomputes_them(sharp_model, sampling):
+    check_behaviour_logprobs(sharp_model, sampling)
+
+
+def test_a_models_own_generation_config_does_not_change_what_the_hf_node_samples(hub_defaults_model):
+    """Only the run's sampling applies (as vLLM's SamplingParams): a repetition penalty, top-k or min-p from the
+    model folder would make the behaviour logprobs differ from what the learner recomputes."""
+    check_behaviour_logprobs(hub_defaults_model, RolloutConfig(temperature=1.2, top_k=6, top_p=0.9))
+
+
+def check_behaviour_logprobs(model: str, sampling: RolloutConfig) -> None:
     from streamrl.rollout.backends.hf import HFBackend
 
-    backend = HFBackend(sharp_model, ModelConfig(max_model_len=128), sampling, seed=0)
+    backend = HFBackend(model, ModelConfig(max_model_len=128), sampling, seed=0)
 
     async def generate():
         return await asyncio.gather(*(backend.generate(p, 3, 12) for p in PROMPTS))
