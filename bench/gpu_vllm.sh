@@ -2,7 +2,7 @@
 # vLLM on one GPU (issue 34): its tests, the rollout bench, the one-GPU loop with vLLM and with hf. Run on the
 # device machine from the repo root after vLLM is installed there (../shared/tools/vllm-gpu-parts.sh and
 # `source .vp-setup/vllm-setup.sh`) and streamrl is importable (/tmp/site/streamrl). PARTS picks:
-#   tests:  tests/gpu/test_vllm_gpu.py, test_weights_ipc_gpu.py (vLLM nodes killed mid-copy) -> $OUT/vllm_tests.txt
+#   tests:  tests/gpu/test_weights_ipc_gpu.py (nodes killed mid-copy), test_vllm_gpu.py -> $OUT/vllm_tests.txt
 #   bench:  bench/rollout_throughput.py on examples/gpu.toml at SHAPES    -> vllm_node lines in $OUT/figures.jsonl
 #           (the node in each rollout.kv_at_swap of KV_MODES too; each swap's phases in $OUT/bench-SHAPE.txt)
 #   loop:   the README's one-GPU command, STEPS steps, vLLM then hf (RUN_LIMIT_vllm, RUN_LIMIT_hf seconds),
@@ -28,10 +28,15 @@ if has cost; then
 fi
 
 if has tests; then
-  timeout "${TESTS_LIMIT:-360}" python3 -m pytest -q -s -p no:cacheprovider -o addopts="--strict-markers -ra" \
-    ${TESTS_K:+-k "$TESTS_K"} tests/gpu/test_vllm_gpu.py tests/gpu/test_weights_ipc_gpu.py > "$OUT/vllm_tests.txt" 2>&1
+  # the nodes killed mid-copy first (never concluded in two earlier calls); a test past TESTS_STACK_S prints
+  # every thread's stack, so a hang shows where it waits
+  timeout "${TESTS_LIMIT:-360}" python3 -m pytest -q -s -p no:cacheprovider -o addopts="--strict-markers -ra --durations=0" \
+    -o faulthandler_timeout="${TESTS_STACK_S:-200}" ${TESTS_K:+-k "$TESTS_K"} tests/gpu/test_weights_ipc_gpu.py \
+    tests/gpu/test_vllm_gpu.py > "$OUT/vllm_tests.txt" 2>&1
   echo "tests exit $?" >> "$OUT/vllm_tests.txt"
-  grep -E "engine|lora|processed|kept kv|holds_ms|passed|failed|Error|error" "$OUT/vllm_tests.txt" | tail -25
+  for f in /tmp/pytest-of-*/pytest-*/test_*killed*/[ab].log; do [ -f "$f" ] && { echo "== $f"; tail -n 30 "$f"; }; done \
+    > "$OUT/killed_node_logs.txt" 2>&1
+  grep -E "engine|lora|processed|kept kv|holds_ms|s call|passed|failed|Timeout|Error|error" "$OUT/vllm_tests.txt" | tail -30
 fi
 
 if has bench; then

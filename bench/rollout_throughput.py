@@ -65,13 +65,18 @@ class Pusher:
         from streamrl.engine.weights import IpcSender, plan_buckets, shared_empty
         from streamrl.engine.weights.layout import BufferPool, PackedBuckets
 
-        lm = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, cfg.model.dtype)).to(device)
+        # read on the host and packed straight into the device's buckets: the buckets are the one copy this
+        # process keeps on the GPU (a model moved there first left its 15 GiB cached beside them at 7B, and the
+        # node's first push ran out of memory on an 80 GiB H100)
+        lm = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, cfg.model.dtype))
         weights = dict(lm.state_dict())
         specs = plan_buckets(weights, int(cfg.weights.bucket_mb * 2**20))
         self.packed = PackedBuckets(specs, weights, device, BufferPool(allocate=shared_empty))
         for i in range(len(self.packed)):
             self.packed.get(i)
-        weights.clear()  # packed once: the buckets are all a push reads (a 7B model's second copy goes)
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()  # the host copies are read until the packing's copies are done
+        weights.clear()
         del lm
         self.sender = IpcSender("bench-node", device=device, timeout_s=cfg.weights.timeout_s)
         self.pushed = 0  # versions handed to the node so far

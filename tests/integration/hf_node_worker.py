@@ -34,6 +34,7 @@ import msgspec
 
 from streamrl.engine import messages
 from streamrl.engine.messages import Stop, WeightsApplied, WeightsReady
+from streamrl.engine.weights import Location
 from streamrl.learner.nodes import NodeInfo, NodeRegistry
 
 WORKER = pathlib.Path(__file__)
@@ -113,8 +114,6 @@ def serve(model: str, device: str, fd: int, backend: str = "hf") -> None:
 
 class NodeProc:
     def __init__(self, node_id: str, model: str, device: str, log: pathlib.Path, backend: str = "hf"):
-        from streamrl.engine.weights import Location
-
         ours, theirs = socket.socketpair()
         with open(log, "wb") as out:
             self.proc = subprocess.Popen(
@@ -127,10 +126,18 @@ class NodeProc:
         self.applied: queue.Queue[WeightsApplied] = queue.Queue()
         self.replies: queue.Queue[dict] = queue.Queue()
         self.lock = threading.Lock()
-        if not self.conn.poll(300):
-            raise TimeoutError(f"node {node_id} did not start: {log.read_text()[-2000:]}")
-        self.where = Location(*msgspec.msgpack.decode(self.conn.recv_bytes())["where"])
-        threading.Thread(target=self._read, daemon=True).start()
+        self._where: Location | None = None  # waited for on first use: nodes started together start together
+
+    @property
+    def where(self):
+        """The node's location, once it has started (its engine built)."""
+        with self.lock:
+            if self._where is None:
+                if not self.conn.poll(300):
+                    raise TimeoutError(f"node {self.node_id} did not start: {self.log.read_text()[-2000:]}")
+                self._where = Location(*msgspec.msgpack.decode(self.conn.recv_bytes())["where"])
+                threading.Thread(target=self._read, daemon=True).start()
+            return self._where
 
     def _read(self) -> None:
         try:
@@ -146,6 +153,7 @@ class NodeProc:
             return
 
     def send(self, **req) -> None:
+        self.where  # noqa: B018 - started first
         with self.lock:
             self.conn.send_bytes(msgspec.msgpack.encode(req))
 
@@ -159,7 +167,9 @@ class NodeProc:
             self.proc.wait(timeout=30)
 
     def close(self) -> None:
-        if self.proc.poll() is None:
+        if self.proc.poll() is None and self._where is None:  # never used: not waited for
+            self.kill()
+        elif self.proc.poll() is None:
             try:
                 self.send(op="stop")
                 self.proc.wait(timeout=30)
