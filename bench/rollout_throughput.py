@@ -19,10 +19,13 @@ child process per engine family, each engine built by `build_backend` from the r
 
 A round is `--groups` groups (default: all the node runs at once). The first round of each kind is a warm-up.
 `--kv-at-swap keep recompute` also runs the node in the other `rollout.kv_at_swap` setting (kind `node:MODE`,
-same engine, rounds alternating). Printed: one JSON line per engine and round (tokens, seconds, tokens/s, the
-requests in flight sampled every 50 ms, each swap's pause and its phases: stage, pause, load, reset, resume),
+same engine, rounds alternating). `--deltas` also runs raw and the node with outputs streamed per step where the
+node takes them once per request (kinds `raw:delta`, `node:delta`; rollout/backends/vllm.py, Outputs).
+Printed: one JSON line per engine and round (tokens, seconds, tokens/s, the requests in flight sampled every
+20 ms and when the most were first in, each swap's pause and its phases: stage, pause, load, reset, resume),
 then per shape `{"figure": "vllm_node", "shape", "node_tok_s", "raw_tok_s", "hf_tok_s", "vs_raw"}` (and
-`node_MODE_tok_s`, `node_MODE_vs_raw`), each the median of its timed rounds.
+`KIND_tok_s` for each other kind, `node_MODE_vs_raw` against raw with the same outputs), each the median of its
+timed rounds.
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ import tempfile
 import time
 
 VOCAB = {"": 512, "152k": 151936}  # the tokenizer's own; Qwen2-0.5B/1.5B's
-SAMPLE_S = 0.05
+SAMPLE_S = 0.02
 RESULT = "ROLLOUT-RESULT "  # a child's result line on its stdout (vLLM logs there too)
 
 
@@ -94,15 +97,20 @@ class Pusher:
 
 
 async def _sampled(engine, work) -> tuple[object, dict]:
-    """Run `work`, sampling the engine's unfinished requests (its front end's count) every SAMPLE_S."""
-    counts, task = [], asyncio.ensure_future(work)
-    processor = getattr(engine, "output_processor", None)
+    """Run `work`, sampling the engine's unfinished requests (its front end's count) every SAMPLE_S; `full_s`:
+    when the most of them were first in (the admission's ramp)."""
+    counts, task, start = [], asyncio.ensure_future(work), time.perf_counter()
+    processor, full_s = getattr(engine, "output_processor", None), 0.0
     while not task.done():
         if processor is not None:
             counts.append(processor.get_num_unfinished_requests())
+            if counts[-1] > max(counts[:-1], default=0):
+                full_s = time.perf_counter() - start
         await asyncio.wait([task], timeout=SAMPLE_S)
-    in_flight = {"requests_mean": round(statistics.fmean(counts), 1), "requests_max": max(counts)} if counts else {}
-    return task.result(), in_flight
+    if not counts:
+        return task.result(), {}
+    return task.result(), {"requests_mean": round(statistics.fmean(counts), 1), "requests_max": max(counts),
+                           "full_s": round(full_s, 3)}  # fmt: skip
 
 
 def generate_all(engine, prompt_ids: list[list[int]], params) -> asyncio.Future:
@@ -156,8 +164,23 @@ async def _node_round(cfg, backend, prompts, scorer, tokenizer, device: str, pus
             **in_flight}  # fmt: skip
 
 
-async def _measure(family: str, cfg, model: str, device: str, groups: int, rounds: int, kv_modes=()) -> list[dict]:
-    """kv_modes: `rollout.kv_at_swap` settings the node also runs in, besides the config's (kinds `node:MODE`)."""
+def _streamed(backend):
+    """`backend.sampling_params` with outputs per step (DELTA) whatever the backend's own choice."""
+    from vllm.sampling_params import RequestOutputKind
+
+    own = type(backend).sampling_params
+
+    def params(n: int, max_tokens: int):
+        got = own(backend, n, max_tokens)
+        got.output_kind = RequestOutputKind.DELTA
+        return got
+
+    return params
+
+
+async def _measure(family: str, cfg, model: str, device: str, groups: int, rounds: int, kv_modes=(), deltas=False):
+    """kv_modes: `rollout.kv_at_swap` settings the node also runs in, besides the config's (kinds `node:MODE`);
+    deltas: raw and the node with outputs per step too (kinds `raw:delta`, `node:delta`)."""
     from streamrl.engine.models import load_tokenizer
     from streamrl.engine.placement import node_groups
     from streamrl.rewards import build_scorer
@@ -172,16 +195,21 @@ async def _measure(family: str, cfg, model: str, device: str, groups: int, round
     pusher = Pusher(model, cfg, device) if family == "vllm" else None
     await backend.warm_up()
     extra = [m for m in kv_modes if m != cfg.rollout.kv_at_swap]
-    kinds = ["raw", "node", *(f"node:{m}" for m in extra)] if family == "vllm" else ["hf"]
+    streamed = ["raw:delta", "node:delta"] if deltas else []
+    kinds = ["raw", "node", *(f"node:{m}" for m in extra), *streamed] if family == "vllm" else ["hf"]
     lines, mid_s = [], 0.0
     try:
         for round_ in range(rounds + 1):
             for kind in kinds:
-                if kind == "raw":
+                engine, _, mode = kind.partition(":")
+                if family == "vllm":
+                    backend.keep_kv = (mode if mode in ("keep", "recompute") else cfg.rollout.kv_at_swap) == "keep"
+                    vars(backend).pop("sampling_params", None)  # the backend's own
+                    if mode == "delta":
+                        backend.sampling_params = _streamed(backend)
+                if engine == "raw":
                     got = await _raw_round(backend, prompts, cfg)
                 else:
-                    if family == "vllm":
-                        backend.keep_kv = (kind.partition(":")[2] or cfg.rollout.kv_at_swap) == "keep"
                     got = await _node_round(cfg, backend, prompts, scorer, tokenizer, device, pusher, mid_s)
                     mid_s = mid_s or got["seconds"] / 2  # pushes in flight from the first timed round on
                 got |= {"tokens_per_s": round(got["tokens"] / got["seconds"], 1), "seconds": round(got["seconds"], 3)}
@@ -211,6 +239,11 @@ def _parse(argv=None) -> argparse.Namespace:
         choices=("recompute", "keep"),
         help="also run the vLLM node with these rollout.kv_at_swap settings (kinds node:MODE)",
     )
+    parser.add_argument(
+        "--deltas",
+        action="store_true",
+        help="also raw and the node with outputs per step (kinds raw:delta, node:delta)",
+    )
     parser.add_argument("--device", default="auto")
     parser.add_argument("--out", default="", help="also append the figure lines to this file")
     parser.add_argument("--only", help=argparse.SUPPRESS)  # FAMILY:MODEL, in a child
@@ -232,7 +265,7 @@ def _child(args, family: str, model: str, groups: int) -> list[dict]:
     given back when the process ends."""
     cmd = [sys.executable, "-m", "streamrl.bench.rollout_throughput", "--only", f"{family}:{model}",
            "--groups", str(groups), "--rounds", str(args.rounds), "--device", args.device,
-           *(["--kv-at-swap", *args.kv_at_swap] if args.kv_at_swap else []),
+           *(["--kv-at-swap", *args.kv_at_swap] if args.kv_at_swap else []), *(["--deltas"] if args.deltas else []),
            *(["--config", args.config] if args.config else []), *[f"--set={s}" for s in args.set]]  # fmt: skip
     out = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, timeout=3600)
     lines = [json.loads(line[len(RESULT) :]) for line in out.stdout.splitlines() if line.startswith(RESULT)]
@@ -269,10 +302,12 @@ def _figure(shape: str, lines: list[dict]) -> dict:
 
     node, raw, hf = median("node"), median("raw"), median("hf")
     figure = {"figure": "vllm_node", "shape": shape, "node_tok_s": node, "raw_tok_s": raw, "hf_tok_s": hf}
-    for kind in sorted({line["engine"] for line in lines if line["engine"].startswith("node:")}):
-        name = kind.replace(":", "_")
+    for kind in sorted({line["engine"] for line in lines if ":" in line["engine"]}):
+        name, mode = kind.replace(":", "_"), kind.partition(":")[2]
         figure[f"{name}_tok_s"] = median(kind)
-        figure[f"{name}_vs_raw"] = round(median(kind) / raw, 3) if raw else None
+        if kind.startswith("node:"):  # against raw with the same outputs (raw:delta for node:delta)
+            base = median(f"raw:{mode}") or raw
+            figure[f"{name}_vs_raw"] = round(median(kind) / base, 3) if base else None
     vs_raw, vs_hf = (round(node / raw, 3) if raw else None), (round(node / hf, 3) if hf and node else None)
     return figure | {"vs_raw": vs_raw, "vs_hf": vs_hf}
 
@@ -287,7 +322,9 @@ def main(argv=None) -> None:
         family, _, model = args.only.partition(":")
         device = resolve_device(args.device)
         cfg = _config(args, model, device, family)
-        lines = asyncio.run(_measure(family, cfg, model, device, args.groups, args.rounds, args.kv_at_swap))
+        lines = asyncio.run(
+            _measure(family, cfg, model, device, args.groups, args.rounds, args.kv_at_swap, args.deltas)
+        )
         print(RESULT + json.dumps(lines), flush=True)
         return
     failures = 0

@@ -171,7 +171,11 @@ class RolloutNode:
         return self.stats
 
     async def _slot(self, limit: asyncio.Semaphore) -> bool:
-        """Wait for room for one more group; False (holding nothing) once stopping."""
+        """Wait for room for one more group; False (holding nothing) once stopping. With room free it is taken
+        without a turn of the event loop: the node fills its slots at once, as a client submitting every request
+        together does (a turn per group let vLLM's output handler run a chunk between two admissions)."""
+        if not limit.locked() and not self._stopping.is_set():
+            return await limit.acquire()  # returns at once: nothing to wait for
         acquire = asyncio.ensure_future(limit.acquire())
         stopping = asyncio.ensure_future(self._stopping.wait())
         await asyncio.wait([acquire, stopping], return_when=asyncio.FIRST_COMPLETED)

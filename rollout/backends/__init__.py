@@ -25,7 +25,8 @@ def build_backend(cfg: Config, device: str = "cpu") -> GenerationBackend:
 
         return SimBackend(cfg, device)
     if cfg.rollout.backend == "vllm":
-        from streamrl.rollout.backends.vllm import VLLMBackend, sizing, sleeps
+        from streamrl.rollout.backends.vllm import VLLMBackend, sleeps
+        from streamrl.rollout.backends.vllm_support import sizing
 
         return VLLMBackend(
             model_path,

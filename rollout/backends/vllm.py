@@ -15,6 +15,12 @@ reuses a prefix another version computed. With `"recompute"` the running request
 the resume (they are re-prefilled, every later token computed by the new weights alone) and each
 streamed delta's tokens are stamped with the engine's `policy_version` when the delta arrives.
 
+Outputs: a request's tokens come in one piece when it ends (vLLM's FINAL_ONLY) wherever its version is fixed
+when it starts (kept KV, LoRA); streamed per step (DELTA) only under `"recompute"`, whose stamps need each
+delta's arrival. vLLM's front end runs in the node's process and, at small shapes, bounds the engine (the
+per-token logprobs it decodes: bench/RESULTS.md); a delta per sequence per step adds an output built, a task
+woken and the node's collecting to that work, once per token.
+
 Sleep (`run.mode = "sync"` with the node on the learner's device, rollout/node.py): between a step's last
 group and the next version the engine sleeps at level 1 (vLLM's own: the KV cache released, the weights
 kept in host memory), so the learner trains in that room; a version or a group wakes it first. On a GPU
@@ -30,7 +36,6 @@ dropped once a newer one is live. Version 0 is the base model (PEFT starts B at 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import importlib.util
 import inspect
 import itertools
@@ -41,10 +46,9 @@ import uuid
 from streamrl.engine.config import Config, LoraConfig, ModelConfig, RolloutConfig
 from streamrl.engine.lora import engine_rank
 from streamrl.engine.messages import WeightsReady
-from streamrl.engine.placement import node_groups
 from streamrl.engine.workers.lifeline import children_die_with_me
 from streamrl.rollout.backends.protocol import BackendClock, Completion, LiveVersion
-from streamrl.rollout.backends.vllm_support import check_servable
+from streamrl.rollout.backends.vllm_support import UNSIZED, Sizing, check_servable
 
 log = logging.getLogger(__name__)
 
@@ -59,43 +63,6 @@ MAX_GRAPH_BATCH = 1024  # the largest decode batch captured as a CUDA graph
 CPU_CLOSE_S = 0.5
 
 
-@dataclasses.dataclass(frozen=True)
-class Sizing:
-    """How big the engine is; zeros leave vLLM's defaults (a backend built without a run's config: tests)."""
-
-    max_seqs: int = 0  # sequences running at once: every group the node may hold (max_num_seqs)
-    batch_tokens: int = 0  # tokens of one engine step (max_num_batched_tokens)
-    kv_bytes: int = 0  # GPU: the KV cache (kv_cache_memory_bytes); 0: vLLM sizes it from its share
-    share_gib: float = 0.0  # GPU: what the node may take of the device (vLLM checks it is free at start)
-
-
-def sizing(cfg: Config, device: str, model_path: str) -> Sizing:
-    """The engine's size from the run's config (engine/memory.py): as many sequences as the node runs groups
-    (rules.node_groups); on a GPU a KV cache that holds them all at their longest and the share preflight
-    planned, unless `rollout.gpu_memory_utilization` lets vLLM size itself."""
-    from streamrl.engine import memory
-
-    seqs = node_groups(cfg, device) * cfg.rollout.group_size
-    if not device.startswith("cuda"):
-        return Sizing(max_seqs=seqs)
-    batch_tokens = max(memory.VLLM_BATCH_TOKENS, cfg.model.max_model_len)
-    if cfg.rollout.gpu_memory_utilization > 0:
-        return Sizing(max_seqs=seqs, batch_tokens=batch_tokens)
-    from transformers import AutoConfig
-
-    shape = memory.shape_of(AutoConfig.from_pretrained(model_path, trust_remote_code=cfg.model.trust_remote_code))
-    estimate, kv = memory.vllm_node(cfg, shape), memory.vllm_kv_bytes(cfg, shape)
-    share = cfg.rollout.gpu_memory_gib or estimate.gib
-    if cfg.rollout.gpu_memory_gib:  # a share given: the KV cache is what the rest leaves of it
-        kv = int((share - (estimate.gib - kv / memory.GIB)) * memory.GIB)
-        if kv <= 0:
-            raise ValueError(
-                f"rollout.gpu_memory_gib = {share:g} leaves no room for a KV cache: the node needs "
-                f"{estimate.gib - kv / memory.GIB:.1f} GiB besides it ({estimate}); raise it or set it to 0"
-            )
-    return Sizing(max_seqs=seqs, batch_tokens=batch_tokens, kv_bytes=kv, share_gib=share)
-
-
 def engine_args(
     model_path: str,
     model: ModelConfig,
@@ -104,7 +71,7 @@ def engine_args(
     device: str,
     lora: LoraConfig | None = None,
     max_staleness: int = 1,
-    size: Sizing = Sizing(),
+    size: Sizing = UNSIZED,
     sleep: bool = False,
 ):
     """sleep: a GPU engine that can sleep (`sleeps(cfg)`). lora: LoRA slots for max_staleness + 2 versions
@@ -219,7 +186,7 @@ class VLLMBackend:
         device: str = "cpu",
         lora: LoraConfig | None = None,
         max_staleness: int = 1,
-        size: Sizing = Sizing(),
+        size: Sizing = UNSIZED,
         sleep: bool = False,
     ):
         """lora (enabled): each pushed version is an adapter of its own (module doc); size: `sizing(cfg, ...)`;
@@ -229,7 +196,7 @@ class VLLMBackend:
 
         self.rollout, self.max_model_len = rollout, model.max_model_len
         self.live = LiveVersion()
-        self.tokens_generated = 0
+        self._tokens_ended = 0  # the tokens of requests that ended (`tokens_generated`)
         self.clock = BackendClock()
         self.staging_bytes = 0
         self._ids = itertools.count()
@@ -254,8 +221,23 @@ class VLLMBackend:
     def policy_version(self) -> int:
         return self.live.version
 
+    @property
+    def streams(self) -> bool:
+        """Whether outputs come per step (each delta stamped with the version live at its arrival: recompute at
+        a swap) rather than once per request (its version fixed when it starts: kept KV, LoRA). Module doc."""
+        return not (self.lora or self.keep_kv)
+
+    @property
+    def tokens_generated(self) -> int:
+        """Tokens made so far: those of ended requests and those running ones hold in vLLM's front end (with
+        outputs once per request, the node sees none of them before the request ends)."""
+        states = getattr(getattr(self._engine, "output_processor", None), "request_states", {})
+        running = sum(state.detokenizer.num_output_tokens() for state in list(states.values()) if state.detokenizer)
+        return self._tokens_ended + running
+
     def sampling_params(self, n: int, max_tokens: int):
-        """The SamplingParams of a group: processed logprobs of the sampled tokens, flat, streamed as deltas."""
+        """The SamplingParams of a group: processed logprobs of the sampled tokens, flat; streamed as deltas or
+        in one piece at the end (`streams`)."""
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
@@ -267,7 +249,7 @@ class VLLMBackend:
             top_k=self.rollout.top_k,
             logprobs=0,
             flat_logprobs=True,
-            output_kind=RequestOutputKind.DELTA,
+            output_kind=RequestOutputKind.DELTA if self.streams else RequestOutputKind.FINAL_ONLY,
             detokenize=False,
         )
 
@@ -298,11 +280,11 @@ class VLLMBackend:
         self.clock.begin()
         try:
             async for out in stream:
-                version = pinned if self.lora or self.keep_kv else self.policy_version
+                version = self.policy_version if self.streams else pinned
                 for output in out.outputs:
                     samples[output.index].add(output, version)
-                    self.tokens_generated += len(output.token_ids)
         finally:
+            self._tokens_ended += sum(len(s.token_ids) for s in samples)
             self.clock.end()
             self._running[pinned] -= 1
             if self.lora:

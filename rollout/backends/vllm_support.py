@@ -9,12 +9,17 @@ dispatch, probed head sizes 1-1024 with both CPU ISAs of this machine); vLLM's P
 (`CPUAttentionBackend.get_supported_head_sizes`) leaves out 48, which the kernel serves (a tiny
 Qwen2 with head_dim 48 generates). tests/integration/test_vllm_support.py re-probes the kernel,
 so an upgraded vLLM that changes the set fails a test rather than a run.
+
+`sizing`: how big a node's engine is, from the run's config and the model's HF config.
 """
 
 from __future__ import annotations
 
-from streamrl.engine.config import ModelConfig
+import dataclasses
+
+from streamrl.engine.config import Config, ModelConfig
 from streamrl.engine.models import ModelLoadError
+from streamrl.engine.placement import node_groups
 
 CPU_HEAD_SIZES = (32, 48, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 
@@ -117,3 +122,43 @@ def lora_problem(hf_config) -> str:
         if declared and "SupportsLoRA" not in declared.group(1):
             return f"vLLM's {entry.group(2)} (architecture {arch}) does not support LoRA adapters"
     return ""
+
+
+@dataclasses.dataclass(frozen=True)
+class Sizing:
+    """How big the engine is; zeros leave vLLM's defaults (a backend built without a run's config: tests)."""
+
+    max_seqs: int = 0  # sequences running at once: every group the node may hold (max_num_seqs)
+    batch_tokens: int = 0  # tokens of one engine step (max_num_batched_tokens)
+    kv_bytes: int = 0  # GPU: the KV cache (kv_cache_memory_bytes); 0: vLLM sizes it from its share
+    share_gib: float = 0.0  # GPU: what the node may take of the device (vLLM checks it is free at start)
+
+
+UNSIZED = Sizing()  # vLLM sizes the engine itself
+
+
+def sizing(cfg: Config, device: str, model_path: str) -> Sizing:
+    """The engine's size from the run's config (engine/memory.py): as many sequences as the node runs groups
+    (rules.node_groups); on a GPU a KV cache that holds them all at their longest and the share preflight
+    planned, unless `rollout.gpu_memory_utilization` lets vLLM size itself."""
+    from streamrl.engine import memory
+
+    seqs = node_groups(cfg, device) * cfg.rollout.group_size
+    if not device.startswith("cuda"):
+        return Sizing(max_seqs=seqs)
+    batch_tokens = max(memory.VLLM_BATCH_TOKENS, cfg.model.max_model_len)
+    if cfg.rollout.gpu_memory_utilization > 0:
+        return Sizing(max_seqs=seqs, batch_tokens=batch_tokens)
+    from transformers import AutoConfig
+
+    shape = memory.shape_of(AutoConfig.from_pretrained(model_path, trust_remote_code=cfg.model.trust_remote_code))
+    estimate, kv = memory.vllm_node(cfg, shape), memory.vllm_kv_bytes(cfg, shape)
+    share = cfg.rollout.gpu_memory_gib or estimate.gib
+    if cfg.rollout.gpu_memory_gib:  # a share given: the KV cache is what the rest leaves of it
+        kv = int((share - (estimate.gib - kv / memory.GIB)) * memory.GIB)
+        if kv <= 0:
+            raise ValueError(
+                f"rollout.gpu_memory_gib = {share:g} leaves no room for a KV cache: the node needs "
+                f"{estimate.gib - kv / memory.GIB:.1f} GiB besides it ({estimate}); raise it or set it to 0"
+            )
+    return Sizing(max_seqs=seqs, batch_tokens=batch_tokens, kv_bytes=kv, share_gib=share)

@@ -112,7 +112,8 @@ KV_BYTES = 1 << 30
 
 def _engine(model_path: str, lora_cfg=None, sleep: bool = False):
     from streamrl.engine.config import ModelConfig, RolloutConfig
-    from streamrl.rollout.backends.vllm import Sizing, VLLMBackend
+    from streamrl.rollout.backends.vllm import VLLMBackend
+    from streamrl.rollout.backends.vllm_support import Sizing
 
     model = ModelConfig(path=model_path, dtype="bfloat16", max_model_len=256)
     size = Sizing(max_seqs=64, batch_tokens=4096, kv_bytes=KV_BYTES, share_gib=8.0)

@@ -64,7 +64,8 @@ def serve(model: str, device: str, fd: int, backend: str = "hf") -> None:
     threading.Thread(target=loop.run_forever, daemon=True).start()
     config = ModelConfig(max_model_len=512, dtype="bfloat16" if device.startswith("cuda") else "float32")
     if backend == "vllm":
-        from streamrl.rollout.backends.vllm import Sizing, VLLMBackend
+        from streamrl.rollout.backends.vllm import VLLMBackend
+        from streamrl.rollout.backends.vllm_support import Sizing
 
         gpu = Sizing(max_seqs=16, batch_tokens=2048, kv_bytes=512 << 20, share_gib=4.0)
         size = Sizing() if device == "cpu" else gpu

@@ -129,9 +129,18 @@ def _worst(a: list[float], b: list[float]) -> float:
 
 def _across_a_swap(node, seed: int):
     """A request of LONG tokens, a new version pushed once PUSH_AFTER are out, then the same prompt sent again
-    (both at once: the first still running). Returns the first's completion, the second's, the old model."""
+    (both at once: the first still running). Returns the first's completion, the second's, the old model and
+    how many outputs vLLM delivered for the first."""
     learner, backend, loop = node
     old = learner.next_version(seed)
+    outputs, generate = [], backend._engine.generate
+
+    async def counted(*args, **kwargs):  # the engine's outputs of each request, counted on their way
+        outputs.append(0)
+        mine = len(outputs) - 1
+        async for out in generate(*args, **kwargs):
+            outputs[mine] += 1
+            yield out
 
     async def go():
         base = backend.tokens_generated
@@ -144,17 +153,22 @@ def _across_a_swap(node, seed: int):
         assert not running.done(), "the long request ended before the second: nothing was running beside it"
         return (await running)[0], after[0]
 
-    first, second = loop.run_until_complete(go())
+    backend._engine.generate = counted
+    try:
+        first, second = loop.run_until_complete(go())
+    finally:
+        del backend._engine.generate
     assert len(first.token_ids) == LONG
-    return first, second, old
+    return first, second, old, outputs[0]
 
 
 def test_keep_goes_on_over_the_old_kv_and_new_requests_reuse_none_of_it(node):
     learner, backend, _ = node
     assert backend.keep_kv
     start = backend.policy_version
-    first, second, old = _across_a_swap(node, seed=1)
+    first, second, old, outputs = _across_a_swap(node, seed=1)
     assert first.token_versions == [start] * LONG  # the version it started under, the oldest in its KV
+    assert outputs == 1  # its tokens in one piece at its end: the front end built no output per step
     # The new weights over the old KV, the swap after some k tokens: one k reproduces the whole completion.
     gaps = {k: _worst(_scored(learner.lm, first.token_ids, k, old), first.logprobs) for k in range(2, LONG)}
     k = min(gaps, key=gaps.get)
@@ -172,9 +186,10 @@ def test_recompute_gives_the_new_weights_alone_after_the_swap(node):
     backend.keep_kv = False
     try:
         start = backend.policy_version
-        first, second, old = _across_a_swap(node, seed=2)
+        first, second, old, outputs = _across_a_swap(node, seed=2)
     finally:
         backend.keep_kv = True
+    assert outputs > 10  # streamed: each delta stamped with the version live when it arrived
     switch = first.token_versions.index(learner.version)
     assert first.token_versions == [start] * switch + [learner.version] * (LONG - switch)
     # ±3: a token or two computed on one side of the swap may arrive on the other side of the version's bump

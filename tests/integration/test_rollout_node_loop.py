@@ -135,6 +135,22 @@ def test_max_groups_bounds_the_run():
     assert engine.calls == 4 and len(sink.sent) == 8
 
 
+def test_the_node_fills_its_free_slots_before_any_group_runs():
+    """Every free slot is taken in one go (as a client submitting all its requests together): no group's
+    request reaches the engine before the others are admitted (vLLM's output handler ran between admissions)."""
+    started_when_first_ran = []
+
+    class Recording(FakeEngine):
+        async def generate(self, prompt_ids, n, max_tokens):
+            if not started_when_first_ran:
+                started_when_first_ran.append(node.stats.groups_started)
+            return await super().generate(prompt_ids, n, max_tokens)
+
+    node, sink = _node(Recording(), _prompts(12), concurrent=8)
+    stats = asyncio.run(node.run())
+    assert started_when_first_ran == [8] and stats.groups_sent == 12 and len(sink.sent) == 24
+
+
 def test_weights_landing_mid_sample_give_per_token_versions():
     engine = FakeEngine(tokens=3, step_s=0.05)
     node, sink = _node(engine, _prompts(1), group_size=1)

@@ -11,7 +11,8 @@ import pytest
 from streamrl.engine import memory
 from streamrl.engine.config import RolloutConfig, load
 from streamrl.engine.placement import admitted_groups, node_groups
-from streamrl.rollout.backends.vllm import _Collector, eager_on, sizing
+from streamrl.rollout.backends.vllm import _Collector, eager_on
+from streamrl.rollout.backends.vllm_support import sizing
 
 EXAMPLES = pathlib.Path(__file__).resolve().parents[2] / "examples"
 
