@@ -5,7 +5,8 @@
 #   tests:  tests/gpu/test_weights_ipc_gpu.py (nodes killed mid-copy), test_vllm_gpu.py -> $OUT/vllm_tests.txt
 #   bench:  bench/rollout_throughput.py on examples/gpu.toml at SHAPES    -> vllm_node lines in $OUT/figures.jsonl
 #           (ROUNDS timed rounds: one is too noisy for a ratio; the node in each rollout.kv_at_swap of KV_MODES
-#           too; DELTAS=1: raw and the node with outputs per step too; each swap's phases in $OUT/bench-SHAPE.txt)
+#           too; DELTAS=1: raw and the node with outputs per step too; BETWEEN=1: the node with no push in flight
+#           too; each swap's phases in $OUT/bench-SHAPE.txt)
 #   loop:   the README's one-GPU command, STEPS steps, vLLM then hf (RUN_LIMIT_vllm, RUN_LIMIT_hf seconds),
 #           each run's books and loop figures
 #   cost:   (not in the default) bench/vllm_host_cost.py at COST_SHAPE (0.5b): raw AsyncLLM with one thing changed per
@@ -44,7 +45,7 @@ if has bench; then
   for shape in ${SHAPES:-0.5b}; do
     timeout "${BENCH_LIMIT:-240}" python3 -m streamrl.bench.rollout_throughput --config examples/gpu.toml \
       --shape "$shape" --rounds "${ROUNDS:-3}" --groups "${ROUND_GROUPS:-0}" --hf-groups "${HF_GROUPS:-0}" --out "$F" \
-      --kv-at-swap ${KV_MODES:-keep recompute} ${DELTAS:+--deltas} ${BENCH_SET:+--set "$BENCH_SET"} \
+      --kv-at-swap ${KV_MODES:-keep recompute} ${DELTAS:+--deltas} ${BETWEEN:+--between} ${BENCH_SET:+--set "$BENCH_SET"} \
       > "$OUT/bench-${shape/:/-}.txt" 2>&1; echo "bench $shape exit $?" >> "$OUT/bench-${shape/:/-}.txt"
     grep -E '^\{|exit|Error' "$OUT/bench-${shape/:/-}.txt" | cut -c1-400 | tail -12
   done

@@ -20,7 +20,8 @@ child process per engine family, each engine built by `build_backend` from the r
 A round is `--groups` groups (default: all the node runs at once). The first round of each kind is a warm-up.
 `--kv-at-swap keep recompute` also runs the node in the other `rollout.kv_at_swap` setting (kind `node:MODE`,
 same engine, rounds alternating). `--deltas` also runs raw and the node with outputs streamed per step where the
-node takes them once per request (kinds `raw:delta`, `node:delta`; rollout/backends/vllm.py, Outputs).
+node takes them once per request (kinds `raw:delta`, `node:delta`; rollout/backends/vllm.py, Outputs);
+`--between` the node with its push before each round alone (kind `node:between`: weights pushed between rounds).
 Printed: one JSON line per engine and round (tokens, seconds, tokens/s, the requests in flight sampled every
 20 ms and when the most were first in, each swap's pause and its phases: stage, pause, load, reset, resume),
 then per shape `{"figure": "vllm_node", "shape", "node_tok_s", "raw_tok_s", "hf_tok_s", "vs_raw"}` (and
@@ -98,19 +99,22 @@ class Pusher:
 
 async def _sampled(engine, work) -> tuple[object, dict]:
     """Run `work`, sampling the engine's unfinished requests (its front end's count) every SAMPLE_S; `full_s`:
-    when the most of them were first in (the admission's ramp)."""
+    when the most of them were first in (the admission's ramp); `drained_s`: when the last one had ended (after
+    it, the round's own tail: the node scoring and sending its last groups)."""
     counts, task, start = [], asyncio.ensure_future(work), time.perf_counter()
-    processor, full_s = getattr(engine, "output_processor", None), 0.0
+    processor, full_s, drained_s = getattr(engine, "output_processor", None), 0.0, 0.0
     while not task.done():
         if processor is not None:
             counts.append(processor.get_num_unfinished_requests())
-            if counts[-1] > max(counts[:-1], default=0):
-                full_s = time.perf_counter() - start
+            now = time.perf_counter() - start
+            full_s = now if counts[-1] > max(counts[:-1], default=0) else full_s
+            drained_s = now if counts[-1] or not drained_s else drained_s  # the first sample with none left
         await asyncio.wait([task], timeout=SAMPLE_S)
     if not counts:
         return task.result(), {}
+    drained_s = drained_s if counts[-1] == 0 else time.perf_counter() - start
     return task.result(), {"requests_mean": round(statistics.fmean(counts), 1), "requests_max": max(counts),
-                           "full_s": round(full_s, 3)}  # fmt: skip
+                           "full_s": round(full_s, 3), "drained_s": round(drained_s, 3)}  # fmt: skip
 
 
 def generate_all(engine, prompt_ids: list[list[int]], params) -> asyncio.Future:
@@ -178,9 +182,16 @@ def _streamed(backend):
     return params
 
 
-async def _measure(family: str, cfg, model: str, device: str, groups: int, rounds: int, kv_modes=(), deltas=False):
-    """kv_modes: `rollout.kv_at_swap` settings the node also runs in, besides the config's (kinds `node:MODE`);
-    deltas: raw and the node with outputs per step too (kinds `raw:delta`, `node:delta`)."""
+def _extra_kinds(args, cfg) -> list[str]:
+    """The vLLM kinds run besides raw and node (module doc): node:MODE for each other `rollout.kv_at_swap`,
+    raw:delta and node:delta, node:between."""
+    kinds = [f"node:{m}" for m in args.kv_at_swap if m != cfg.rollout.kv_at_swap]
+    kinds += ["raw:delta", "node:delta"] if args.deltas else []
+    return kinds + (["node:between"] if args.between else [])
+
+
+async def _measure(family: str, cfg, model: str, device: str, groups: int, rounds: int, extra=()) -> list[dict]:
+    """extra: the vLLM kinds besides raw and node (`_extra_kinds`)."""
     from streamrl.engine.models import load_tokenizer
     from streamrl.engine.placement import node_groups
     from streamrl.rewards import build_scorer
@@ -194,9 +205,7 @@ async def _measure(family: str, cfg, model: str, device: str, groups: int, round
     backend = build_backend(cfg, device)
     pusher = Pusher(model, cfg, device) if family == "vllm" else None
     await backend.warm_up()
-    extra = [m for m in kv_modes if m != cfg.rollout.kv_at_swap]
-    streamed = ["raw:delta", "node:delta"] if deltas else []
-    kinds = ["raw", "node", *(f"node:{m}" for m in extra), *streamed] if family == "vllm" else ["hf"]
+    kinds = ["raw", "node", *extra] if family == "vllm" else ["hf"]
     lines, mid_s = [], 0.0
     try:
         for round_ in range(rounds + 1):
@@ -210,7 +219,8 @@ async def _measure(family: str, cfg, model: str, device: str, groups: int, round
                 if engine == "raw":
                     got = await _raw_round(backend, prompts, cfg)
                 else:
-                    got = await _node_round(cfg, backend, prompts, scorer, tokenizer, device, pusher, mid_s)
+                    in_flight = 0.0 if mode == "between" else mid_s
+                    got = await _node_round(cfg, backend, prompts, scorer, tokenizer, device, pusher, in_flight)
                     mid_s = mid_s or got["seconds"] / 2  # pushes in flight from the first timed round on
                 got |= {"tokens_per_s": round(got["tokens"] / got["seconds"], 1), "seconds": round(got["seconds"], 3)}
                 lines.append({"engine": kind, "round": round_, "warm_up": round_ == 0, "groups": len(prompts), **got})
@@ -244,6 +254,9 @@ def _parse(argv=None) -> argparse.Namespace:
         action="store_true",
         help="also raw and the node with outputs per step (kinds raw:delta, node:delta)",
     )
+    parser.add_argument(
+        "--between", action="store_true", help="also the node with no push in flight, one before each round alone"
+    )
     parser.add_argument("--device", default="auto")
     parser.add_argument("--out", default="", help="also append the figure lines to this file")
     parser.add_argument("--only", help=argparse.SUPPRESS)  # FAMILY:MODEL, in a child
@@ -266,6 +279,7 @@ def _child(args, family: str, model: str, groups: int) -> list[dict]:
     cmd = [sys.executable, "-m", "streamrl.bench.rollout_throughput", "--only", f"{family}:{model}",
            "--groups", str(groups), "--rounds", str(args.rounds), "--device", args.device,
            *(["--kv-at-swap", *args.kv_at_swap] if args.kv_at_swap else []), *(["--deltas"] if args.deltas else []),
+           *(["--between"] if args.between else []),
            *(["--config", args.config] if args.config else []), *[f"--set={s}" for s in args.set]]  # fmt: skip
     out = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, timeout=3600)
     lines = [json.loads(line[len(RESULT) :]) for line in out.stdout.splitlines() if line.startswith(RESULT)]
@@ -322,9 +336,8 @@ def main(argv=None) -> None:
         family, _, model = args.only.partition(":")
         device = resolve_device(args.device)
         cfg = _config(args, model, device, family)
-        lines = asyncio.run(
-            _measure(family, cfg, model, device, args.groups, args.rounds, args.kv_at_swap, args.deltas)
-        )
+        extra = _extra_kinds(args, cfg)
+        lines = asyncio.run(_measure(family, cfg, model, device, args.groups, args.rounds, extra))
         print(RESULT + json.dumps(lines), flush=True)
         return
     failures = 0

@@ -35,7 +35,8 @@ from streamrl.engine.telemetry import EventLog
 from streamrl.engine.weights.paths import SHARED
 from streamrl.rollout.backends.protocol import Completion, GenerationBackend
 from streamrl.rollout.envs.episode import Episode, build_runner
-from streamrl.rollout.sources import Prompt, prompt_text
+from streamrl.rollout.scoring import GroupScorer
+from streamrl.rollout.sources import Prompt
 
 log = logging.getLogger(__name__)
 
@@ -119,6 +120,7 @@ class RolloutNode:
         self.cfg, self.node_id, self.engine, self.events = cfg, node_id, engine, events
         self.concurrency = node_groups(cfg, device)
         self.source, self.scorer, self.sink, self.tokenizer = source, scorer, sink, tokenizer
+        self._scoring = GroupScorer(scorer, tokenizer, cfg.data)  # groups finishing together: one reward call
         self.credits = credits or UnlimitedCredits()
         self.stats = NodeStats()
         self._failures_in_a_row = 0
@@ -251,7 +253,7 @@ class RolloutNode:
         submitted = time.time()
         completions = await self.engine.generate(prompt.prompt_ids, len(sample_ids), self.cfg.rollout.max_tokens)
         finished = time.time()
-        rewards = await asyncio.to_thread(self._score, prompt, completions)
+        rewards = await self._scoring.score(prompt, completions)
         timings = Timings(submitted=submitted, finished=finished, rewarded=time.time())
         return [
             self._trajectory(sid, group_id, prompt, c, r, timings)
@@ -289,12 +291,6 @@ class RolloutNode:
             tool_timeouts=ep.tools.get("timed_out", 0),
         )
 
-    def _score(self, prompt: Prompt, completions: list[Completion]) -> list[float | None]:
-        ids = [c.token_ids for c in completions]
-        texts = [self.tokenizer.decode(t, skip_special_tokens=True) for t in ids]
-        prompts = [prompt_text(prompt, self.cfg.data)] * len(ids)
-        return self.scorer.score(prompts, texts, ids, [prompt.row] * len(ids))
-
     def _trajectory(
         self, sample_id: str, group_id: str, prompt: Prompt, c: Completion, reward: float | None, timings: Timings
     ) -> Trajectory:
@@ -322,17 +318,21 @@ class RolloutNode:
         return getattr(self.scorer, "first_error", "") or "a reward returned None"
 
     async def _send(self, trajectories: list[Trajectory]) -> None:
-        """Send in the one sender thread (ZMQ sockets are not thread-safe); a blocked send is backpressure."""
-        loop = asyncio.get_running_loop()
-        for traj in trajectories:
-            try:
-                await loop.run_in_executor(self._send_thread, self.sink.send, traj)
-            except Exception as e:  # the learner is gone: nothing further can be delivered
-                self._fatal = self._fatal or e
-                self.stop(f"send failed: {e}")
-                raise
-            self.stats.samples_sent += 1
-            self.stats.tokens_sent += traj.model_tokens
+        """Send a group in the one sender thread (ZMQ sockets are not thread-safe), in one hop to it: a hop a
+        sample waited for the GIL vLLM's front end holds each time. A blocked send is backpressure."""
+
+        def send_all() -> None:
+            for traj in trajectories:
+                self.sink.send(traj)
+                self.stats.samples_sent += 1  # only this thread counts them
+                self.stats.tokens_sent += traj.model_tokens
+
+        try:
+            await asyncio.get_running_loop().run_in_executor(self._send_thread, send_all)
+        except Exception as e:  # the learner is gone: nothing further can be delivered
+            self._fatal = self._fatal or e
+            self.stop(f"send failed: {e}")
+            raise
 
     async def _sleep(self, last_group: bool = False) -> None:
         """Put the engine to sleep (`sleeps`): before sending the last group it was generating (`last_group`: in

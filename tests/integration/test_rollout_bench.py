@@ -16,25 +16,29 @@ PHASES = ["stage", "pause", "load", "reset", "resume"]
 
 
 def test_the_bench_measures_raw_vllm_and_the_node_in_both_kv_settings(tmp_path):
-    """With `--deltas` both also with outputs per step (the node's own: one per request, the KV kept)."""
+    """With `--deltas` both also with outputs per step (the node's own: one per request, the KV kept); with
+    `--between` the node also with its push before each round alone."""
     out = tmp_path / "figures.jsonl"
     cmd = [sys.executable, "-m", "streamrl.bench.rollout_throughput", "--engines", "vllm", "--rounds", "1",
-           "--kv-at-swap", "keep", "recompute", "--deltas", "--out", str(out)]  # fmt: skip
+           "--kv-at-swap", "keep", "recompute", "--deltas", "--between", "--out", str(out)]  # fmt: skip
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     rounds = [json.loads(line) for line in done.stderr.splitlines() if line.startswith('{"engine"')]
-    assert sorted({r["engine"] for r in rounds}) == ["node", "node:delta", "node:recompute", "raw", "raw:delta"]
+    kinds = ["node", "node:between", "node:delta", "node:recompute", "raw", "raw:delta"]
+    assert sorted({r["engine"] for r in rounds}) == kinds
     for r in rounds:
         assert r["tokens"] > 0 and r["tokens_per_s"] > 0, r
-        assert 0 <= r["full_s"] < r["seconds"] and 0 < r["requests_mean"] <= r["requests_max"], r
+        assert 0 <= r["full_s"] <= r["drained_s"] <= r["seconds"] and 0 < r["requests_mean"] <= r["requests_max"], r
         if not r["engine"].startswith("raw"):  # a push before each round, one during it once a node round ran
-            assert len(r["phases"]) == len(r["swaps_s"]) and len(r["phases"]) in ((1, 2) if r["warm_up"] else (2,)), r
+            pushes = (1,) if r["engine"] == "node:between" else (1, 2) if r["warm_up"] else (2,)
+            assert len(r["phases"]) == len(r["swaps_s"]) and len(r["phases"]) in pushes, r
             assert all(list(p) == PHASES and p["load"] > 0 for p in r["phases"]), r["phases"]
     (figure,) = [json.loads(line) for line in out.read_text().splitlines()]
     assert figure["figure"] == "vllm_node" and figure["raw_tok_s"] > 0 and figure["node_tok_s"] > 0
     assert figure["node_recompute_tok_s"] > 0
     assert figure["vs_raw"] == round(figure["node_tok_s"] / figure["raw_tok_s"], 3)
     assert figure["node_delta_vs_raw"] == round(figure["node_delta_tok_s"] / figure["raw_delta_tok_s"], 3)
+    assert figure["node_between_vs_raw"] == round(figure["node_between_tok_s"] / figure["raw_tok_s"], 3)
 
 
 def test_the_host_cost_bench_runs_each_variant_and_two_engines_together():
