@@ -99,7 +99,7 @@ class Pusher:
 
 async def _sampled(engine, work) -> tuple[object, dict]:
     """Run `work`, sampling the engine's unfinished requests (its front end's count) every SAMPLE_S; `full_s`:
-    when the most of them were first in (the admission's ramp); `drained_s`: when the last one had ended (after
+    when the most of them were first in (the admission's ramp); `drained_s`: the last sample with one in (after
     it, the round's own tail: the node scoring and sending its last groups)."""
     counts, task, start = [], asyncio.ensure_future(work), time.perf_counter()
     processor, full_s, drained_s = getattr(engine, "output_processor", None), 0.0, 0.0
@@ -108,11 +108,11 @@ async def _sampled(engine, work) -> tuple[object, dict]:
             counts.append(processor.get_num_unfinished_requests())
             now = time.perf_counter() - start
             full_s = now if counts[-1] > max(counts[:-1], default=0) else full_s
-            drained_s = now if counts[-1] or not drained_s else drained_s  # the first sample with none left
+            drained_s = now if counts[-1] else drained_s
         await asyncio.wait([task], timeout=SAMPLE_S)
     if not counts:
         return task.result(), {}
-    drained_s = drained_s if counts[-1] == 0 else time.perf_counter() - start
+    drained_s = time.perf_counter() - start if counts[-1] else drained_s  # cut off with requests still in
     return task.result(), {"requests_mean": round(statistics.fmean(counts), 1), "requests_max": max(counts),
                            "full_s": round(full_s, 3), "drained_s": round(drained_s, 3)}  # fmt: skip
 
