@@ -21,6 +21,7 @@ from collections.abc import Iterator
 import msgspec
 
 from streamrl.engine.config import DataConfig
+from streamrl.rollout import long_tail
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +36,11 @@ class Prompt(msgspec.Struct):
     prompt_ids: list[int]
     row: dict  # the dataset row (its columns go to the rewards)
     row_number: int
+    max_tokens: int = 0  # the row's own cap on completion tokens (its `max_tokens` column); 0: none
+
+    def cap(self, run_max_tokens: int) -> int:
+        """Completion tokens this prompt's group may generate: the row's cap, never above the run's."""
+        return min(self.max_tokens, run_max_tokens) if self.max_tokens else run_max_tokens
 
 
 class _Malformed(msgspec.Struct):
@@ -79,13 +85,19 @@ def _read_dataset(path: pathlib.Path) -> list[dict]:
 
 def read_rows(path: str) -> list[dict | _Malformed]:
     """Every row of a .jsonl, .parquet or saved-dataset folder (undecodable jsonl lines as markers), of
-    a reasoning-gym task (`reasoning_gym:NAME[:SIZE[:SEED]]`) or of a verifiers taskset (`verifiers:ID`)."""
+    a reasoning-gym task (`reasoning_gym:NAME[:SIZE[:SEED]]`), of a verifiers taskset (`verifiers:ID`) or of the
+    long-tailed lengths task (`lengths:MIN-MAX`, rollout/long_tail.py)."""
     if path.startswith("reasoning_gym:"):
         from streamrl.rollout.envs.reasoning_gym import rows
 
         try:
             return rows(path)
         except (ImportError, ValueError) as e:
+            raise PromptSourceError(str(e)) from None
+    if path.startswith(long_tail.PREFIX):
+        try:
+            return long_tail.rows(path)
+        except ValueError as e:
             raise PromptSourceError(str(e)) from None
     if path.startswith("verifiers:"):
         from streamrl.rollout.envs.verifiers_tasks import rows
@@ -170,6 +182,7 @@ class RowTally:
 
 
 OVERLONG = "overlong"
+ROW_CAP_COLUMN = "max_tokens"  # a row's own cap on completion tokens (Prompt.cap)
 LOGGED_ROWS = 5  # malformed rows logged one by one; the rest only in the summary
 
 
@@ -190,6 +203,17 @@ def prompt_ids(row: dict | _Malformed, cfg: DataConfig, tokenizer) -> list[int]:
             f"{cfg.messages_column!r} list (columns: {sorted(row)})"
         )
     return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def _row_cap(row: dict) -> int:
+    """The row's `max_tokens` column (a per-prompt cap on completion tokens), 0 when it has none; ValueError
+    (the row is malformed) when it is not a positive integer."""
+    cap = row.get(ROW_CAP_COLUMN)
+    if cap is None:
+        return 0
+    if isinstance(cap, bool) or not isinstance(cap, int) or cap < 1:
+        raise ValueError(f"column {ROW_CAP_COLUMN!r} is {cap!r}; give a positive integer (a cap on completion tokens)")
+    return cap
 
 
 def _chat(messages, cfg: DataConfig, tokenizer) -> list[int]:
@@ -216,6 +240,7 @@ def judge(row: dict | _Malformed, cfg: DataConfig, tokenizer) -> tuple[list[int]
     """(prompt ids, None) for a usable row, else (None, OVERLONG or why it is malformed)."""
     try:
         ids = prompt_ids(row, cfg, tokenizer)
+        _row_cap(row)
     except ValueError as e:
         return None, str(e)
     if len(ids) > cfg.max_prompt_tokens:
@@ -295,7 +320,7 @@ class PromptSource:
                 log.warning("%s row %d skipped: %s", self.tally.path, i, why)
         if ids is None:
             return None
-        return Prompt(prompt_ids=ids, row=row, row_number=i)
+        return Prompt(prompt_ids=ids, row=row, row_number=i, max_tokens=_row_cap(row))
 
 
 def prompt_text(prompt: Prompt, cfg: DataConfig) -> str:
