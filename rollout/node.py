@@ -251,7 +251,8 @@ class RolloutNode:
 
     async def _completion_group(self, group_id: str, sample_ids: list[str], prompt: Prompt) -> list[Trajectory]:
         submitted = time.time()
-        completions = await self.engine.generate(prompt.prompt_ids, len(sample_ids), self.cfg.rollout.max_tokens)
+        cap = prompt.cap(self.cfg.rollout.max_tokens)  # the row's own cap (data's max_tokens column), if lower
+        completions = await self.engine.generate(prompt.prompt_ids, len(sample_ids), cap)
         finished = time.time()
         rewards = await self._scoring.score(prompt, completions)
         timings = Timings(submitted=submitted, finished=finished, rewarded=time.time())
