@@ -21,6 +21,9 @@ DISTRACTORS = ("one", "two", "red", "blue", "cat", "dog", "sun", "moon")
 MAX_ANSWERS = 30  # the task's most common answers taught at most
 BATCH = 16
 LR = 3e-3
+# `--shape NAME:152k`: Qwen2's own embedding rows (151936) over the 512-token tokenizer, for the LM head's cost at a
+# users' size (examples/gpu-1.5b.toml); ids past the tokenizer decode to nothing, as Qwen2's padded ones do
+MODEL_VOCAB = {"": 0, "152k": 151936}
 
 
 def make(path, seed: int, shape: str, dtype: str, device: str, source: str = "", steps: int = 150) -> str:
@@ -28,12 +31,15 @@ def make(path, seed: int, shape: str, dtype: str, device: str, source: str = "",
     for it; the line saying what was written. ValueError for a shape or source it cannot make."""
     from streamrl.engine.models import SHAPES, make_tiny_model
 
-    if shape not in SHAPES:
-        raise ValueError(f"--shape {shape!r}: choose one of {', '.join(SHAPES)}")
+    body, _, vocab = shape.partition(":")
+    if body not in SHAPES or vocab not in MODEL_VOCAB:
+        raise ValueError(f"--shape {shape!r}: choose one of {', '.join(SHAPES)}, each alone or with ':152k'")
     if source:
         folder, said = make_for(path, source, seed, steps)
         return f"tiny model written to {folder}: {said}"
-    return f"tiny model written to {make_tiny_model(path, seed=seed, dtype=dtype, device=device, **SHAPES[shape])}"
+    sized = {"model_vocab_size": MODEL_VOCAB[vocab]} if MODEL_VOCAB[vocab] else {}
+    folder = make_tiny_model(path, seed=seed, dtype=dtype, device=device, **SHAPES[body], **sized)
+    return f"tiny model written to {folder}"
 
 
 def make_for(path: str | os.PathLike, source: str, seed: int = 0, steps: int = 150) -> tuple[pathlib.Path, str]:
