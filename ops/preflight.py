@@ -308,6 +308,17 @@ def _shared_gpu(cfg: Config, shape, gpu: int, nodes: list[str], shared) -> Probl
     )
 
 
+def check_eval(ctx: _Context) -> list[Problem]:
+    """[eval]: its sources read and hold prompts, its rewards resolve, its prompts are not training prompts
+    (rollout/evaluation_prompts.check)."""
+    from streamrl.rollout.evaluation_prompts import check, training_texts
+
+    if ctx.tokenizer is None or not ctx.cfg.eval.enabled:
+        return []
+    texts = training_texts(ctx.cfg, ctx.tokenizer, SCAN_ROWS)
+    return [_problem("eval", message, level=level) for level, message in check(ctx.cfg, ctx.tokenizer, texts)]
+
+
 # (name, roles that need it, check); in order: later checks read what earlier ones loaded
 CHECKS: list[tuple[str, frozenset[str], Callable[[_Context], list[Problem]]]] = [
     ("config", frozenset(ROLES), check_config),
@@ -317,6 +328,7 @@ CHECKS: list[tuple[str, frozenset[str], Callable[[_Context], list[Problem]]]] = 
     ("data", frozenset({"rollout"}), check_data),
     ("reward", frozenset({"rollout"}), check_rewards),
     ("env", frozenset({"rollout"}), check_env),
+    ("eval", frozenset({"rollout"}), check_eval),
     ("telemetry", frozenset({"learner"}), check_telemetry),
     ("disk", frozenset({"learner"}), check_disk),
     ("gpu", frozenset(ROLES), check_gpu_placement),

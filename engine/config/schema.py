@@ -18,6 +18,8 @@ import msgspec
 
 from streamrl.engine.config import presets
 from streamrl.engine.config.base import ConfigError, PosInt, _doc, _Section
+from streamrl.engine.config.critic import CriticConfig
+from streamrl.engine.config.eval import EvalConfig
 from streamrl.engine.config.learner import CheckpointConfig, LearnerConfig, LossConfig
 from streamrl.engine.config.lora import LoraConfig
 from streamrl.engine.config.rollout import (
@@ -240,12 +242,14 @@ class Config(_Section):
     loss: LossConfig = msgspec.field(default_factory=LossConfig)
     learner: LearnerConfig = msgspec.field(default_factory=LearnerConfig)
     lora: LoraConfig = msgspec.field(default_factory=LoraConfig)
+    critic: CriticConfig = msgspec.field(default_factory=CriticConfig)
     ledger: LedgerConfig = msgspec.field(default_factory=LedgerConfig)
     transport: TransportConfig = msgspec.field(default_factory=TransportConfig)
     weights: WeightsConfig = msgspec.field(default_factory=WeightsConfig)
     checkpoint: CheckpointConfig = msgspec.field(default_factory=CheckpointConfig)
     telemetry: TelemetryConfig = msgspec.field(default_factory=TelemetryConfig)
     simulate: SimulateConfig = msgspec.field(default_factory=SimulateConfig)
+    eval: EvalConfig = msgspec.field(default_factory=EvalConfig)
 
 
 def _parse_value(text: str) -> Any:
@@ -295,7 +299,10 @@ def _describe(error: msgspec.ValidationError, data: dict[str, Any]) -> str:
 def _struct_at(path: str) -> type | None:
     node: Any = Config
     for part in filter(None, path.split(".")):
-        node = typing.get_type_hints(node).get(part) if isinstance(node, type) else None
+        name, index, _ = part.partition("[")  # `eval.sources[0]`: an item of a list of sections
+        node = typing.get_type_hints(node).get(name) if isinstance(node, type) else None
+        if index and typing.get_origin(node) is list:
+            node = typing.get_args(node)[0]
     return node if isinstance(node, type) and issubclass(node, msgspec.Struct) else None
 
 
