@@ -275,6 +275,7 @@ class RewardResult(_Wire, tag="reward_result"):
     values: list[float | None]
     errors: int = 0  # samples whose reward raised or returned a non-finite / non-number value
     traceback: str = ""  # the first failure's traceback in this call
+    fell_back: bool = False  # the batch call raised and each sample was scored alone (rewards/call.py)
 
 
 class RewardReady(_Wire, tag="reward_ready"):

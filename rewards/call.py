@@ -6,9 +6,14 @@ written as TRL documents it (`def reward(completions, **kwargs)`) runs unchanged
 from TRL: prompts and completions are always text (TRL passes message lists for chat datasets), and
 TRL's `trainer_state`, `log_extra`, `log_metric` and `environments` keywords are not passed.
 
-The same code runs inline and inside pool workers. A batch call that raises is retried one
-sample at a time, so one bad sample costs only its own reward. A value that is not a finite
-number (NaN would poison the advantages) counts as a failure too.
+The contract (README "Reward functions"): a reward returns a list with one float (or None, to abstain)
+per completion, in order. The same code runs inline and inside pool workers.
+- A batch call that raises is retried one sample at a time, so one bad sample costs only its own
+  reward; the outcome says it fell back (the scorer says so once on the console).
+- A call that breaks the contract (a list of the wrong length, a value that is not a number) is an
+  error of the reward, `RewardValueError`, for every sample of the batch, and never retried: a batch of
+  one passes the length check that `[mean]` fails, so a retry made a batch statistic a per-sample score.
+- A non-finite value (NaN would poison the advantages) fails its own sample only.
 """
 
 from __future__ import annotations
@@ -50,10 +55,15 @@ class CallOutcome(msgspec.Struct, kw_only=True):
     errors: int = 0
     timeouts: int = 0
     traceback: str = ""
+    fell_back: bool = False  # the batch call raised and each sample was scored alone
 
 
 class RewardValueError(ValueError):
-    """A reward returned something other than one finite number (or None) per sample."""
+    """A reward broke the contract: not one number (or None) per sample. The message names the function,
+    what it returned against what it was given, and the fix."""
+
+
+CONTRACT = "a reward returns a list with one float (or None) per completion, in the order given"
 
 
 # The keywords every reward receives besides the dataset columns, as TRL passes them.
@@ -115,39 +125,62 @@ def _run_awaitable(awaitable) -> Any:
     return box["value"]
 
 
+def function_name(fn: Callable[..., Any]) -> str:
+    """What a message calls a reward: its qualified name (a callable object's class)."""
+    return getattr(fn, "__qualname__", None) or type(fn).__qualname__
+
+
 def invoke(fn: Callable[..., Any], batch: Batch) -> list[float | None]:
-    """Call `fn` by keyword as TRL does (sync or async); check it returned one finite number or None per sample."""
+    """Call `fn` by keyword as TRL does (sync or async); `RewardValueError` unless it returned one number or None
+    per sample. A non-finite number is returned as it is (`finite` judges it, per sample)."""
     result = fn(
         prompts=batch.prompts, completions=batch.completions, completion_ids=batch.completion_ids, **batch.columns
     )
     if inspect.isawaitable(result):
         result = _run_awaitable(result)
-    try:
-        values = list(result)
-    except TypeError:
-        raise RewardValueError(f"returned {type(result).__name__}, not a list of floats") from None
+    name = function_name(fn)
+    if isinstance(result, (str, bytes, dict)) or not hasattr(result, "__iter__"):
+        raise RewardValueError(f"reward {name} returned {type(result).__name__}, not a list; {CONTRACT}")
+    values = list(result)
     if len(values) != len(batch):
-        raise RewardValueError(f"returned {len(values)} values for {len(batch)} samples")
-    return [_as_float(v) for v in values]
+        raise RewardValueError(
+            f"reward {name} returned {len(values)} values for {len(batch)} completions; {CONTRACT} (a score of the "
+            "whole batch, such as its mean, is given to each: `[score] * len(completions)`)"
+        )
+    return [_as_float(v, name, i) for i, v in enumerate(values)]
 
 
-def _as_float(value: Any) -> float | None:
+def _as_float(value: Any, name: str, i: int) -> float | None:
     if value is None:
         return None
+    if not isinstance(value, bool) and not isinstance(value, numbers.Real) and hasattr(value, "item"):
+        value = value.item()  # numpy / torch scalars
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        if not hasattr(value, "item"):  # numpy / torch scalars
-            raise RewardValueError(f"returned {value!r} ({type(value).__name__}), not a number")
-        value = value.item()
-    value = float(value)
-    if not math.isfinite(value):
-        raise RewardValueError(f"returned {value}, not a finite number")
-    return value
+        raise RewardValueError(
+            f"reward {name} returned {value!r} ({type(value).__name__}) for completion {i}, not a number; "
+            f"{CONTRACT} (e.g. `float(x)`)"
+        )
+    return float(value)
+
+
+def finite(values: list[float | None], name: str) -> CallOutcome:
+    """`values` with each non-finite one made None and counted as an error of its own sample."""
+    bad = [i for i, v in enumerate(values) if v is not None and not math.isfinite(v)]
+    if not bad:
+        return CallOutcome(values=values)
+    first = f"reward {name} returned {values[bad[0]]} for completion {bad[0]}, not a finite number"
+    out = [None if i in bad else v for i, v in enumerate(values)]
+    return CallOutcome(values=out, errors=len(bad), traceback=f"{__name__}.RewardValueError: {first}")
 
 
 def safe_call(fn: Callable[..., Any], batch: Batch) -> CallOutcome:
-    """`invoke`, with a failing batch retried sample by sample; failures become None and are counted."""
+    """`invoke`, with a batch that raises retried sample by sample; failures become None and are counted.
+    A broken contract fails the whole batch (module doc)."""
+    name = function_name(fn)
     try:
-        return CallOutcome(values=invoke(fn, batch))
+        return finite(invoke(fn, batch), name)
+    except RewardValueError:
+        return CallOutcome(values=[None] * len(batch), errors=len(batch), traceback=traceback.format_exc())
     except Exception:
         first = traceback.format_exc()
     if len(batch) == 1:
@@ -156,10 +189,11 @@ def safe_call(fn: Callable[..., Any], batch: Batch) -> CallOutcome:
     errors = 0
     for i in range(len(batch)):
         try:
-            values.extend(invoke(fn, batch.take(i, i + 1)))
+            one = finite(invoke(fn, batch.take(i, i + 1)), name)
         except Exception:
-            values.append(None)
-            errors += 1
+            one = CallOutcome(values=[None], errors=1)
+        values += one.values
+        errors += one.errors
     # errors may be 0 here (the batch call broke, each sample alone did not): the values stand,
     # and the traceback is still reported so the batch failure is seen once.
-    return CallOutcome(values=values, errors=errors, traceback=first)
+    return CallOutcome(values=values, errors=errors, traceback=first, fell_back=True)

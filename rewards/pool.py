@@ -72,6 +72,7 @@ class RewardPool:
                     errors=sum(p.errors for p in parts),
                     timeouts=sum(p.timeouts for p in parts),
                     traceback=next((p.traceback for p in parts if p.traceback), ""),
+                    fell_back=any(p.fell_back for p in parts),
                 )
             )
         return outcomes
@@ -134,7 +135,9 @@ class RewardPool:
             w.ready = True
             self._boot_failures = 0
             return
-        results[w.task] = CallOutcome(values=reply.values, errors=reply.errors, traceback=reply.traceback)
+        results[w.task] = CallOutcome(
+            values=reply.values, errors=reply.errors, traceback=reply.traceback, fell_back=reply.fell_back
+        )
         w.task = None
 
     def _died(self, w: _Worker, tasks, results: list) -> None:

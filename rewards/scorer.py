@@ -132,23 +132,32 @@ class Scorer:
             return CallOutcome(values=[None] * len(batch), errors=len(batch), traceback=traceback.format_exc())
 
     def _account(self, spec: str, outcome: CallOutcome) -> None:
-        timeouts = outcome.timeouts
         self.stats.errors += outcome.errors
-        self.stats.timeouts += timeouts
+        self.stats.timeouts += outcome.timeouts
         self.stats.by_function[spec]["errors"] += outcome.errors
-        self.stats.by_function[spec]["timeouts"] += timeouts
+        self.stats.by_function[spec]["timeouts"] += outcome.timeouts
         if outcome.traceback and spec not in self._logged:
             self._logged.add(spec)
             if outcome.errors and not self.first_error:
                 self.first_error = f"{spec}: {outcome.traceback.strip().splitlines()[-1]}"
-            log.error(
-                "reward %r failed (first failure shown once; later ones are only counted in "
-                "reward/errors and reward/timeouts):\n%s",
-                spec,
-                outcome.traceback,
-            )
+            self._say_once(spec, outcome)
         if self.pool is not None:
             self.stats.restarts = self.pool.restarts
+
+    def _say_once(self, spec: str, outcome: CallOutcome) -> None:
+        """The first failure of `spec`, with its traceback; later ones are only counted. A batch that fell back is
+        a WARNING whose first line says what happened: that line is what the live view of `streamrl run` shows
+        (ops/phases.py reads the node's console), the node's log has the rest."""
+        later = "later failures are only counted, in reward/errors and reward/timeouts"
+        if outcome.fell_back:
+            n, last = len(outcome.values), outcome.traceback.strip().splitlines()[-1]
+            log.warning(
+                "reward %r raised on a batch of %d samples (%s); each sample was scored alone, %d failed (dropped "
+                "as reward_error); %s\n%s",
+                spec, n, last, outcome.errors, later, outcome.traceback,
+            )  # fmt: skip
+            return
+        log.error("reward %r failed (first failure shown once; %s):\n%s", spec, later, outcome.traceback)
 
     def close(self) -> None:
         with self._lock:

@@ -39,7 +39,13 @@ def _serve(fns: list, call: RewardCall) -> RewardResult:
         prompts=call.prompts, completions=call.completions, completion_ids=call.completion_ids, columns=call.columns
     )
     outcome = safe_call(fns[call.fn_index], batch)
-    return RewardResult(call_id=call.call_id, values=outcome.values, errors=outcome.errors, traceback=outcome.traceback)
+    return RewardResult(
+        call_id=call.call_id,
+        values=outcome.values,
+        errors=outcome.errors,
+        traceback=outcome.traceback,
+        fell_back=outcome.fell_back,
+    )
 
 
 def decode_reply(frame: bytes) -> RewardReady | RewardResult:

@@ -76,13 +76,15 @@ def test_a_hung_reward_returns_none_by_its_deadline_and_the_pool_keeps_serving(u
 
 
 def test_a_raising_reward_costs_only_its_sample_and_logs_one_traceback(user_file, caplog):
-    with pool_scorer(user_file, "raiser", workers=1) as scorer, caplog.at_level(logging.ERROR, "streamrl.rewards"):
+    with pool_scorer(user_file, "raiser", workers=1) as scorer, caplog.at_level(logging.WARNING, "streamrl.rewards"):
         assert score(scorer, ["ab", "boom", "abc"]) == [2.0, None, 3.0]
         assert score(scorer, ["boom", "x"]) == [None, 1.0]
         assert scorer.stats.errors == 2 and scorer.stats.none == 2 and scorer.stats.timeouts == 0
         assert scorer.stats.by_function[f"{user_file}:raiser"]["errors"] == 2
     logged = [r for r in caplog.records if "boom in a user reward" in r.getMessage()]
     assert len(logged) == 1, "the first traceback is logged once, later failures only counted"
+    # the worker's batch fell back to one sample a call, and the scorer said so (the line the live view shows)
+    assert logged[0].levelname == "WARNING" and "each sample was scored alone, 1 failed" in logged[0].getMessage()
 
 
 def test_a_crashing_worker_gives_none_and_is_replaced(user_file):
@@ -129,8 +131,10 @@ def test_rewards_written_as_trl_documents_them_run_unchanged_in_the_pool(workers
 
 def test_a_reward_of_the_wrong_length_is_an_error_not_a_score(user_file):
     with pool_scorer(user_file, "wrong_length", workers=1) as scorer:
-        assert score(scorer, ["a", "b"]) == [1.0, 1.0]  # alone, each sample gets its one value
-        assert scorer.stats.errors == 0
+        # never retried one sample a call, where a batch of one gets its one value: a batch mean is no score
+        assert score(scorer, ["a", "b"]) == [None, None]
+        assert scorer.stats.errors == 2
+        assert "returned 1 values for 2 completions" in scorer.first_error
 
 
 def test_builtins_and_math_run_in_the_pool_combined_with_weights(user_file):

@@ -34,6 +34,52 @@ def test_a_raising_batch_is_retried_per_sample():
     assert out.values == [2.0, None, 1.0] and out.errors == 1 and "KeyError: 'bad sample'" in out.traceback
 
 
+class FakeBatchReward:
+    """Stands in for a user's reward: returns what it is given to return, counting its calls (a retry shows)."""
+
+    def __init__(self, returns):
+        self.returns, self.calls = returns, 0
+
+    def __call__(self, completions, **kwargs):
+        self.calls += 1
+        return self.returns(completions)
+
+
+def test_a_wrong_length_is_an_error_of_the_reward_never_retried_per_sample():
+    # the issue's reward: the batch mean for 3 completions; retried one sample at a time it passed as 3 scores
+    mean = FakeBatchReward(lambda completions: [sum(map(len, completions)) / len(completions)])
+    out = safe_call(mean, batch("ab", "c", "d"))
+    assert out.values == [None, None, None] and out.errors == 3 and not out.fell_back
+    assert mean.calls == 1
+    last = out.traceback.strip().splitlines()[-1]
+    assert last.startswith("streamrl.rewards.call.RewardValueError: reward FakeBatchReward returned 1 values for 3 ")
+    assert "one float (or None) per completion" in last and "[score] * len(completions)" in last
+
+
+def test_a_non_number_fails_the_batch_once_and_a_non_finite_number_only_its_sample():
+    text = FakeBatchReward(lambda completions: [1.0, "0.5", 2.0])
+    out = safe_call(text, batch("a", "b", "c"))
+    assert out.values == [None] * 3 and out.errors == 3 and text.calls == 1
+    assert "returned '0.5' (str) for completion 1, not a number" in out.traceback
+    nan = FakeBatchReward(lambda completions: [1.0, float("nan"), 2.0])
+    out = safe_call(nan, batch("a", "b", "c"))
+    assert out.values == [1.0, None, 2.0] and out.errors == 1 and nan.calls == 1
+    assert "returned nan for completion 1, not a finite number" in out.traceback
+
+
+def test_a_batch_that_falls_back_says_so_once(caplog):
+    scorer = Scorer(RewardConfig(functions=[f"{__name__}:picky"], workers=0))
+    with caplog.at_level("WARNING", logger="streamrl.rewards"):
+        assert scorer.score(["p"] * 3, ["ab", "bad", "c"], [[1]] * 3, [{"answer": "x"}] * 3) == [2.0, None, 1.0]
+        scorer.score(["p"] * 2, ["bad", "c"], [[1]] * 2, [{"answer": "x"}] * 2)
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 1 and caplog.records[0].levelname == "WARNING"
+    first = said[0].splitlines()[0]  # the line the live view shows
+    assert first.startswith(f"reward '{__name__}:picky' raised on a batch of 3 samples (KeyError: 'bad sample'); ")
+    assert "each sample was scored alone, 1 failed (dropped as reward_error)" in first
+    assert scorer.stats.errors == 2
+
+
 @pytest.mark.parametrize("value", [float("nan"), float("inf"), "1.0", True, [1.0]])
 def test_non_finite_or_non_number_values_are_errors(value):
     out = safe_call(lambda completions, **kwargs: [value] * len(completions), batch("a"))
