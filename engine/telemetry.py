@@ -71,6 +71,7 @@ class MetricsSink:
         run_dir = pathlib.Path(run_dir)
         self.path = run_dir / "metrics.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._fresh_line = not ends_a_line(self.path)  # a crash cut the last record: the next starts below it
         self._file = self.path.open("a", buffering=1)
         self._tb = _tensorboard_writer(run_dir / "tensorboard") if cfg.tensorboard else None
         self._prometheus = _Prometheus(cfg.prometheus_host, cfg.prometheus_port) if cfg.prometheus_port else None
@@ -85,13 +86,15 @@ class MetricsSink:
         record = {"step": step, "time": time.time(), **{k: _finite(v) for k, v in metrics.items()}}
         numeric = _numeric(metrics)
         try:
-            self._file.write(json.dumps(record) + "\n")
+            self._file.write("\n" * self._fresh_line + json.dumps(record) + "\n")
+            self._fresh_line = False
             if self._tb is not None:
                 for key, value in numeric.items():
                     self._tb.add_scalar(key, value, step)
                 self._tb.flush()
         except OSError as e:  # a full disk: training goes on; the ledger, which cannot write either, ends it
             self.unwritten += 1
+            self._fresh_line = True  # part of the record may be on disk: the next one starts on a line of its own
             if self.unwritten == 1:
                 logging.getLogger("streamrl").warning("metrics of step %d not written to %s: %s", step, self.path, e)
         if self._prometheus is not None:
@@ -189,6 +192,10 @@ class LineTail:
         # a progress bar redraws with \r: its last state is the line
         return [line.decode(errors="replace").rsplit("\r", 1)[-1] for line in lines]
 
+    def pending(self) -> bool:
+        """Part of a line is read but not its end (a line being written, or one a crash cut short)."""
+        return bool(self._partial)
+
 
 EVENTS_FILE = "events.jsonl"
 
@@ -202,9 +209,14 @@ class EventLog:
         self.path.parent.mkdir(parents=True, exist_ok=True)
 
     def emit(self, event: str, **fields: Any) -> None:
-        line = json.dumps({"t": time.time(), "role": self.role, "event": event, **fields}) + "\n"
+        """One line, on a line of its own: after a line a crash or a full disk cut short, a newline first (the
+        torn line stays one line, which readers skip and count, instead of swallowing this one)."""
+        line = (json.dumps({"t": time.time(), "role": self.role, "event": event, **fields}) + "\n").encode()
         try:
-            with open(self.path, "a") as f:
+            with open(self.path, "ab+") as f:
+                end = f.seek(0, os.SEEK_END)
+                if end and os.pread(f.fileno(), 1, end - 1) != b"\n":
+                    line = b"\n" + line
                 f.write(line)
         except OSError as e:  # the view loses a line; the run goes on
             logging.getLogger("streamrl").debug("event %s not written to %s: %s", event, self.path, e)
@@ -212,30 +224,62 @@ class EventLog:
 
 class MetricsTail:
     """The records of a growing JSON lines file (metrics.jsonl, events.jsonl): `poll()` reads only what was
-    appended since the last call."""
+    appended since the last call. A line that is not a JSON object (torn by a crash or a full disk) is skipped
+    and counted in `skipped`; an empty line (a writer's fresh start after one) is not a record."""
 
     def __init__(self, path: str | pathlib.Path):
         self.path = pathlib.Path(path)
         self.records: list[dict[str, Any]] = []
+        self.skipped = 0
         self._lines = LineTail(self.path)
 
     def poll(self) -> list[dict[str, Any]]:
         """The new records (all records so far are in `records`)."""
         new = []
         for line in self._lines.poll():
-            try:
-                new.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue
+            record = _record(line)
+            if record is not None:
+                new.append(record)
+            elif line.strip():
+                self.skipped += 1
         self.records.extend(new)
         return new
+
+    def finish(self) -> list[dict[str, Any]]:
+        """Once no process writes the file any more: a last line without its newline is torn, counted too."""
+        self.poll()
+        if self._lines.pending():
+            self.skipped += 1
+        return self.records
+
+
+def _record(line: str) -> dict[str, Any] | None:
+    try:
+        record = json.loads(line)
+    except ValueError:
+        return None
+    return record if isinstance(record, dict) else None
 
 
 def read_metrics(path: str | pathlib.Path) -> list[dict[str, Any]]:
     """Every complete record of a metrics.jsonl (a half-written last line is skipped)."""
+    return read_jsonl(path)[0]
+
+
+def read_jsonl(path: str | pathlib.Path) -> tuple[list[dict[str, Any]], int]:
+    """Every record of a JSON lines file no process writes any more, and how many torn lines were skipped."""
     tail = MetricsTail(path)
-    tail.poll()
-    return tail.records
+    return tail.finish(), tail.skipped
+
+
+def ends_a_line(path: str | pathlib.Path) -> bool:
+    """The file is missing, empty or ends with a newline (the next record starts on a line of its own)."""
+    try:
+        with open(path, "rb") as f:
+            end = f.seek(0, os.SEEK_END)
+            return end == 0 or os.pread(f.fileno(), 1, end - 1) == b"\n"
+    except OSError:
+        return True
 
 
 ENDING, RESERVE = "end.json", ".reserve"
@@ -279,8 +323,15 @@ def write_ending(run_dir: str | pathlib.Path, ended: str, code: int, detail: str
 
 
 def read_ending(run_dir: str | pathlib.Path) -> dict[str, Any] | None:
-    """RUN/end.json, or None while the run runs (a learner removes it when it starts) or never ran here."""
+    """RUN/end.json, or None while the run runs (a learner removes it when it starts), never ran here, or its
+    end.json is torn (`ending_torn` says so: written whole by a rename, only a damaged disk tears it)."""
     try:
-        return json.loads((pathlib.Path(run_dir) / ENDING).read_text())
+        ending = json.loads((pathlib.Path(run_dir) / ENDING).read_text())
     except (OSError, ValueError):
         return None
+    return ending if isinstance(ending, dict) and {"ended", "exit", "time"} <= ending.keys() else None
+
+
+def ending_torn(run_dir: str | pathlib.Path) -> bool:
+    """RUN/end.json is there but says nothing readable (read as no ending, and counted as a skip)."""
+    return (pathlib.Path(run_dir) / ENDING).is_file() and read_ending(run_dir) is None

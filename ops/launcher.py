@@ -34,6 +34,7 @@ from streamrl.engine.ledger import Ledger, LedgerError, LedgerUnavailableError
 from streamrl.engine.placement import Placement, plan, shared_gpu_share, visible_gpus
 from streamrl.engine.redis_server import RedisServer, RedisUnavailableError, connect, write_private
 from streamrl.engine.telemetry import read_ending, write_ending
+from streamrl.ops.lock import RunOwner, this_command
 from streamrl.rollout.service import stop_bound_s
 
 log = logging.getLogger("streamrl.launcher")
@@ -80,10 +81,12 @@ class Launcher:
     """Owns the run's processes; everything it starts, it stops."""
 
     def __init__(self, cfg: Config, resume: str = ""):
+        """Owns the run folder first (ops/lock.py: RunBusyError, with nothing changed, while another
+        process owns it), then makes its logs folder."""
         self.cfg = cfg
         self.resume = resume  # the learner's --resume: a checkpoint folder or "latest"
         self.run_dir = cfg.run.path
-        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.owner = RunOwner.take(self.run_dir, this_command())  # handed to the learner (`_spawn`)
         (self.run_dir / "logs").mkdir(exist_ok=True)
         self.redis: RedisServer | None = None
         self.learner: Child | None = None
@@ -130,7 +133,7 @@ class Launcher:
         folder): every role of the run starts with them."""
         if self.cfg.transport.curve and not self.cfg.transport.keys:
             make_keys(keys_folder(self.cfg))
-        self.learner = self._spawn("learner", self._learner_command(), self._learner_gpus())
+        self.learner = self._spawn("learner", self._learner_command(), self._learner_gpus(), owner=True)
 
     def _learner_command(self) -> list[str]:
         """`streamrl learner`, which becomes torchrun itself when learner.ranks > 1; `streamrl run`
@@ -152,7 +155,7 @@ class Launcher:
         if self.learner is not None and self.learner.alive:
             raise RuntimeError("the learner is still running: stop it before starting another")
         self.resume = resume
-        self.learner = self._spawn("learner", self._learner_command(), self._learner_gpus())
+        self.learner = self._spawn("learner", self._learner_command(), self._learner_gpus(), owner=True)
         self.wait_for_learner(timeout_s)
 
     def _learner_gpus(self) -> list[int] | None:
@@ -230,17 +233,21 @@ class Launcher:
             log.warning("node %s was stopped holding %d samples: resolved as node_lost", name, resolved)
         return resolved
 
-    def _spawn(self, name: str, command: list[str], gpus: list[int] | None = None) -> Child:
+    def _spawn(self, name: str, command: list[str], gpus: list[int] | None = None, owner: bool = False) -> Child:
+        """A child with its log; `owner`: it shares this launcher's hold on the folder (the learner, which
+        would otherwise take the folder's lock itself and find it held)."""
         log_path = self.run_dir / "logs" / f"{name}.out"
         env = child_env(self.cfg, self.tmp)
         if gpus is not None:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpus))
+        handed, fds = self.owner.handed() if owner else ({}, ())
         with log_path.open("ab") as out:
             offset = out.tell()
             # Own process group: a terminal's Ctrl-C reaches the launcher, which stops children in order.
             process = subprocess.Popen(
-                command, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, start_new_session=True
-            )
+                command, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env={**env, **handed},
+                start_new_session=True, pass_fds=fds,
+            )  # fmt: skip
         return Child(name, process, log_path, offset)
 
     @property
@@ -293,8 +300,10 @@ class Launcher:
         return [c for c in self.nodes.values() if not c.alive and c.process.returncode not in (0, None)]
 
     def stop_redis(self) -> None:
+        """The embedded Redis, last of the run's processes; then the folder is given up (`owner`)."""
         if self.redis is not None:
             self.redis.stop()
+        self.owner.release()
 
 
 def _stop(process: subprocess.Popen, timeout_s: float) -> int | None:

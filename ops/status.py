@@ -8,8 +8,11 @@ not trained yet) and, in readmit mode, groups waiting for a node. On a run that 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pathlib
+import shutil
+import tempfile
 import time
 
 from rich.console import Console
@@ -19,6 +22,7 @@ from streamrl.engine.config import LedgerConfig
 from streamrl.engine.ledger import Counts, InFlight, Ledger, LedgerError, LedgerUnavailableError
 from streamrl.engine.redis_server import RedisUnavailableError, connect, redact
 from streamrl.engine.telemetry import read_ending
+from streamrl.ops.lock import describe, holder
 
 RETRY_S = 5.0  # a person waits for this command: a Redis that went away mid-read fails it soon
 
@@ -56,10 +60,10 @@ def status_command(
 
 def status_cli(run: str, redis_url: str, runs_dir: pathlib.Path, deep: bool) -> int:
     """`streamrl status`: the named run, else the newest in `runs_dir` (said on stderr); its ledger from
-    `redis_url`, else the server of a run going on, else its folder's AOF in a server of our own."""
+    `redis_url`, else the server of a run going on (config.toml's URL), else, for a run no process owns
+    (ops/lock.py), a copy of its folder's AOF in a server of our own. A live run's files are never opened by a
+    second server: with its ledger not answering, that is what is said (exit 2)."""
     import sys
-
-    from streamrl.engine.redis_server import RedisServer
 
     if not run:
         run = newest_run(runs_dir)
@@ -70,15 +74,46 @@ def status_cli(run: str, redis_url: str, runs_dir: pathlib.Path, deep: bool) -> 
     run_dir = runs_dir / run
     if redis_url:
         return status_command(run, redis_url, deep=deep, run_dir=run_dir)
-    live = live_ledger(run_dir)  # a run going on: its own server (a second one on its folder would share the AOF)
+    held_by = holder(run_dir)  # before the URL: a run that ends meanwhile is then read from its copy
+    live = live_ledger(run_dir)  # a run going on: its own server
     if live:
         return status_command(run, live, deep=deep, run_dir=run_dir)
+    if held_by is not None:
+        print(
+            f"error: run {run!r} is live ({describe(held_by)}) but its ledger ({_said_url(run_dir)}) does not "
+            "answer: no server was started on its files; try again in a moment, or give --redis-url",
+            file=sys.stderr,
+        )
+        return 2
     folder = run_dir / "redis"
     if not folder.is_dir():
         print(f"error: no ledger at {folder}; give --redis-url for a run on another server", file=sys.stderr)
         return 2
-    with RedisServer(folder) as server:
-        return status_command(run, server.url, deep=deep, run_dir=run_dir)
+    with _read_copy(folder) as url:
+        return status_command(run, url, deep=deep, run_dir=run_dir)
+
+
+@contextlib.contextmanager
+def _read_copy(folder: pathlib.Path):
+    """The URL of a server of our own on a copy of a stopped run's ledger folder (`RUN/redis`), removed
+    after: the run's own files are read, never written (a server writes its config, log and AOF)."""
+    from streamrl.engine.redis_server import RedisServer
+
+    with tempfile.TemporaryDirectory(prefix="streamrl-status-") as tmp:
+        copy = pathlib.Path(tmp) / "redis"
+        shutil.copytree(folder, copy, ignore=shutil.ignore_patterns("redis.log", "*.rdb.tmp", "temp-*"))
+        with RedisServer(copy) as server:
+            yield server.url
+
+
+def _said_url(run_dir: pathlib.Path) -> str:
+    """RUN/config.toml's ledger URL, password redacted."""
+    import tomllib
+
+    try:
+        return redact(tomllib.loads((run_dir / "config.toml").read_text()).get("ledger", {}).get("url", "")) or "none"
+    except (OSError, tomllib.TOMLDecodeError):
+        return "no config.toml"
 
 
 def newest_run(runs_dir: pathlib.Path) -> str:
