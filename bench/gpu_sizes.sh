@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# One GPU at users' sizes (issue 55): examples/gpu-1.5b.toml (full fine-tune) and gpu-7b-lora.toml on the long-tailed
+# lengths task, each run end to end with vLLM, then its books and a `one_gpu_size` line. Run on the device machine
+# from a clean copy of the project after vLLM is installed there (`source .vp-setup/vllm-setup.sh`, streamrl
+# importable). RUNS picks, in order: "1.5b:async 1.5b:sync 7b:auto" (CONFIG:MODE); STEPS (30), RUN_LIMIT (seconds
+# a run may take, 280). Models are made once per machine under /root/models (kept while the machine is warm).
+set -u
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"; DIR=/tmp/runs; F="$OUT/figures.jsonl"
+declare -A CONFIG=([1.5b]=examples/gpu-1.5b.toml [7b]=examples/gpu-7b-lora.toml)
+for run in ${RUNS:-1.5b:async 1.5b:sync 7b:auto}; do
+  size=${run%%:*}; mode=${run#*:}; model=/root/models/qwen2-$size-shape; name="size-$size-$mode"
+  [ -f "$model/config.json" ] || python3 -m streamrl make-tiny-model "$model" --shape "$size:152k" --dtype bfloat16 \
+    --device cuda > "$OUT/model-$size.txt" 2>&1
+  nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 1000 > "$OUT/smi-$name.txt" 2>&1 &
+  smi=$!
+  timeout "${RUN_LIMIT:-280}" python3 -m streamrl run --config "${CONFIG[$size]}" --steps "${STEPS:-30}" \
+    --set "run.dir='$DIR'" --set "run.name='$name'" --set "model.path='$model'" --set "run.mode='$mode'" \
+    --set "rollout.backend='vllm'" > "$OUT/run-$name.txt" 2>&1
+  echo "run exit $?" >> "$OUT/run-$name.txt"; kill $smi
+  python3 -m streamrl status --run "$name" --runs-dir "$DIR" > "$OUT/status-$name.txt" 2>&1
+  echo "status exit $?" >> "$OUT/status-$name.txt"
+  loop=$(python3 -m streamrl.bench.loop_figures "$DIR/$name" --skip 3)
+  LOOP="$loop" python3 - "$DIR/$name/metrics.jsonl" "$OUT/smi-$name.txt" "${CONFIG[$size]}" "$mode" >> "$F" <<'PY'
+import json, os, sys
+rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip()] if os.path.exists(sys.argv[1]) else []
+loop = json.loads(os.environ["LOOP"] or "{}")
+smi = [float(l) for l in open(sys.argv[2]) if l.strip().replace(".", "").isdigit()]
+steady = rows[3:] or rows
+wall = steady[-1]["time"] - steady[0]["time"] if len(steady) > 1 else 0.0
+tokens = sum(r.get("completion_tokens", 0) for r in steady[1:] if not r.get("skipped"))
+print(json.dumps({"figure": "one_gpu_size", "config": sys.argv[3], "mode": sys.argv[4], "steps": len(rows),
+    "trained_tok_s": round(tokens / wall, 1) if wall else None, "gpu_peak_gib": round(max(smi, default=0) / 1024, 1),
+    "learner_peak_gib": loop.get("learner_peak_gib"), "mfu_in_loop": loop.get("mfu_in_loop"),
+    "idle_fraction": loop.get("idle_fraction"), "train_s": loop.get("train_s"), "wait_s": loop.get("wait_s"),
+    "skipped_steps": loop.get("skipped_steps"), "evicted": loop.get("evicted"), "reward_first5": loop.get("reward_first5"),
+    "reward_last5": loop.get("reward_last5"), "wall_s": loop.get("wall_s")}))
+PY
+  for f in "$DIR/$name"/logs/*.log; do echo "== $f"; grep -E "WARNING|ERROR|Traceback|Error" "$f" | tail -6; done \
+    > "$OUT/logs-$name.txt" 2>/dev/null
+  tail -n 3 "$OUT/run-$name.txt"; tail -n 2 "$OUT/status-$name.txt"; tail -n 1 "$F"
+done
