@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Any
 
 from rich.console import Console
 
 from streamrl.ops.phases import RoleState, Snapshot
+from streamrl.ops.progress import trained_rate
 
 MIN_WIDTH = 72  # wide enough for a node's state, so the table does not jump as phases change
 LABEL_WIDTH = len("mismatch_kl / behavior_kl")
@@ -15,9 +17,27 @@ NO_TERMINAL_WIDTH = 200  # columns of the output without a terminal
 STATE_STYLE = {"dead": "red", "generating": "green", "training": "green", "up": "green", "registered": "cyan"}
 
 
-def live_table(snapshot: Snapshot, records: list[dict[str, Any]], steps: int, elapsed_s: float):
+@dataclasses.dataclass
+class Frame:
+    """What the view shows at one moment: a table on a terminal (`__rich__`), plain lines without one
+    (ops/progress.py `PlainProgress` reads the fields)."""
+
+    snapshot: Snapshot
+    records: list[dict[str, Any]]
+    steps: int
+    elapsed_s: float
+
+    def __rich__(self):
+        return _table(self.snapshot, self.records, self.steps, self.elapsed_s)
+
+
+def live_table(snapshot: Snapshot, records: list[dict[str, Any]], steps: int, elapsed_s: float) -> Frame:
     """The run's phase, the latest step's figures (once a step finished), then what each role is
     doing: a start never looks dead, and a role that died says why."""
+    return Frame(snapshot, records, steps, elapsed_s)
+
+
+def _table(snapshot: Snapshot, records: list[dict[str, Any]], steps: int, elapsed_s: float):
     from rich.table import Table
 
     last = records[-1] if records else {}
@@ -66,7 +86,7 @@ def _figures(records: list[dict[str, Any]]) -> list[tuple[str, str]]:
         *episodes,
         ("loss", fmt("loss", ".4f")),
         ("policy version", fmt("version", ".0f")),
-        ("tokens/s (trained)", fmt("tokens_per_s", ".0f")),
+        ("tokens/s (trained)", str(trained_rate(records))),
         ("staleness mean / max", f"{fmt('staleness_mean', '.2f')} / {fmt('staleness_max', '.0f')}"),
         ("mismatch_kl / behavior_kl", f"{fmt('mismatch_kl', '.2e')} / {fmt('behavior_kl', '.2e')}"),
         (

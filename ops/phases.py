@@ -80,6 +80,11 @@ class RoleWatch:
         self.state = RoleState(name or child.name, initial)
         self.role = self.role or self.state.name
         self.last_error = ""
+        self.warnings: list[str] = []  # its WARNING lines not yet taken by the view (`take_warnings`)
+
+    def take_warnings(self) -> list[str]:
+        taken, self.warnings = self.warnings, []
+        return taken
 
     def poll(self) -> RoleState:
         exited = not self.child.alive  # first: every line it wrote is in the files once it exited
@@ -109,7 +114,10 @@ class RoleWatch:
         """One of this process's events: move the state on."""
 
     def read(self, line: str) -> None:
-        """One line of the log, for what the view prints as it is."""
+        """One line of the log, for what the view prints as it is: its WARNING lines (a node's reward that fell
+        back to one sample a call, ...)."""
+        if (found := WARNING.search(line)) is not None:
+            self.warnings.append(found.group(1))
 
 
 class NodeWatch(RoleWatch):
@@ -137,11 +145,6 @@ class LearnerWatch(RoleWatch):
         self.registered: set[str] = set()
         self.waiting = ""  # the learner's last word while it waits for trajectories
         self.came_up = False  # its sockets were bound, and so the run's books opened in the ledger
-        self.warnings: list[str] = []  # its WARNING lines not yet taken by the view (`take_warnings`)
-
-    def take_warnings(self) -> list[str]:
-        taken, self.warnings = self.warnings, []
-        return taken
 
     def on_event(self, event: dict) -> None:
         kind = event["event"]
@@ -158,8 +161,8 @@ class LearnerWatch(RoleWatch):
             self.state.state, self.waiting = "training", ""
 
     def read(self, line: str) -> None:
-        if (found := WARNING.search(line)) is not None and not WAITING.search(line):  # that one is the note
-            self.warnings.append(found.group(1))
+        if not WAITING.search(line):  # that one is the note
+            super().read(line)
 
 
 @dataclasses.dataclass
@@ -185,6 +188,12 @@ class Board:
     def learner_up(self) -> bool:
         """The learner came up (and so opened the run's books in the ledger)."""
         return self.learner is not None and self.learner.came_up
+
+    def take_warnings(self) -> list[tuple[str, str]]:
+        """(role, warning) for each WARNING line the learner and the nodes this launcher started logged since the
+        last call (read by `poll`)."""
+        watches = [self.learner] if self.learner is not None else []
+        return [(w.state.name, text) for w in [*watches, *self.nodes.values()] for text in w.take_warnings()]
 
     def poll(self, steps_done: int = 0) -> Snapshot:
         launcher = self.launcher

@@ -11,7 +11,6 @@ import time
 
 import msgspec
 from rich.console import Console
-from rich.live import Live
 from rich.markup import escape
 
 from streamrl.engine.auth import NO_CURVE_WARNING
@@ -21,6 +20,7 @@ from streamrl.engine.weights.paths import NAMES, planned
 from streamrl.ops.launcher import Launcher
 from streamrl.ops.live import live_table, plain_console
 from streamrl.ops.phases import Board
+from streamrl.ops.progress import live_output
 
 # The built-in tiny model's settings, whatever the data (`streamrl run` without --model or --config): a
 # learning rate this high suits only a tiny random model (real models want ~1e-6), and its completions are
@@ -101,7 +101,8 @@ def run_local(
         console.print(f"[red]error:[/] {e}")
         return 2
     board = Board(launcher, nodes)
-    console.print(f"run [bold]{cfg.run.name}[/]: folder {launcher.run_dir}, logs in {launcher.run_dir / 'logs'}")
+    where = launcher.run_dir
+    console.print(f"run [bold]{cfg.run.name}[/]: folder {where}, metrics {where}/metrics.jsonl, logs {where}/logs")
     if placement is not None:
         console.print(placement.describe(nodes, cfg.weights.backend))
     elif nodes:
@@ -115,7 +116,7 @@ def run_local(
     signal.signal(signal.SIGTERM, _interrupt)  # a SIGTERM stops the run as cleanly as Ctrl-C
     previous: dict = {}
     try:
-        with Live(console=console, refresh_per_second=2, transient=False) as live:
+        with live_output(console) as live:  # without a terminal: a plain line per step
             view = _View(live, board, cfg.run.steps, started)
             try:
                 code = _watch(launcher, view, console)
@@ -186,7 +187,7 @@ def _interrupt(signum, frame):
 class _View:
     """The live view's state: the metrics read so far and every role's, rendered on each `show()`."""
 
-    def __init__(self, live: Live, board: Board, steps: int, started: float):
+    def __init__(self, live, board: Board, steps: int, started: float):
         self.live, self.board, self.steps, self.started = live, board, steps, started
         self.metrics = MetricsTail(board.launcher.run_dir / "metrics.jsonl")
         self.shown: tuple = ()
@@ -208,13 +209,13 @@ class _View:
         self.live.update(live_table(snapshot, self.metrics.records, self.steps, now - self.started), refresh=True)
 
     def print_warnings(self) -> None:
-        """The learner's warnings above the table, each kind once (a zero-variance step warns every step);
-        its log has them all."""
-        for text in self.board.learner.take_warnings() if self.board.learner is not None else []:
+        """The learner's and the nodes' warnings above the table, each kind once (a zero-variance step warns every
+        step; each node's reward falls back once); their logs have them all."""
+        for role, text in self.board.take_warnings():
             kind = re.sub(r"-?\d+(?:\.\d+)?(?:e-?\d+)?", "N", text)
             self.warned[kind] = self.warned.get(kind, 0) + 1
             if self.warned[kind] == 1:
-                self.live.console.print(f"[yellow]learner warning:[/] {escape(text)}", soft_wrap=True)
+                self.live.console.print(f"[yellow]{role} warning:[/] {escape(text)}", soft_wrap=True)
 
 
 def _watch(launcher: Launcher, view: _View, console: Console) -> int:

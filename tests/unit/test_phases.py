@@ -301,3 +301,24 @@ def test_a_dead_roles_error_line_is_shown_whole(tmp_path):
     child.process.returncode = 3
     state = watch.poll()
     assert state.state == "dead" and state.detail == f"exit 3: {line}" and len(state.detail) > 250
+
+
+def test_a_nodes_warnings_reach_the_view_each_kind_once_across_nodes(tmp_path):
+    # the line a node's scorer logs when a reward batch fell back to one sample a call (rewards/scorer.py)
+    from streamrl.ops.run import _View
+
+    launcher = FakeLauncher(tmp_path)
+    launcher.run_dir = tmp_path
+    launcher.learner = FakeChild(tmp_path / "learner.out", "learner")
+    fell_back = "reward 'r.py:f' raised on a batch of {} samples (KeyError: 'x'); each sample was scored alone"
+    for i, n in enumerate((8, 16)):
+        launcher.nodes[f"node-{i}"] = node = FakeChild(tmp_path / f"node-{i}.out", f"rollout-node-{i}")
+        node.write(f"16:36:4{i} WARNING: {fell_back.format(n)}", "Traceback (most recent call last):", "KeyError: 'x'")
+    board = Board(launcher, requested_nodes=2)
+    console = Console(record=True, width=300)
+    view = _View(SimpleNamespace(console=console), board, steps=10, started=0.0)
+    board.poll()
+    view.print_warnings()
+    printed = console.export_text()
+    assert printed.count(" warning: ") == 1 and f"node-0 warning: {fell_back.format(8)}" in printed
+    assert "Traceback" not in printed  # the first line only; the node's log has the rest
