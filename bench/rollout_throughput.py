@@ -60,24 +60,21 @@ class FakeLearnerSink:
 
 class Pusher:
     """The learner's end of the weights, in the bench's process: the model's weights packed once into shared
-    buffers (as the learner's publisher packs them) and handed to the node as new versions."""
+    buffers (as the learner's publisher packs them) and pushed to the node as new versions, as the publisher's
+    link pushes them (engine/weights/push.py)."""
 
     def __init__(self, model_path: str, cfg, device: str):
         import torch
         from transformers import AutoModelForCausalLM
 
-        from streamrl.engine.weights import IpcSender, plan_buckets, shared_empty
-        from streamrl.engine.weights.layout import BufferPool, PackedBuckets
+        from streamrl.engine.weights import IpcSender, pack, plan_buckets
 
         # read on the host and packed straight into the device's buckets: the buckets are the one copy this
         # process keeps on the GPU (a model moved there first left its 15 GiB cached beside them at 7B, and the
         # node's first push ran out of memory on an 80 GiB H100)
         lm = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, cfg.model.dtype))
         weights = dict(lm.state_dict())
-        specs = plan_buckets(weights, int(cfg.weights.bucket_mb * 2**20))
-        self.packed = PackedBuckets(specs, weights, device, BufferPool(allocate=shared_empty))
-        for i in range(len(self.packed)):
-            self.packed.get(i)
+        self.packed = pack(plan_buckets(weights, int(cfg.weights.bucket_mb * 2**20)), weights, device)
         if device.startswith("cuda"):
             torch.cuda.synchronize()  # the host copies are read until the packing's copies are done
         weights.clear()
@@ -86,12 +83,10 @@ class Pusher:
         self.pushed = 0  # versions handed to the node so far
 
     async def push(self, node) -> float:
+        from streamrl.engine.weights import push_in_process
+
         self.pushed += 1
-        ready = self.sender.prepare(self.pushed, self.packed)
-        sent = asyncio.create_task(asyncio.to_thread(self.sender.send, self.packed, ready))
-        seconds = await node.apply_weights(ready)
-        await sent
-        return seconds
+        return await push_in_process(self.sender, self.pushed, self.packed, node.apply_weights)
 
     def close(self) -> None:
         self.sender.close()

@@ -293,7 +293,7 @@ def _pack_foreach(packed: PackedBuckets, sd: dict) -> None:
     """The packing as one `_foreach_copy_` into views of the buckets (against `torch.cat`, the default)."""
     outs, ins = [], []
     for i, spec in enumerate(packed.specs):
-        flat, end = packed._pool.take(i, torch.bfloat16, spec.numel, packed.device), 0
+        flat, end = packed.pool.take(i, torch.bfloat16, spec.numel, packed.device), 0
         for ts in spec.tensors:
             if ts.offset == end:
                 outs.append(flat[end : end + ts.numel])

@@ -26,15 +26,14 @@ import threading
 import time
 from collections.abc import Mapping
 
-import msgspec
 import torch
 from torch import Tensor
 
 from streamrl.engine.config import Config
-from streamrl.engine.messages import AdapterSpec
+from streamrl.engine.messages import AdapterSpec, WeightsReady
 from streamrl.engine.weights import Location, WeightTransferError, choose, here, new_sender, resolve_backend
-from streamrl.engine.weights.ipc import shared_empty
-from streamrl.engine.weights.layout import BufferPool, PackedBuckets, plan_buckets
+from streamrl.engine.weights.layout import PackedBuckets, plan_buckets
+from streamrl.engine.weights.push import pack, push
 from streamrl.engine.weights.staging import Sender
 from streamrl.learner.nodes import NodeRegistry
 
@@ -46,8 +45,7 @@ class _Set:
     """One published version's packed buckets."""
 
     version: int
-    packed: PackedBuckets
-    pool: BufferPool
+    packed: PackedBuckets  # its pool: reused by a later version once no link reads this one
     event: torch.cuda.Event | None
     readers: int = 0
 
@@ -116,14 +114,11 @@ class _Link(threading.Thread):
                 self.publisher.give_back(published)
 
     def _transfer(self, published: _Set) -> None:
-        ready = self.sender.prepare(published.version, published.packed, published.event)
-        if self.publisher.adapter is not None:  # LoRA: the buckets hold this adapter, not the full weights
-            ready = msgspec.structs.replace(ready, adapter=self.publisher.adapter)
-        try:
+        def deliver(ready: WeightsReady) -> None:  # over the node's control channel, waiting until it is out
             self.publisher.registry.send(self.node_id, ready).result(timeout=self.sender.timeout_s)
-        except Exception as e:
-            raise WeightTransferError(self.node_id, "layout", f"{type(e).__name__}: {e}") from e
-        seconds = self.sender.send(published.packed, ready, packed_event=published.event)
+
+        seconds = push(self.sender, published.version, published.packed, deliver, adapter=self.publisher.adapter,
+                       packed_event=published.event)  # fmt: skip
         self.state.sent, self.state.sent_at = published.version, time.monotonic()
         self.state.transfers += 1
         self.state.last_transfer_s = seconds
@@ -156,13 +151,9 @@ class Publisher:
         specs, fresh = self._plan(weights)
         with self._cond:
             free = next((s for s in self._sets if s.readers == 0 and s is not self._latest), None)
-        pool = free.pool if free is not None else BufferPool(allocate=shared_empty)  # CPU buffers: shareable
-        packed = PackedBuckets(specs, weights, self._buffer_device, pool, check=fresh)
         timer = _DeviceTimer(self._buffer_device)
-        with torch.no_grad():
-            for i in range(len(packed)):
-                packed.get(i)  # pack now: the caller may change `weights` as soon as this returns
-        fresh = _Set(version, packed, pool, timer.stop())
+        packed = pack(specs, weights, self._buffer_device, free.packed.pool if free is not None else None, check=fresh)
+        fresh = _Set(version, packed, timer.stop())
         self._timers = [*self._timers[-7:], timer]  # read by the next reports; a few at most
         with self._cond:
             if free is not None:

@@ -161,7 +161,7 @@ class PackedBuckets:
         check: bool = True,
     ):
         self.specs, self._tensors, self.device = specs, tensors, torch.device(device)
-        self._pool, self._check = pool, check
+        self.pool, self._check = pool, check  # pool: the buffers, reused by a later version's packing
         self._flat: dict[int, torch.Tensor] = {}
         self._lock = threading.Lock()
 
@@ -174,8 +174,8 @@ class PackedBuckets:
                 spec = self.specs[index]
                 out = (
                     None
-                    if self._pool is None
-                    else self._pool.take(index, torch_dtype(spec.dtype), spec.numel, self.device)
+                    if self.pool is None
+                    else self.pool.take(index, torch_dtype(spec.dtype), spec.numel, self.device)
                 )
                 self._flat[index] = pack_bucket(spec, self._tensors, self.device, out, self._check)
             return self._flat[index]

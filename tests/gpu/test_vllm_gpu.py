@@ -17,9 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import statistics
-import threading
 
-import msgspec
 import pytest
 import torch
 
@@ -78,33 +76,16 @@ class Learner:
         return lp[len(prompt) - 1 :].float().tolist()
 
     def push(self, loop, backend) -> int:
-        """The next version into the node: packed on the GPU, the sender's wait in a thread (the publisher's
-        link), the node's stage-and-swap here."""
-        from streamrl.engine.weights import plan_buckets, shared_empty
-        from streamrl.engine.weights.layout import BufferPool, PackedBuckets
+        """The next version into the node, as the publisher packs it (on the GPU) and its link pushes it
+        (engine/weights/push.py: the send in a thread, the node's stage-and-swap here)."""
+        from streamrl.engine.weights import pack, plan_buckets, push_in_process
 
         self.pushed += 1
         weights = self.push_weights()
-        packed = PackedBuckets(plan_buckets(weights, 64 << 20), weights, self.device, BufferPool(allocate=shared_empty))
-        for i in range(len(packed)):
-            packed.get(i)
-        ready = self.sender.prepare(self.pushed, packed)
-        if self.spec is not None:
-            ready = msgspec.structs.replace(ready, adapter=self.spec)
-        errors: list[Exception] = []
-        thread = threading.Thread(target=lambda: _guard(errors, self.sender.send, packed, ready))
-        thread.start()
-        loop.run_until_complete(backend.update_weights(ready))
-        thread.join(TIMEOUT_S)
-        assert not errors and ready.backend == self.sender.path, (errors, ready.backend)
+        packed = pack(plan_buckets(weights, 64 << 20), weights, self.device)
+        update = push_in_process(self.sender, self.pushed, packed, backend.update_weights, adapter=self.spec)
+        loop.run_until_complete(update)
         return self.pushed
-
-
-def _guard(errors: list, fn, *args) -> None:
-    try:
-        fn(*args)
-    except Exception as e:  # noqa: BLE001 - reported by the test
-        errors.append(e)
 
 
 KV_BYTES = 1 << 30

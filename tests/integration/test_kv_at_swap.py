@@ -15,7 +15,6 @@ One `VLLMBackend` in this process, versions pushed into it through the learner's
 from __future__ import annotations
 
 import asyncio
-import threading
 
 import pytest
 import torch
@@ -63,26 +62,14 @@ class Learner:
         return old
 
     async def push(self, backend) -> None:
-        from streamrl.engine.weights import plan_buckets, shared_empty
-        from streamrl.engine.weights.layout import BufferPool, PackedBuckets
+        """The next version into `backend` as the publisher's link pushes it (engine/weights/push.py)."""
+        from streamrl.engine.weights import pack, plan_buckets, push_in_process
 
         self.version += 1
         state = self.lm.state_dict()
-        packed = PackedBuckets(plan_buckets(state, 1 << 20), state, "cpu", BufferPool(allocate=shared_empty))
-        ready = self.sender.prepare(self.version, packed)
-        errors: list[Exception] = []
-
-        def send():
-            try:
-                self.sender.send(packed, ready)
-            except Exception as e:  # noqa: BLE001 - reported below
-                errors.append(e)
-
-        thread = threading.Thread(target=send)
-        thread.start()
-        await backend.update_weights(ready)
-        await asyncio.to_thread(thread.join, TIMEOUT_S)
-        assert not errors and backend.policy_version == self.version, errors
+        await push_in_process(self.sender, self.version, pack(plan_buckets(state, 1 << 20), state, "cpu"),
+                              backend.update_weights)  # fmt: skip
+        assert backend.policy_version == self.version
 
 
 @pytest.fixture(scope="module")

@@ -27,8 +27,8 @@ import torch
 
 from streamrl.engine import messages
 from streamrl.engine.messages import Register
-from streamrl.engine.weights import IpcSender, WeightSender, WeightTransferError, plan_buckets, shared_empty
-from streamrl.engine.weights.layout import BufferPool, PackedBuckets
+from streamrl.engine.weights import IpcSender, WeightSender, WeightTransferError, pack, plan_buckets, push
+from streamrl.engine.weights.layout import PackedBuckets
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -113,7 +113,7 @@ class Learner:
         (an `Outcome` per node)."""
         self.version += int(new_version)
         state = self.model.state_dict()
-        packed = PackedBuckets(plan_buckets(state, int(0.05 * 2**20)), state, "cpu", BufferPool(allocate=shared_empty))
+        packed = pack(plan_buckets(state, int(0.05 * 2**20)), state, "cpu")
         outcomes = {node_id: Outcome() for node_id in (nodes or list(self.senders))}
         threads = [threading.Thread(target=self._send, args=(n, packed, o, on_bucket)) for n, o in outcomes.items()]
         for t in threads:
@@ -134,11 +134,14 @@ class Learner:
         return outcomes
 
     def _send(self, node_id: str, packed: PackedBuckets, outcome: Outcome, on_bucket) -> None:
-        sender = self.senders[node_id]
-        ready = sender.prepare(self.version, packed)
-        self.nodes[node_id].conn.send_bytes(msgspec.msgpack.encode({"op": "weights", "ready": messages.encode(ready)}))
+        """The publisher's push (engine/weights/push.py), the node's socket as the control channel."""
+        conn = self.nodes[node_id].conn
+
+        def deliver(ready: messages.WeightsReady) -> None:
+            conn.send_bytes(msgspec.msgpack.encode({"op": "weights", "ready": messages.encode(ready)}))
+
         try:
-            outcome.transfer_s = sender.send(packed, ready, on_bucket=on_bucket)
+            outcome.transfer_s = push(self.senders[node_id], self.version, packed, deliver, on_bucket=on_bucket)
         except WeightTransferError as e:
             outcome.error = e
 

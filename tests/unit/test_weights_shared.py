@@ -16,8 +16,7 @@ import pytest
 import torch
 
 from streamrl.engine import messages
-from streamrl.engine.weights import IpcSender, Stager, WeightTransferError, plan_buckets, shared_empty
-from streamrl.engine.weights.layout import BufferPool, PackedBuckets
+from streamrl.engine.weights import IpcSender, Stager, WeightTransferError, pack, plan_buckets
 
 
 def _state(version: int) -> dict[str, torch.Tensor]:
@@ -26,11 +25,12 @@ def _state(version: int) -> dict[str, torch.Tensor]:
 
 
 def _push(
-    sender: IpcSender, stager: Stager, version: int, pool: BufferPool, addresses: list[int] | None = None
+    sender: IpcSender, stager: Stager, version: int, addresses: list[int] | None = None
 ) -> dict[str, torch.Tensor]:
-    """One version through the shared path; the staged tensors by name (`addresses` gets the buffers')."""
+    """One version through the shared path, in new buffers; the staged tensors by name (`addresses` gets the
+    buffers')."""
     state = _state(version)
-    packed = PackedBuckets(plan_buckets(state, 1024), state, "cpu", pool)
+    packed = pack(plan_buckets(state, 1024), state, "cpu")
     if addresses is not None:
         addresses += [packed.get(i).data_ptr() for i in range(len(packed))]
     ready = messages.decode_control(messages.encode(sender.prepare(version, packed)))  # as it crosses the wire
@@ -51,7 +51,7 @@ def test_versions_arrive_bit_exact_also_into_new_buffers_at_a_freed_ones_address
     seen: list[int] = []
     for version in range(1, 5):  # a new pool each time: freed buffers' addresses come back
         addresses: list[int] = []
-        got = _push(sender, stager, version, BufferPool(allocate=shared_empty), addresses)
+        got = _push(sender, stager, version, addresses)
         for name, t in _state(version).items():
             assert got[name].dtype == t.dtype and torch.equal(got[name], t), (version, name)
         reused = set(addresses) & set(seen)
@@ -63,7 +63,7 @@ def test_versions_arrive_bit_exact_also_into_new_buffers_at_a_freed_ones_address
 def test_a_node_that_cannot_open_the_buffers_fails_at_once_naming_the_fix():
     sender, stager = IpcSender("far", timeout_s=30.0), Stager("cpu")
     state = _state(1)
-    packed = PackedBuckets(plan_buckets(state, 1 << 20), state, "cpu", BufferPool(allocate=shared_empty))
+    packed = pack(plan_buckets(state, 1 << 20), state, "cpu")
     ready = sender.prepare(1, packed)
     ready.shared[0].path, ready.shared[0].key = "/proc/1/fd/999999", "elsewhere"  # another PID namespace
     with pytest.raises(WeightTransferError, match="'open'.*weights.backend = 'gloo'"):
@@ -77,10 +77,10 @@ def test_a_node_that_cannot_open_the_buffers_fails_at_once_naming_the_fix():
 def test_a_copy_that_ends_after_the_learner_gave_up_is_thrown_away():
     sender, stager = IpcSender("late", timeout_s=0.3), Stager("cpu")
     state = _state(1)
-    packed = PackedBuckets(plan_buckets(state, 1 << 20), state, "cpu", BufferPool(allocate=shared_empty))
+    packed = pack(plan_buckets(state, 1 << 20), state, "cpu")
     ready = sender.prepare(1, packed)
     with pytest.raises(WeightTransferError, match="'copy'.*no confirmation within 0.3 s"):
         sender.send(packed, ready)  # the node never came: the learner claims the version's key
     with pytest.raises(WeightTransferError, match="gave up on version 1 first"):
         stager.receive(ready)  # the node comes late: its copy must not go live
-    assert _push(sender, stager, 2, BufferPool(allocate=shared_empty))["norm"][0] == 2.0  # and the next one does
+    assert _push(sender, stager, 2)["norm"][0] == 2.0  # and the next one does
