@@ -24,6 +24,7 @@ from streamrl.engine.messages import AdapterSpec
 from streamrl.engine.models import default_tiny_model, load_model
 from streamrl.engine.telemetry import ENDING, keep_reserve, setup_logging, write_ending
 from streamrl.learner import checkpoint, lora, parallel
+from streamrl.learner.critic.trainer import build_shaper
 from streamrl.learner.intake import LearnerStalledError, RewardFailingError
 from streamrl.learner.orchestrator import Orchestrator
 from streamrl.learner.reference import build_reference
@@ -61,7 +62,7 @@ def run_learner(cfg: Config, resume: str = "") -> str:
     sampling = dict(temperature=cfg.rollout.temperature, top_k=cfg.rollout.top_k, top_p=cfg.rollout.top_p)
     policy = parallel.wrap_model(model, cfg.learner, device, compute_dtype=compute, **sampling)
     reference = build_reference(cfg, device, compute, policy)  # None unless loss.kl_coef > 0
-    trainer = _trainer(cfg, policy, device, reference)
+    trainer = _trainer(cfg, policy, device, reference, compute)
     keeper = checkpoint.Keeper(cfg.checkpoint, cfg.run.path, policy.lm, trainer, model_path, cfg.run.steps, adapter)
     first = keeper.resume(resume, cfg.run.path).step + 1 if resume else 1  # steps continue from the checkpoint
     resumed_version = trainer.version if resume else None  # the ledger is rolled back to it
@@ -119,14 +120,15 @@ def run_learner(cfg: Config, resume: str = "") -> str:
     )
 
 
-def _trainer(cfg: Config, policy, device: torch.device, reference) -> Trainer:
+def _trainer(cfg: Config, policy, device: torch.device, reference, compute: torch.dtype) -> Trainer:
     """The trainer; with `simulate.train_s` one that sleeps instead (benchmarks of the scheduler)."""
     # gather ahead: each step ends with the next forward's weights gathered, which the push reads too
     if cfg.simulate.train_s > 0:
         from streamrl.learner.simulate import SimulatedTrainer
 
         return SimulatedTrainer(policy, cfg.loss, cfg.learner, device, simulate=cfg.simulate, seed=cfg.run.seed)
-    return Trainer(policy, cfg.loss, cfg.learner, device, ref_model=reference, gather_ahead=True)
+    shaper = build_shaper(cfg, device, compute)  # GAE's critic, REINFORCE++: per-token advantages (learner/critic/)
+    return Trainer(policy, cfg.loss, cfg.learner, device, ref_model=reference, gather_ahead=True, shaper=shaper)
 
 
 class _Laps:

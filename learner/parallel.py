@@ -110,9 +110,6 @@ def wrap_model(
     units pay off when the gathered model would not fit (bench/RESULTS.md). temperature, top_k, top_p:
     the rollout engines' sampling, whose distribution the policy's logprobs are of (engine/sampling.py).
     """
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-
     init_distributed()
     if device.type == "cuda" and attention.register_varlen_attention():
         model.config._attn_implementation = "streamrl_varlen"
@@ -127,14 +124,6 @@ def wrap_model(
     if compiles(cfg, device):
         for layer in layers:
             layer.compile()  # static shapes first; torch marks T dynamic if it varies
-    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-    if compute_dtype is None:
-        compute_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    mp = (
-        MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
-        if compute_dtype != torch.float32
-        else MixedPrecisionPolicy()
-    )
     policy = PolicyModel(
         model,
         chunk=chunk,
@@ -143,15 +132,32 @@ def wrap_model(
         top_k=top_k,
         top_p=top_p,
     )
+    return shard(policy, layers, cfg, device, compute_dtype)
+
+
+def shard(root: nn.Module, layers: nn.ModuleList, cfg: LearnerConfig, device: torch.device, compute_dtype=None):
+    """FSDP2 over all ranks: `layers` in units of `cfg.fsdp_unit_params`, the rest at `root` (the policy, or the
+    critic's value model); gradients summed across ranks, compute in `compute_dtype` (default bf16 on CUDA)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    if compute_dtype is None:
+        compute_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    mp = (
+        MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+        if compute_dtype != torch.float32
+        else MixedPrecisionPolicy()
+    )
     reshard = dist.get_world_size() > 1  # one rank: nothing to save by freeing the gathered weights
     for unit in layer_units([sum(p.numel() for p in layer.parameters()) for layer in layers], cfg.fsdp_unit_params):
         fully_shard([layers[i] for i in unit], mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
-    fully_shard(policy, mesh=mesh, mp_policy=mp, reshard_after_forward=False)  # backward needs it at once
-    for module in policy.modules():
+    fully_shard(root, mesh=mesh, mp_policy=mp, reshard_after_forward=False)  # backward needs it at once
+    for module in root.modules():
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)
             module.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM
-    return policy
+    return root
 
 
 def compiles(cfg: LearnerConfig, device: torch.device) -> bool:

@@ -11,7 +11,8 @@ For each step (`select`), in order:
    groups per step; a step that cannot fill within them trains what it has, and says so. Unlike verl's
    DAPO recipe (`filter_groups.metric=acc`), the test is on the reward the advantages use, so a group whose
    members differ only by the overlong penalty is kept: its advantages are not zero.
-3. **Advantages** over each kept group, every member included.
+3. **Advantages** over each kept group, every member included (for per-token estimators, GAE and REINFORCE++,
+   each sample's score instead, which the trainer turns into advantages: learner/critic/token_advantages.py).
 4. **Truncated completions masked** (`loss.mask_truncated`): a completion cut by a length limit stays in its
    group's baseline, then leaves the batch (`Selection.masked`; the orchestrator drops them as `truncated`
    when it commits the step, with the rest of their groups, so no credit returns before the step is done).
@@ -39,7 +40,7 @@ from dataclasses import dataclass, field
 
 from streamrl.engine.config import LossConfig
 from streamrl.engine.messages import Trajectory
-from streamrl.learner.advantages import group_advantages
+from streamrl.learner.critic.token_advantages import sequence_scores
 
 log = logging.getLogger("streamrl.learner")
 
@@ -159,7 +160,7 @@ def select(take: Take, drop: Drop, n_groups: int, cfg: LossConfig, limit: int) -
 
 
 def _mask_and_advantages(out: Selection, cfg: LossConfig) -> None:
-    advantages, _ = group_advantages(out.rewards, cfg.advantage)
+    advantages = sequence_scores(out.rewards, cfg.advantage)  # per-token estimators: the reward (learner/critic/)
     for group, row in zip(out.groups, advantages):
         for trajectory, advantage in zip(group, row):
             if cfg.mask_truncated and is_truncated(trajectory):

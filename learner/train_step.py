@@ -33,6 +33,7 @@ from torch import Tensor, nn
 from streamrl.engine.config import LearnerConfig, LossConfig
 from streamrl.learner import parallel
 from streamrl.learner.batching import MicroBatch, loss_free
+from streamrl.learner.critic.trainer import Shaper
 from streamrl.learner.losses import local_normalizer, policy_loss, summarize
 from streamrl.learner.minibatch import split_updates
 from streamrl.learner.reference import release
@@ -74,11 +75,14 @@ class Trainer:
         device: torch.device,
         ref_model: nn.Module | None = None,
         gather_ahead: bool = True,
+        shaper: Shaper | None = None,
     ):
         """gather_ahead: gather the next forward's parameters right after each update (off when the
-        caller takes a state dict after every step: that reshards the model and wastes the gather)."""
+        caller takes a state dict after every step: that reshards the model and wastes the gather).
+        shaper: per-token advantages (GAE with the critic, REINFORCE++; learner/critic/), made on each rank
+        from the scores the micro-batches carry, and the critic's updates on the same mini-batches."""
         self.model, self.loss_cfg, self.cfg, self.device = model, loss_cfg, cfg, device
-        self.ref_model, self.gather_ahead = ref_model, gather_ahead
+        self.ref_model, self.gather_ahead, self.shaper = ref_model, gather_ahead, shaper
         # the sharded parameters, which hold the gradients: between a step and the next forward the module
         # shows its gathered copies instead (gather_for_next_forward)
         self.named_params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]  # LoRA: adapters
@@ -107,11 +111,14 @@ class Trainer:
 
     def state_dict(self) -> dict[str, int]:
         """What a checkpoint keeps of the trainer besides the model, optimizer and schedule."""
-        return {"version": self.version, "skipped_steps": self.skipped_steps}
+        critic = self.shaper.state_dict() if self.shaper is not None else {}
+        return {"version": self.version, "skipped_steps": self.skipped_steps, **critic}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         self._advance(to=int(state["version"]))
         self.skipped_steps = int(state["skipped_steps"])
+        if self.shaper is not None:
+            self.shaper.load_state_dict(state)
 
     def global_normalizer(self, micro_batches: list[MicroBatch], global_token_count: float | None) -> float:
         """Loss tokens (or sequences) of the whole step over all ranks: one all-reduce.
@@ -206,6 +213,12 @@ class Trainer:
             return self._nothing_to_train(micro_batches, start)
         minis, normalizers = [minis[u] for u in kept], [normalizers[u] for u in kept]
         minis = [mini + [_filler(self.device) for _ in range(rounds - len(mini))] for mini in minis]
+        critic: dict[str, float] = {}
+        if self.shaper is not None:  # per-token advantages; the critic trains (alone during its warm-up)
+            minis, waits = self.shaper.advantages(minis), self.shaper.actor_waits()
+            critic = self.shaper.train(minis, normalizers, self.cfg.epochs)
+            if waits:
+                return {**self._nothing_to_train(micro_batches, start), **critic}
         before = self._before_updates(minis, passes=self.cfg.epochs)
         results = [
             self._update(mini, n, extra)
@@ -221,7 +234,7 @@ class Trainer:
         reduced = parallel.reduce_metrics(local, self.device)
         metrics = update_metrics(reduced, results, passes=self.cfg.epochs)
         metrics.update(positions=reduced["positions"], step_seconds=time.perf_counter() - start)
-        return {**metrics, **self._counters(applied)}
+        return {**metrics, **critic, **self._counters(applied)}
 
     def _nothing_to_train(self, micro_batches: list[MicroBatch], start: float) -> dict[str, float]:
         """A step without a loss token on any rank (e.g. every sample masked out): no forward, no update."""

@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Literal, NamedTuple
 
+from streamrl.engine.config.critic import critic_on
 from streamrl.engine.config.presets import completion_limit
 from streamrl.engine.config.schema import Config, ConfigError
 
@@ -50,7 +51,7 @@ def check(cfg: Config, roles: Iterable[str] = ROLES) -> list[Finding]:
     roles = frozenset(roles)
     out = _lengths(cfg, roles)
     if "learner" in roles:
-        out += _learner(cfg)
+        out += _learner(cfg) + _critic(cfg)
     return out
 
 
@@ -118,3 +119,29 @@ def _learner(cfg: Config) -> list[Finding]:
             "set loss.kl_coef > 0 to use it, or leave loss.reference_path empty"
         )
     return [Finding("error", m) for m in errors] + [Finding("warning", m) for m in warnings]
+
+
+GROUP_BASELINES = ("group_mean", "group_std", "leave_one_out", "batch_std", "reinforce_pp_baseline")
+
+
+def _critic(cfg: Config) -> list[Finding]:
+    """The critic and GAE go together; a group of one needs an estimator that is not its own baseline."""
+    advantage, on, errors = cfg.loss.advantage, critic_on(cfg.critic.enabled, cfg.loss.advantage), []
+    if advantage == "gae" and not on:
+        errors.append("loss.advantage = 'gae' needs the critic's values: set critic.enabled = true (or 'auto')")
+    if on and advantage != "gae":
+        errors.append(
+            f"critic.enabled = true but loss.advantage = {advantage!r}: only GAE uses the critic's values; "
+            "set loss.advantage = 'gae' (loss.preset = 'ppo'), or critic.enabled = 'auto'"
+        )
+    if cfg.rollout.group_size == 1 and advantage in GROUP_BASELINES:
+        errors.append(
+            f"rollout.group_size = 1 with loss.advantage = {advantage!r}: a group of one is its own baseline, so "
+            "every advantage is 0; use loss.preset = 'ppo' (a critic) or loss.advantage = 'reinforce_pp'"
+        )
+    if cfg.rollout.group_size == 1 and cfg.loss.dynamic_sampling:
+        errors.append(
+            "loss.dynamic_sampling with rollout.group_size = 1: a group of one never has reward variance, so every "
+            "group would be dropped; set loss.dynamic_sampling = false (a critic needs no group)"
+        )
+    return [Finding("error", m) for m in errors]

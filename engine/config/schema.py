@@ -18,6 +18,7 @@ import msgspec
 
 from streamrl.engine.config import presets
 from streamrl.engine.config.base import ConfigError, PosInt, _doc, _Section
+from streamrl.engine.config.critic import CriticConfig
 from streamrl.engine.config.eval import EvalConfig
 from streamrl.engine.config.learner import CheckpointConfig, LearnerConfig, LossConfig
 from streamrl.engine.config.lora import LoraConfig
@@ -241,6 +242,7 @@ class Config(_Section):
     loss: LossConfig = msgspec.field(default_factory=LossConfig)
     learner: LearnerConfig = msgspec.field(default_factory=LearnerConfig)
     lora: LoraConfig = msgspec.field(default_factory=LoraConfig)
+    critic: CriticConfig = msgspec.field(default_factory=CriticConfig)
     ledger: LedgerConfig = msgspec.field(default_factory=LedgerConfig)
     transport: TransportConfig = msgspec.field(default_factory=TransportConfig)
     weights: WeightsConfig = msgspec.field(default_factory=WeightsConfig)

@@ -56,10 +56,11 @@ class LearnerState(msgspec.Struct):
     skipped_steps: int = 0
     world_size: int = 1
     time: float = 0.0
+    critic_steps: int = 0  # steps the critic trained (its warm-up counts them)
 
     def trainer_state(self) -> dict[str, int]:
         """What `Trainer.load_state_dict` takes back (`Trainer.state_dict` wrote it)."""
-        return {"version": self.version, "skipped_steps": self.skipped_steps}
+        return {"version": self.version, "skipped_steps": self.skipped_steps, "critic_steps": self.critic_steps}
 
 
 class Meta(msgspec.Struct):

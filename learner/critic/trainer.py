@@ -1,0 +1,179 @@
+"""The critic's half of a learner step: its values, the step's per-token advantages, and its own updates.
+
+`Shaper.advantages` runs before the actor's updates: a no-grad forward of the value model over every
+micro-batch (the critic as it is now: a stale sample's values are the current critic's, not those of the
+version that sampled it; docs/ALGORITHMS.md says why), then GAE and whitening (token_advantages.py), with
+the whitening's moments reduced over ranks here, once. `Shaper.train` then takes the critic's updates on the
+same mini-batches as the actor (one per mini-batch per epoch), with the policy loss's token weights and
+global normalisers, so micro-batching and ranks do not change the value loss either. For REINFORCE++ there
+is no value model: `advantages` makes the whitened returns and `train` does nothing.
+
+The critic's optimizer, schedule and step count are its own (critic.lr, max_grad_norm, weight_decay); for
+`critic.warmup_steps` steps the actor waits (`actor_waits`). An update whose gradient norm is not finite is
+skipped on the device (the fused AdamW's found_inf, as the actor's) and counted.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from streamrl.engine.config import LossConfig
+from streamrl.engine.config.critic import CriticConfig
+from streamrl.learner import parallel
+from streamrl.learner.batching import MicroBatch
+from streamrl.learner.critic import value_loss as VL
+from streamrl.learner.critic.model import ValueModel
+from streamrl.learner.critic.token_advantages import token_advantages
+from streamrl.learner.losses import token_weights
+
+
+class Shaper:
+    """Per-token advantages for the actor; with a value model, the critic's optimizer and updates."""
+
+    def __init__(self, model: ValueModel | None, cfg: CriticConfig, loss_cfg: LossConfig, device: torch.device) -> None:
+        self.model, self.cfg, self.loss_cfg, self.device = model, cfg, loss_cfg, device
+        self.optimizer = None
+        if model is not None:
+            params = [p for p in model.parameters() if p.requires_grad]
+            self.optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, fused=True)
+        self.steps = 0  # steps the critic has trained (kept in checkpoints): the actor waits while < warmup
+        self.skipped_updates = 0  # critic updates skipped for a non-finite gradient, since this process started
+        self._targets: list[list[tuple[Tensor, Tensor]]] = []  # per mini-batch, per micro-batch: (old values, returns)
+        self._sums: dict[str, Tensor | float] = {}
+
+    def actor_waits(self) -> bool:
+        """True during critic.warmup_steps: the critic trains alone."""
+        return self.model is not None and self.steps < self.cfg.warmup_steps
+
+    def state_dict(self) -> dict[str, int]:
+        return {"critic_steps": self.steps}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.steps = int(state.get("critic_steps", 0))
+
+    @torch.no_grad()
+    def values(self, mb: MicroBatch) -> Tensor:
+        return self.model(mb.input_ids, mb.position_ids, mb.cu_seqlens, mb.max_seqlen)
+
+    def advantages(self, minis: list[list[MicroBatch]]) -> list[list[MicroBatch]]:
+        """The mini-batches with per-token advantages (the values and returns kept for `train`)."""
+        flat = [mb for mini in minis for mb in mini]
+        values = None
+        if self.model is not None:
+            values = [self.values(mb) for mb in flat]
+            _release(self.model)
+        shaped, returns = token_advantages(flat, values, self.loss_cfg.advantage, self.cfg, self._reduce)
+        old = values or returns
+        self._sums = {}
+        if self.model is not None:
+            for mb, v, r in zip(shaped, old, returns):
+                for key, value in VL.value_stats(v, r, mb.loss_mask).items():
+                    self._sums[key] = _combine(key, self._sums.get(key), value)
+        out, at, self._targets = [], 0, []
+        for mini in minis:
+            out.append(shaped[at : at + len(mini)])
+            self._targets.append(list(zip(old[at : at + len(mini)], returns[at : at + len(mini)])))
+            at += len(mini)
+        return out
+
+    def _reduce(self, moments: Tensor) -> Tensor:
+        if parallel.world_size() == 1:
+            return moments
+        out = moments.to(self.device, torch.float64)
+        torch.distributed.all_reduce(out)
+        return out
+
+    def train(self, minis: list[list[MicroBatch]], normalizers: list[float], epochs: int) -> dict[str, float]:
+        """The critic's updates (one per mini-batch per epoch) and the step's critic metrics (reduced)."""
+        if self.model is None:
+            return {}
+        norms = [
+            self._update(mini, targets, n)
+            for _ in range(epochs)
+            for mini, targets, n in zip(minis, self._targets, normalizers)
+        ]
+        self.steps += 1
+        local = {k: float(v) for k, v in self._sums.items()}
+        reduced = parallel.reduce_metrics(local, self.device)
+        metrics = {f"critic/{k}": v for k, v in VL.summarize(reduced).items()}
+        finite = [n for n in norms if n == n and n != float("inf")]
+        metrics["critic/grad_norm"] = max(finite) if finite else float("nan")
+        metrics["critic/lr"] = self.cfg.lr
+        metrics["critic/skipped_updates"] = float(self.skipped_updates)
+        return metrics
+
+    def _update(self, mini: list[MicroBatch], targets: list[tuple[Tensor, Tensor]], normalizer: float) -> float:
+        for i, (mb, (old, returns)) in enumerate(zip(mini, targets)):
+            parallel.set_grad_sync(self.model, i == len(mini) - 1)
+            values = self.model(mb.input_ids, mb.position_ids, mb.cu_seqlens, mb.max_seqlen)
+            weights = token_weights(mb.loss_mask, mb.seq_ids, self.loss_cfg)
+            loss, stats = VL.value_loss(
+                values, old, returns, mb.loss_mask, weights, normalizer, clip=self.cfg.value_clip
+            )
+            loss.backward()
+            for key, value in stats.items():
+                self._sums[key] = _combine(key, self._sums.get(key), value.detach())
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
+        if hasattr(norm, "full_tensor"):
+            norm = norm.full_tensor()
+        finite = torch.isfinite(norm)
+        torch.nn.utils.clip_grads_with_norm_(params, self.cfg.max_grad_norm, torch.where(finite, norm, 0.0))
+        self.optimizer.found_inf = (~finite).float()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        value = float(norm)
+        self.skipped_updates += not (value == value and value != float("inf"))
+        return value
+
+
+def _combine(key: str, old, new):
+    if old is None:
+        return new
+    if key.endswith("_max"):
+        return torch.maximum(torch.as_tensor(old), torch.as_tensor(new))
+    if key.endswith("_min"):
+        return torch.minimum(torch.as_tensor(old), torch.as_tensor(new))
+    return old + new
+
+
+def _release(model) -> None:
+    from streamrl.learner.reference import release
+
+    release(model)
+
+
+def build_shaper(cfg, device: torch.device, compute_dtype: torch.dtype) -> Shaper | None:
+    """The step's per-token advantages for loss.advantage gae / reinforce_pp(_baseline), with the critic where
+    it is on (critic.path, else model.path); None for the group estimators. ConfigError if it cannot load."""
+    from streamrl.engine.config import ConfigError
+    from streamrl.engine.config.critic import critic_on
+    from streamrl.engine.models import default_tiny_model
+    from streamrl.learner.critic.model import load_value_net, wrap_value_model
+    from streamrl.learner.critic.token_advantages import PER_TOKEN
+
+    if cfg.loss.advantage not in PER_TOKEN:
+        return None
+    model = None
+    if critic_on(cfg.critic.enabled, cfg.loss.advantage):
+        actor_path = cfg.model.path or str(default_tiny_model())
+        net = load_value_net(cfg.critic.path or actor_path, cfg.model.trust_remote_code)
+        actor_vocab = _vocab(actor_path)
+        if actor_vocab and net.get_input_embeddings().weight.shape[0] < actor_vocab:
+            raise ConfigError(
+                f"critic.path = {cfg.critic.path!r} embeds {net.get_input_embeddings().weight.shape[0]} tokens, "
+                f"fewer than the actor's {actor_vocab}: the critic reads the actor's token ids; give a model "
+                "with the actor's tokenizer"
+            )
+        model = wrap_value_model(net, cfg.learner, device, compute_dtype)
+    return Shaper(model, cfg.critic, cfg.loss, device)
+
+
+def _vocab(path: str) -> int:
+    from transformers import AutoConfig
+
+    try:
+        return int(AutoConfig.from_pretrained(path).vocab_size)
+    except (OSError, ValueError, AttributeError):
+        return 0

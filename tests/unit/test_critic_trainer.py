@@ -1,0 +1,117 @@
+"""The critic in the learner step, on the tiny model, one rank: its values make per-token advantages, it trains
+toward the returns on the same micro-batches, the actor waits during its warm-up, micro-batching does not
+change the value loss, and REINFORCE++ needs no value model."""
+
+import random
+
+import pytest
+import torch
+
+from streamrl.engine.config import LearnerConfig, LossConfig, build
+from streamrl.engine.config.critic import CriticConfig
+from streamrl.engine.messages import Trajectory
+from streamrl.learner import parallel
+from streamrl.learner.batching import pack
+from streamrl.learner.critic.model import load_value_net, wrap_value_model
+from streamrl.learner.critic.trainer import Shaper, build_shaper
+from streamrl.learner.train_step import Trainer
+
+LEARNER = LearnerConfig(lr=1e-3)
+LOSS = LossConfig(advantage="gae", aggregation="token")
+CRITIC = CriticConfig(lr=1e-2)
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def process_group():
+    parallel.init_distributed()
+    yield
+    parallel.shutdown()
+
+
+def trainer(model_dir, critic=CRITIC, loss=LOSS):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    lm = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa")
+    value = wrap_value_model(load_value_net(str(model_dir)), LEARNER, CPU) if loss.advantage == "gae" else None
+    return Trainer(parallel.wrap_model(lm, LEARNER, CPU), loss, LEARNER, CPU, shaper=Shaper(value, critic, loss, CPU))
+
+
+def samples(seed=0, n=4):
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        length = 1 + i  # completions of 1..n tokens: a one-token completion among them
+        out.append(
+            Trajectory(
+                sample_id=f"s{seed}-{i}",
+                group_id=f"g{i}",
+                node_id="n",
+                seq=i,
+                prompt_ids=[rng.randrange(3, 500) for _ in range(3)],
+                completion_ids=[rng.randrange(3, 500) for _ in range(length)],
+                behavior_logprobs=[-6.0] * length,
+                reward=float(i % 2),
+                policy_version=0,
+            )
+        )
+    return out
+
+
+def test_new_head_values_start_at_zero_and_gae_is_the_reward(tiny_model):
+    t = trainer(tiny_model, critic=CriticConfig(lam_actor=1.0))
+    mb = pack(samples(), [0.0, 1.0, 0.0, 1.0], token_budget=64)[0]
+    assert torch.count_nonzero(t.shaper.values(mb)) == 0  # a causal LM's folder: the head starts at 0
+    [[shaped]] = t.shaper.advantages([[mb]])
+    # V = 0 everywhere, gamma = lambda = 1: every loss token's return and advantage is its sequence's reward;
+    # the actor's are whitened over the step's 10 loss tokens (1 + 2 + 3 + 4; rewards 0, 1, 0, 1: 6 ones):
+    # mean 0.6, unbiased var (6 x 0.4^2 + 4 x 0.6^2) / 9 = 0.26667, so a 1 becomes 0.4 / 0.5164 = 0.7746
+    _, returns = t.shaper._targets[0][0]
+    assert torch.equal(returns, mb.advantages * mb.loss_mask)
+    ones = mb.loss_mask & (mb.advantages == 1)
+    mean, std = 0.6, (0.6 * 0.4 * 10 / 9) ** 0.5
+    assert torch.allclose(shaped.advantages[ones], torch.tensor((1 - mean) / std), atol=1e-5)
+    assert torch.count_nonzero(shaped.advantages[~mb.loss_mask]) == 0
+
+
+def test_a_step_trains_the_critic_toward_the_returns(tiny_model):
+    t = trainer(tiny_model)
+    micro = pack(samples(), [0.0, 1.0, 0.0, 1.0], token_budget=64)
+    losses = [t.step(pack(samples(), [0.0, 1.0, 0.0, 1.0], token_budget=64))["critic/vf_loss"] for _ in range(8)]
+    assert losses[-1] < 0.5 * losses[0], losses
+    assert t.version == 8 and t.shaper.steps == 8
+    metrics = t.step(micro)
+    for key in ("critic/vf_clipfrac", "critic/value_mean", "critic/value_max", "critic/returns_mean"):
+        assert key in metrics
+
+
+def test_the_actor_waits_during_the_critic_warm_up(tiny_model):
+    t = trainer(tiny_model, critic=CriticConfig(lr=1e-2, warmup_steps=2))
+    before = {k: v.clone() for k, v in parallel.full_state_dict(t.model).items()}
+    for _ in range(2):
+        metrics = t.step(pack(samples(), [0.0, 1.0, 0.0, 1.0], token_budget=64))
+        assert metrics["skipped"] == 1.0 and "critic/vf_loss" in metrics
+    after = parallel.full_state_dict(t.model)
+    assert all(torch.equal(before[k], after[k]) for k in before) and t.version == 0
+    assert t.step(pack(samples(), [0.0, 1.0, 0.0, 1.0], token_budget=64))["skipped"] == 0.0  # step 3: both train
+    assert t.version == 1 and t.shaper.steps == 3
+
+
+def test_micro_batching_does_not_change_the_value_loss(tiny_model):
+    one, many = trainer(tiny_model), trainer(tiny_model)
+    a = one.step(pack(samples(), [0.0, 1.0, 0.0, 1.0], token_budget=64))
+    b = many.step(pack(samples(), [0.0, 1.0, 0.0, 1.0], token_budget=8))  # several micro-batches
+    assert a["critic/vf_loss"] == pytest.approx(b["critic/vf_loss"], rel=1e-5)
+    va = parallel.full_state_dict(one.shaper.model)
+    vb = parallel.full_state_dict(many.shaper.model)
+    assert all(torch.allclose(va[k], vb[k], atol=1e-6) for k in va)
+
+
+def test_reinforce_pp_has_no_value_model(tiny_model):
+    t = trainer(tiny_model, loss=LossConfig(advantage="reinforce_pp", aggregation="token"))
+    metrics = t.step(pack(samples(), [0.0, 1.0, 0.0, 1.0], token_budget=64))
+    assert t.shaper.model is None and not any(k.startswith("critic/") for k in metrics)
+    assert metrics["skipped"] == 0.0 and t.version == 1
+    cfg = build({"loss": {"advantage": "group_std"}})
+    assert build_shaper(cfg, CPU, torch.float32) is None  # group estimators: nothing per token
