@@ -87,9 +87,7 @@ CPU_GROUPS = 8
 
 def admitted_groups(cfg: Config) -> int:
     """The most groups the ledger lets every node together hold at once (its admission capacity)."""
-    if cfg.run.mode == "sync":
-        return cfg.learner.groups_per_step
-    return (cfg.ledger.staleness_bound + 1) * cfg.learner.groups_per_step
+    return cfg.ledger.admitted_groups(cfg.learner.groups_per_step, cfg.run.mode)
 
 
 def shared_groups(cfg: Config, peers: int) -> int:

@@ -147,6 +147,12 @@ class LedgerConfig(_Section):
         reach the bound."""
         return self.max_staleness
 
+    def admitted_groups(self, groups_per_step: int, mode: str) -> int:
+        """The most groups the ledger lets every node together hold at once (its admission capacity, which
+        `Ledger.init_run` records and engine/placement.py sizes vLLM nodes by): one step's groups in sync
+        mode, else `staleness_bound + 1` steps' (auto: what no preflight resolved runs async)."""
+        return groups_per_step if mode == "sync" else (self.staleness_bound + 1) * groups_per_step
+
 
 class TransportConfig(_Section):
     host: Annotated[

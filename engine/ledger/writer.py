@@ -78,17 +78,16 @@ class Ledger(LedgerBooks):
 
     @retried
     def init_run(self, groups_per_step: int, mode: str = "async", steps_left: int = -1) -> int:
-        """Record the admission rules (the learner calls it at start): at most `(max_staleness + 1) *
-        groups_per_step` groups in flight; a group only when it can be trained within max_staleness of
-        the weights that generate it (mode "async") or, in mode "sync", one step's groups at a time with
-        the learner's newest weights; never more groups than `steps_left` steps train (-1: no end). A
-        learner resuming a run that had finished takes it up again: it is no longer finished."""
+        """Record the admission rules (the learner calls it at start): at most `LedgerConfig.admitted_groups`
+        groups in flight (`(max_staleness + 1) * groups_per_step`); a group only when it can be trained within
+        max_staleness of the weights that generate it (mode "async") or, in mode "sync", one step's groups at
+        a time with the learner's newest weights; never more groups than `steps_left` steps train (-1: no
+        end). A learner resuming a run that had finished takes it up again: it is no longer finished."""
         if groups_per_step < 1:
             raise ValueError(f"groups_per_step = {groups_per_step}: must be >= 1")
         if mode not in ("async", "sync", "auto"):  # auto: what no preflight resolved (off a shared GPU) runs async
             raise ValueError(f"mode = {mode!r}: 'async', 'sync' or 'auto'")
-        bound = self.config.staleness_bound
-        capacity = groups_per_step if mode == "sync" else (bound + 1) * groups_per_step
+        bound, capacity = self.config.staleness_bound, self.config.admitted_groups(groups_per_step, mode)
         self.client.hset(
             self.prefix + "meta",
             mapping={

@@ -26,7 +26,7 @@ def build_backend(cfg: Config, device: str = "cpu") -> GenerationBackend:
         return SimBackend(cfg, device)
     if cfg.rollout.backend == "vllm":
         from streamrl.rollout.backends.vllm import VLLMBackend, sleeps
-        from streamrl.rollout.backends.vllm_support import sizing
+        from streamrl.rollout.backends.vllm_support import lora_slots, sizing
 
         return VLLMBackend(
             model_path,
@@ -35,7 +35,7 @@ def build_backend(cfg: Config, device: str = "cpu") -> GenerationBackend:
             seed=cfg.run.seed,
             device=device,
             lora=cfg.lora,
-            max_staleness=cfg.ledger.max_staleness,
+            lora_slots=lora_slots(cfg),
             size=sizing(cfg, device, model_path),
             sleep=sleeps(cfg),
         )

@@ -70,13 +70,12 @@ def engine_args(
     seed: int,
     device: str,
     lora: LoraConfig | None = None,
-    max_staleness: int = 1,
+    lora_slots: int = 3,
     size: Sizing = UNSIZED,
     sleep: bool = False,
 ):
-    """sleep: a GPU engine that can sleep (`sleeps(cfg)`). lora: LoRA slots for max_staleness + 2 versions
-    (every version a sample in flight may still use, and the newest arriving while the oldest finishes), at
-    vLLM's smallest slot rank that holds lora.rank.
+    """sleep: a GPU engine that can sleep (`sleeps(cfg)`). lora: `lora_slots` versions' adapters at once
+    (vllm_support.lora_slots), at vLLM's smallest slot rank that holds lora.rank.
 
     On a GPU (eager off) CUDA graphs are captured up to the largest batch the node runs, so no decode step
     runs without one (vLLM's default stops at 512)."""
@@ -84,8 +83,8 @@ def engine_args(
 
     extra = {}
     if lora is not None and lora.enabled:
-        slots = max_staleness + 2
-        extra.update(enable_lora=True, max_loras=slots, max_cpu_loras=slots, max_lora_rank=engine_rank(lora.rank))
+        rank = engine_rank(lora.rank)
+        extra.update(enable_lora=True, max_loras=lora_slots, max_cpu_loras=lora_slots, max_lora_rank=rank)
     if size.max_seqs:
         extra["max_num_seqs"] = size.max_seqs
     if size.batch_tokens:
@@ -185,11 +184,12 @@ class VLLMBackend:
         seed: int = 0,
         device: str = "cpu",
         lora: LoraConfig | None = None,
-        max_staleness: int = 1,
+        lora_slots: int = 3,
         size: Sizing = UNSIZED,
         sleep: bool = False,
     ):
-        """lora (enabled): each pushed version is an adapter of its own (module doc); size: `sizing(cfg, ...)`;
+        """lora (enabled): each pushed version is an adapter of its own (module doc), `lora_slots` of them at once
+        (`vllm_support.lora_slots(cfg)`); size: `sizing(cfg, ...)`;
         sleep: build a GPU engine able to sleep (`sleeps(cfg)`; on CPU `sleep()` works without it)."""
         check_servable(model_path, model, device)  # before vLLM's import: a few seconds, not a dead engine later
         from vllm.v1.engine.async_llm import AsyncLLM
@@ -213,7 +213,8 @@ class VLLMBackend:
         self.sleep_s = self.wake_s = 0.0  # seconds spent falling asleep and waking, in all
         self._active = 0  # generate calls under way: the engine never sleeps under one
         self._sleep_lock = asyncio.Lock()
-        args = engine_args(model_path, model, rollout, seed, device, lora, max_staleness, size,
+        self.before_swap = None  # awaited between staging a version and swapping it in (rollout/evaluation.py)
+        args = engine_args(model_path, model, rollout, seed, device, lora, lora_slots, size,
                            sleep and device.startswith("cuda"))  # fmt: skip
         self._engine = AsyncLLM.from_engine_args(args)
 
@@ -235,25 +236,28 @@ class VLLMBackend:
         running = sum(state.detokenizer.num_output_tokens() for state in list(states.values()) if state.detokenizer)
         return self._tokens_ended + running
 
-    def sampling_params(self, n: int, max_tokens: int):
+    def sampling_params(self, n: int, max_tokens: int, sampling: RolloutConfig | None = None):
         """The SamplingParams of a group: processed logprobs of the sampled tokens, flat; streamed as deltas or
-        in one piece at the end (`streams`)."""
+        in one piece at the end (`streams`). sampling: other settings than the run's (an evaluation's)."""
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
+        r = sampling or self.rollout
         return SamplingParams(
             n=n,
             max_tokens=max_tokens,
-            temperature=self.rollout.temperature,
-            top_p=self.rollout.top_p,
-            top_k=self.rollout.top_k,
+            temperature=r.temperature,
+            top_p=r.top_p,
+            top_k=r.top_k,
             logprobs=0,
             flat_logprobs=True,
             output_kind=RequestOutputKind.DELTA if self.streams else RequestOutputKind.FINAL_ONLY,
             detokenize=False,
         )
 
-    async def generate(self, prompt_ids: list[int], n: int, max_tokens: int) -> list[Completion]:
+    async def generate(
+        self, prompt_ids: list[int], n: int, max_tokens: int, sampling: RolloutConfig | None = None
+    ) -> list[Completion]:
         room = self.max_model_len - len(prompt_ids)
         if room < 1:
             raise ValueError(
@@ -265,18 +269,19 @@ class VLLMBackend:
         try:
             if self.asleep:
                 await self.wake()
-            return await self._generate(prompt_ids, n, min(max_tokens, room), samples)
+            return await self._generate(prompt_ids, n, min(max_tokens, room), samples, sampling)
         finally:
             self._active -= 1
 
-    async def _generate(self, prompt_ids: list[int], n: int, max_tokens: int, samples: list[_Collector]):
+    async def _generate(self, prompt_ids: list[int], n: int, max_tokens: int, samples: list[_Collector], sampling=None):
         request_id = f"{self._prefix}-{next(self._ids)}"
         adapter, pinned = self._adapter, self.policy_version  # LoRA: every token from the adapter it starts with
         self._running[pinned] = self._running.get(pinned, 0) + 1
         prompt = {"prompt_token_ids": list(prompt_ids)}
         if self.keep_kv:
             prompt["cache_salt"] = f"streamrl-v{pinned}"
-        stream = self._engine.generate(prompt, self.sampling_params(n, max_tokens), request_id, lora_request=adapter)
+        params = self.sampling_params(n, max_tokens, sampling)
+        stream = self._engine.generate(prompt, params, request_id, lora_request=adapter)
         self.clock.begin()
         try:
             async for out in stream:
@@ -312,7 +317,9 @@ class VLLMBackend:
         try:
             if self.asleep:  # the weights back in place (and the KV cache) before the load
                 await self.wake()
-            done = await stage_and_swap_async_llm(self._engine, ready, keep_kv=self.keep_kv)
+            done = await stage_and_swap_async_llm(
+                self._engine, ready, keep_kv=self.keep_kv, before_swap=self.before_swap
+            )
         finally:
             self._active -= 1
         self.last_swap = done["phases"]

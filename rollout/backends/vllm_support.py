@@ -137,6 +137,12 @@ class Sizing:
 UNSIZED = Sizing()  # vLLM sizes the engine itself
 
 
+def lora_slots(cfg: Config) -> int:
+    """LoRA adapters a vLLM node holds at once: one for every version a sample in flight may still use
+    (`ledger.staleness_bound + 1`), and one for the newest arriving while the oldest finishes."""
+    return cfg.ledger.staleness_bound + 2
+
+
 def sizing(cfg: Config, device: str, model_path: str) -> Sizing:
     """The engine's size from the run's config (engine/memory.py): as many sequences as the node runs groups
     (rules.node_groups); on a GPU a KV cache that holds them all at their longest and the share preflight

@@ -7,16 +7,13 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import threading
 
-import msgspec
 import pytest
 import torch
 
 from streamrl.engine import lora
 from streamrl.engine.config import LearnerConfig, LoraConfig, ModelConfig, RolloutConfig
-from streamrl.engine.weights import IpcSender, WeightSender, plan_buckets, shared_empty
-from streamrl.engine.weights.layout import BufferPool, PackedBuckets
+from streamrl.engine.weights import IpcSender, WeightSender, pack, plan_buckets, push_in_process
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -62,24 +59,10 @@ class Learner:
         return lp[len(prompt) - 1 :].tolist()
 
     def push(self, loop, node_id: str, backend, version: int, weights: dict[str, torch.Tensor]) -> float:
-        """One version to one node: the sender in a thread (as the publisher's link), the node's receive here."""
-        sender = self.senders[node_id]
-        packed = PackedBuckets(plan_buckets(weights, 1 << 20), weights, "cpu", BufferPool(allocate=shared_empty))
-        ready = msgspec.structs.replace(sender.prepare(version, packed), adapter=self.spec)
-        errors = []
-        thread = threading.Thread(target=lambda: _guard(errors, sender.send, packed, ready))
-        thread.start()
-        seconds = loop.run_until_complete(backend.update_weights(ready))
-        thread.join(TIMEOUT_S)
-        assert not errors, errors
-        return seconds
-
-
-def _guard(errors: list, fn, *args) -> None:
-    try:
-        fn(*args)
-    except Exception as e:  # noqa: BLE001 - reported by the test
-        errors.append(e)
+        """One version of the adapter to one node, as the publisher's link pushes it (engine/weights/push.py)."""
+        packed = pack(plan_buckets(weights, 1 << 20), weights, "cpu")
+        update = push_in_process(self.senders[node_id], version, packed, backend.update_weights, adapter=self.spec)
+        return loop.run_until_complete(update)
 
 
 async def _all(coroutines):
@@ -103,7 +86,7 @@ def setup(tiny_model, loop):
 
     learner = Learner(tiny_model)
     nodes = {
-        "vllm": VLLMBackend(tiny_model, MODEL, RolloutConfig(), seed=0, lora=LORA, max_staleness=1),
+        "vllm": VLLMBackend(tiny_model, MODEL, RolloutConfig(), seed=0, lora=LORA, lora_slots=3),
         "hf": HFBackend(tiny_model, MODEL, RolloutConfig(), seed=0, lora=LORA),
     }
     learner.senders = {

@@ -146,3 +146,23 @@ def test_the_adapter_loader_takes_the_mapper_each_vllm_release_has():
     assert lora_mapper(SimpleNamespace(hf_to_vllm_mapper=FakeMapper032())) == "renamed"
     assert lora_mapper(SimpleNamespace(hf_to_vllm_mapper=FakeMapper025())) == "unstacked"
     assert lora_mapper(SimpleNamespace()) is None
+
+
+class FakeVLLMBackend:
+    """Stands in for `VLLMBackend` (an engine in its own process): keeps what `build_backend` built it with."""
+
+    def __init__(self, model_path, model, rollout, **kwargs):
+        self.kwargs = kwargs
+
+
+def test_lora_slots_follow_the_staleness_bound_every_check_reads(monkeypatch):
+    from streamrl.engine.config import LedgerConfig
+    from streamrl.rollout import backends
+    from streamrl.rollout.backends import vllm
+
+    monkeypatch.setattr(vllm, "VLLMBackend", FakeVLLMBackend)
+    cfg = load(None, ["rollout.backend='vllm'", "lora.enabled=true", "ledger.max_staleness=1"])
+    assert backends.build_backend(cfg).kwargs["lora_slots"] == 3  # versions 0 and 1 in flight, 2 arriving
+    # a bound that is not max_staleness itself (the one bound every staleness check reads): 3 + 2 slots
+    monkeypatch.setattr(LedgerConfig, "staleness_bound", property(lambda self: 3))
+    assert backends.build_backend(cfg).kwargs["lora_slots"] == 5
