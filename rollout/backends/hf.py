@@ -87,8 +87,9 @@ def _sampling_processors(rollout: RolloutConfig) -> list:
 
 
 class _Request:
-    def __init__(self, prompt_ids: list[int], n: int, max_tokens: int):
+    def __init__(self, prompt_ids: list[int], n: int, max_tokens: int, sampling: RolloutConfig | None = None):
         self.prompt_ids, self.n, self.max_tokens = list(prompt_ids), n, max_tokens
+        self.sampling = sampling  # None: the run's; else an evaluation's (batched only with its like)
         self.future: asyncio.Future = asyncio.get_running_loop().create_future()
 
 
@@ -137,6 +138,7 @@ class HFBackend:
         self.tokens_generated = 0
         self.clock = BackendClock()
         self.stager = Stager(device)
+        self.before_swap = None  # awaited between staging a version and swapping it in (rollout/evaluation.py)
         self._adapter_spec: AdapterSpec | None = None  # LoRA: the adapter injected
         if lora is not None and lora.enabled:
             self._inject(lora_spec(lora, lora_modules(self.model)))
@@ -157,14 +159,16 @@ class HFBackend:
 
     # ---- generation -------------------------------------------------------------------------
 
-    async def generate(self, prompt_ids: list[int], n: int, max_tokens: int) -> list[Completion]:
+    async def generate(
+        self, prompt_ids: list[int], n: int, max_tokens: int, sampling: RolloutConfig | None = None
+    ) -> list[Completion]:
         room = self.max_model_len - len(prompt_ids)
         if room < 1:
             raise ValueError(
                 f"prompt of {len(prompt_ids)} tokens leaves no room under model.max_model_len = "
                 f"{self.max_model_len}; lower data.max_prompt_tokens"
             )
-        request = _Request(prompt_ids, n, min(max_tokens, room))
+        request = _Request(prompt_ids, n, min(max_tokens, room), sampling)
         self._queue.append(request)
         await asyncio.sleep(0)  # let requests submitted in the same tick join this batch
         async with self._lock:
@@ -183,6 +187,8 @@ class HFBackend:
     def _take_batch(self) -> list[_Request]:
         batch, rows = [], 0
         while self._queue and (not batch or rows + self._queue[0].n <= self.max_batch):
+            if batch and self._queue[0].sampling != batch[0].sampling:  # one sampling per generate call
+                break
             request = self._queue.pop(0)
             batch.append(request)
             rows += request.n
@@ -210,6 +216,7 @@ class HFBackend:
 
         rows = [r.prompt_ids for r in batch for _ in range(r.n)]
         version, used = self.policy_version, len(rows)
+        sampling = batch[0].sampling or self.rollout
         input_ids, attention_mask = self._left_pad(self._bucket_rows(rows))
         max_new = self.rollout.max_tokens if self.static else max(r.max_tokens for r in batch)
         recorder = _SampledLogprobs()
@@ -224,7 +231,7 @@ class HFBackend:
                     temperature=1.0,  # the run's sampling is in the processors, the recorder last
                     top_p=1.0,
                     top_k=0,
-                    logits_processor=LogitsProcessorList([*_sampling_processors(self.rollout), recorder]),
+                    logits_processor=LogitsProcessorList([*_sampling_processors(sampling), recorder]),
                     pad_token_id=self.tokenizer.pad_token_id,
                     eos_token_id=self.tokenizer.eos_token_id,
                     cache_implementation="static" if self.static else None,
@@ -300,6 +307,8 @@ class HFBackend:
         batches sample with `ready.version`. The seconds from the layout to live."""
         start = time.perf_counter()
         staged = await asyncio.to_thread(self.stager.receive, ready)
+        if self.before_swap is not None:
+            await self.before_swap()
         await asyncio.get_running_loop().run_in_executor(self._thread, self._swap, staged, ready)
         return time.perf_counter() - start
 

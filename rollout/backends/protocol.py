@@ -16,6 +16,7 @@ from typing import Protocol, runtime_checkable
 
 import msgspec
 
+from streamrl.engine.config import RolloutConfig
 from streamrl.engine.messages import WeightsReady
 
 
@@ -44,8 +45,11 @@ class GenerationBackend(Protocol):
     policy_version: int
     clock: BackendClock  # where its time goes (reported in heartbeats)
 
-    async def generate(self, prompt_ids: list[int], n: int, max_tokens: int) -> list[Completion]:
-        """`n` samples of one prompt (one group), with behavior logprobs and per-token versions."""
+    async def generate(
+        self, prompt_ids: list[int], n: int, max_tokens: int, sampling: RolloutConfig | None = None
+    ) -> list[Completion]:
+        """`n` samples of one prompt (one group), with behavior logprobs and per-token versions; `sampling`:
+        temperature, top_k and top_p other than the run's (an evaluation's, engine/config/eval.sampling)."""
         ...
 
     async def update_weights(self, ready: WeightsReady) -> float:

@@ -237,7 +237,7 @@ def lora_mapper(model):
     return mapper
 
 
-async def stage_and_swap_async_llm(engine, ready: WeightsReady, keep_kv: bool = False) -> dict:
+async def stage_and_swap_async_llm(engine, ready: WeightsReady, keep_kv: bool = False, before_swap=None) -> dict:
     """Stage in every worker (generation goes on), then pause (keep requests) → load → [reset KV] →
     resume. Returns `{"version", "seconds", "swap_s", "nbytes", "phases"}` (`phases`: seconds of
     stage, pause, load, reset, resume); raises `WeightTransferError` when a worker failed (the engine
@@ -248,7 +248,10 @@ async def stage_and_swap_async_llm(engine, ready: WeightsReady, keep_kv: bool = 
     Otherwise they are preempted and re-prefilled by the new weights.
 
     LoRA (`ready.adapter`): the version becomes an adapter of its own, loaded without a pause; running
-    requests keep the adapter they started with, so no KV is reset."""
+    requests keep the adapter they started with, so no KV is reset.
+
+    before_swap: awaited once the weights are staged, before the swap (the node's evaluation of the live version
+    finishes there: rollout/evaluation.py); its wait counts in the stage phase."""
     peer, start = f"learner@{ready.store_host}:{ready.store_port}", time.perf_counter()
     started = await engine.collective_rpc("stage_weights", args=(messages.encode(ready),))
     errors = [r["error"] for r in started if r.get("error")]
@@ -264,6 +267,8 @@ async def stage_and_swap_async_llm(engine, ready: WeightsReady, keep_kv: bool = 
     if errors:
         await engine.collective_rpc("discard_staged")  # workers that did stage free their buffers
         raise WeightTransferError(peer, "staging", f"{len(errors)} worker(s) failed: {errors[0]}")
+    if before_swap is not None:
+        await before_swap()
     marks = [start, time.perf_counter()]  # then: paused, loaded, reset, resumed
     if ready.adapter is not None:
         results = await _swap(engine, peer)
