@@ -23,7 +23,7 @@ from streamrl.engine.ledger import LedgerUnavailableError, LedgerUnwritableError
 from streamrl.engine.messages import AdapterSpec
 from streamrl.engine.models import default_tiny_model, load_model
 from streamrl.engine.telemetry import ENDING, keep_reserve, setup_logging, write_ending
-from streamrl.learner import checkpoint, lora, parallel
+from streamrl.learner import checkpoint, evaluation, lora, parallel
 from streamrl.learner.critic.trainer import build_shaper
 from streamrl.learner.intake import LearnerStalledError, RewardFailingError
 from streamrl.learner.orchestrator import Orchestrator
@@ -67,6 +67,7 @@ def run_learner(cfg: Config, resume: str = "") -> str:
     first = keeper.resume(resume, cfg.run.path).step + 1 if resume else 1  # steps continue from the checkpoint
     resumed_version = trainer.version if resume else None  # the ledger is rolled back to it
     orchestrator = _start_orchestrator(cfg, device, trainer, policy, resumed_version, first, adapter)
+    evaluations = evaluation.start(cfg, orchestrator, trainer.version, first) if rank0 else None  # v0's posted
     ending = {"reason": "the learner stopped", "finished": False, "ledger_reachable": True}
     skips = 0  # steps that took no optimizer update (no gradient, or a non-finite one): they trained nothing
     # sync mode on a GPU: a step's freed activations go back to the driver, for nodes waking on this GPU
@@ -92,12 +93,15 @@ def run_learner(cfg: Config, resume: str = "") -> str:
                 orchestrator.commit(step, metrics)  # commit
             clock.lap("commit_s")
             weights = push_weights() if not skipped else None  # on the device
+            if rank0:
+                evaluations.before_publish(trainer.version, step, last=step == cfg.run.steps)  # before it goes live
             if rank0 and weights is not None:
                 orchestrator.publish(weights)  # push: nodes receive it in the background
             clock.lap("push_s")
             keeper.after_step(step, policy)  # checkpoint
             clock.lap("checkpoint_s")
             if rank0:
+                metrics = {**metrics, **evaluations.figures(last=step == cfg.run.steps)}  # the last: waited for
                 orchestrator.report(step, batch.version, metrics, clock.laps, clock.started)  # report
         ending.update(reason="run finished", finished=True)
     except LedgerUnavailableError as e:

@@ -22,6 +22,7 @@ from streamrl.engine.config import LedgerConfig
 from streamrl.engine.ledger import Counts, InFlight, Ledger, LedgerError, LedgerUnavailableError
 from streamrl.engine.redis_server import RedisUnavailableError, connect, redact
 from streamrl.engine.telemetry import read_ending
+from streamrl.ops.eval_status import eval_lines
 from streamrl.ops.lock import describe, holder
 
 RETRY_S = 5.0  # a person waits for this command: a Redis that went away mid-read fails it soon
@@ -44,6 +45,8 @@ def status_command(
             console.print(f"[red]no run {run!r} in the ledger at {redact(redis_url)}[/red]")
             return 1
         console.print(_table(ledger, counts, ledger.in_flight(), read_ending(run_dir) if run_dir else None, run_dir))
+        for line in eval_lines(ledger.client, run):  # evaluations: apart from the books (ops/eval_status.py)
+            console.print(line)
         errors = ledger.check(deep=deep)
     except (RedisUnavailableError, LedgerUnavailableError, LedgerError) as e:
         console.print(f"[red]{e}[/red]")

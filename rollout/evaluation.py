@@ -16,6 +16,7 @@ defect, refused here and again by the learner.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 
@@ -128,3 +129,25 @@ def _record(prompt: Prompt, c, asked: str, text: str, reward: float | None) -> E
     versions = sorted(set(c.token_versions))
     return EvalSampleRecord(row=prompt.row_number, prompt=asked, completion=text, reward=reward,
                             tokens=len(c.token_ids), finish_reason=c.finish_reason, versions=versions)  # fmt: skip
+
+
+@contextlib.asynccontextmanager
+async def evaluating(cfg: Config, node_id: str, engine, tokenizer, ledger):
+    """A node's evaluation worker while it serves a learner (`ledger`: that learner's): watching for
+    evaluations of the live version and hooked before each swap. Nothing without [eval] or with simulated
+    generation. A chunk's lease is `ledger.heartbeat_ttl_s`: a dead node's chunk is taken over that late."""
+    if not cfg.eval.enabled or cfg.simulate.gen_s > 0:
+        yield None
+        return
+    jobs = EvalJobs(ledger.client, ledger.run)
+    worker = await asyncio.to_thread(EvalWorker, cfg, node_id, engine, tokenizer, jobs, cfg.ledger.heartbeat_ttl_s)
+    engine.before_swap = worker.before_swap
+    stopping = asyncio.Event()
+    watcher = asyncio.create_task(worker.watch(stopping), name="eval-watch")
+    try:
+        yield worker
+    finally:
+        stopping.set()
+        engine.before_swap = None
+        await watcher
+        worker.close()

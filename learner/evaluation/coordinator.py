@@ -67,6 +67,11 @@ class Evaluations:
             metrics.update(self._report(version))
         return metrics
 
+    def figures(self, last: bool) -> dict[str, float]:
+        """What a step's record carries: the evaluations done since the last step; at the last step, every
+        open one, waited for up to `weights.timeout_s` (a node's swap deadline: the longest a node may hold)."""
+        return self.finish(self.cfg.weights.timeout_s) if last else self.collect()
+
     def _report(self, version: int) -> dict[str, float]:
         progress = self.jobs.progress(version)
         samples: dict[str, list[Sample]] = {s.name: [] for s in self.cfg.eval.sources}
@@ -105,3 +110,13 @@ class Evaluations:
         self.jobs.close(version, "complete" if complete else "incomplete", done)
         self.reported += evaluations
         return metrics
+
+
+def start(cfg: Config, orchestrator, version: int, first_step: int) -> Evaluations:
+    """Rank 0's evaluations of the run, over the orchestrator's ledger; a fresh run's version 0 posted now,
+    before any node generates (a resumed run's versions from its first step on)."""
+    jobs = EvalJobs(orchestrator.ledger.client, cfg.run.name)
+    evaluations = Evaluations(cfg, jobs, cfg.run.path, last_version=cfg.run.steps)
+    if first_step == 1:
+        evaluations.before_publish(version, 0)
+    return evaluations

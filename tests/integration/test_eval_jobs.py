@@ -16,6 +16,7 @@ from streamrl.engine.ledger.eval_jobs import EvalJobs
 from streamrl.engine.models import load_tokenizer
 from streamrl.engine.redis_server import connect
 from streamrl.learner.evaluation.coordinator import Evaluations
+from streamrl.ops.eval_status import eval_lines
 from streamrl.rollout.backends.protocol import Completion
 from streamrl.rollout.evaluation import EvalWorker
 
@@ -119,13 +120,14 @@ def test_a_chunk_of_a_dead_node_is_taken_over(jobs, tiny_model, tmp_path):
     assert ev.summary()["complete"] == 1.0 and living.chunks_done == 2
 
 
-def test_an_evaluation_no_node_can_finish_is_reported_incomplete(jobs, tiny_model, tmp_path):
+def test_an_evaluation_no_node_can_finish_is_reported_incomplete(jobs, ledger_run, tiny_model, tmp_path):
     cfg = _cfg(tmp_path, n_prompts=8)
     tok = load_tokenizer(tiny_model)
     evaluations = Evaluations(cfg, jobs, cfg.run.path, last_version=1)
     evaluations.before_publish(0, 0)
     worker = EvalWorker(cfg, "n0", FakeEngine(tok), tok, jobs, LEASE_S)
     jobs.lay_out(0, {"held": 8})
+    assert eval_lines(jobs.client, ledger_run) == ["eval v0: open, 0/2 chunks in (held 8 prompts)"]  # status
     chunk = jobs.claim(0, "n0", LEASE_S)  # one chunk done, the other never taken (no node left at version 0)
     asyncio.run(worker._chunk(chunk))
     metrics = evaluations.finish(timeout_s=0.3)
@@ -133,3 +135,4 @@ def test_an_evaluation_no_node_can_finish_is_reported_incomplete(jobs, tiny_mode
     assert ev.summary() == {"prompts_done": 4.0, "prompts_asked": 8.0, "samples": 8.0, "complete": 0.0}
     assert metrics["eval/held/complete"] == 0.0 and "eval/held/pass@1" not in metrics  # no mean over the covered half
     assert jobs.progress(0).state == "incomplete"
+    assert eval_lines(jobs.client, ledger_run) == ["eval v0: incomplete, held 4/8 prompts"]
