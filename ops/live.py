@@ -8,6 +8,7 @@ from typing import Any
 
 from rich.console import Console
 
+from streamrl.ops.eval_status import eval_rows
 from streamrl.ops.phases import RoleState, Snapshot
 from streamrl.ops.progress import trained_rate
 
@@ -94,6 +95,7 @@ def _figures(records: list[dict[str, Any]]) -> list[tuple[str, str]]:
             f"{fmt('skipped_steps', '.0f')} non-finite, {fmt('no_gradient_updates', '.0f')} no gradient",
         ),
         ("weights push (s)", fmt("weights_s", ".2f")),
+        *eval_rows(records),  # the latest evaluation of each held-out source (ops/eval_status.py)
     ]
 
 
