@@ -1,7 +1,9 @@
 """Group-relative advantages: every completion is scored against the other completions of its prompt.
 
 No critic: a group of N completions of one prompt is its own baseline. Groups whose rewards are
-all equal carry no signal (every advantage is 0); they are counted so the caller can warn.
+all equal carry no signal (every advantage is 0); they are counted so the caller can warn. `batch_std`
+keeps the group's mean as the baseline but scales by the spread of the whole step's rewards (TRL
+`scale_rewards="batch"`, after PPO-Lite): a group of nearly equal rewards is not blown up to unit scale.
 """
 
 from __future__ import annotations
@@ -12,8 +14,8 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-Kind = Literal["group_mean", "group_std", "leave_one_out"]
-KINDS = ("group_mean", "group_std", "leave_one_out")
+Kind = Literal["group_mean", "group_std", "leave_one_out", "batch_std"]
+KINDS = ("group_mean", "group_std", "leave_one_out", "batch_std")
 
 
 def _one_group(rewards: Tensor, kind: Kind, eps: float) -> tuple[Tensor, bool]:
@@ -22,7 +24,7 @@ def _one_group(rewards: Tensor, kind: Kind, eps: float) -> tuple[Tensor, bool]:
     if flat or n < 2:
         return torch.zeros_like(rewards), True
     centered = rewards - rewards.mean()
-    if kind == "group_mean":
+    if kind in ("group_mean", "batch_std"):  # batch_std: divided by the batch's std afterwards
         return centered, False
     if kind == "group_std":
         # unbiased std, as GRPO (and TRL/verl) compute it; eps keeps near-flat groups finite
@@ -38,7 +40,8 @@ def group_advantages(
 
     `rewards` is a [G, N] tensor (G groups of N samples) or a list of groups of any sizes; the
     result has the same form. kind: `group_mean` (r - mean), `group_std` ((r - mean) / (std + eps),
-    GRPO), `leave_one_out` (r - mean of the others, RLOO). A group of one sample, or whose rewards
+    GRPO), `leave_one_out` (r - mean of the others, RLOO), `batch_std` ((r - mean of its group) /
+    (std of every reward given + eps), both std unbiased as TRL's). A group of one sample, or whose rewards
     differ by at most eps, gets all-zero advantages and counts as zero-variance.
     """
     if kind not in KINDS:
@@ -47,7 +50,17 @@ def group_advantages(
         if rewards.dim() != 2:
             raise ValueError(f"rewards tensor must be [groups, samples], got shape {tuple(rewards.shape)}")
         rows = [_one_group(row, kind, eps) for row in rewards.to(torch.float64)]
-        out = torch.stack([a for a, _ in rows]).to(rewards.dtype) if rows else rewards.clone()
+        scale = _batch_scale(list(rewards.to(torch.float64)), kind, eps)
+        out = torch.stack([a / scale for a, _ in rows]).to(rewards.dtype) if rows else rewards.clone()
         return out, sum(flat for _, flat in rows)
-    groups = [_one_group(torch.tensor(list(g), dtype=torch.float64), kind, eps) for g in rewards]
-    return [a.tolist() for a, _ in groups], sum(flat for _, flat in groups)
+    tensors = [torch.tensor(list(g), dtype=torch.float64) for g in rewards]
+    groups, scale = [_one_group(g, kind, eps) for g in tensors], _batch_scale(tensors, kind, eps)
+    return [(a / scale).tolist() for a, _ in groups], sum(flat for _, flat in groups)
+
+
+def _batch_scale(groups: list[Tensor], kind: Kind, eps: float) -> float:
+    """batch_std's divisor: the unbiased std of every reward of the step, + eps; 1 for the other kinds."""
+    if kind != "batch_std":
+        return 1.0
+    every = torch.cat([g.reshape(-1) for g in groups]) if groups else torch.zeros(0, dtype=torch.float64)
+    return (every.std().item() if every.numel() > 1 else 0.0) + eps

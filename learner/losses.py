@@ -56,6 +56,22 @@ import torch
 from torch import Tensor
 
 from streamrl.engine.config import LossConfig
+from streamrl.learner import rejection
+from streamrl.learner.surrogates import clipped_surrogate, sequence_weight, surrogate
+from streamrl.learner.token_sums import per_token, sequence_lengths, sequence_sums
+
+__all__ = [  # the sequence helpers and the PPO surrogate are imported from here by others
+    "clipped_surrogate",
+    "importance_weights",
+    "kl_estimate",
+    "local_normalizer",
+    "per_token",
+    "policy_loss",
+    "sequence_lengths",
+    "sequence_sums",
+    "summarize",
+    "token_weights",
+]
 
 
 def kl_estimate(log_p: Tensor, log_q: Tensor, estimator: str = "k3", clamp: float = 20.0) -> Tensor:
@@ -79,28 +95,6 @@ def k3(log_p: Tensor, log_q: Tensor, clamp: float = 20.0) -> Tensor:
     return kl_estimate(log_p, log_q, "k3", clamp)
 
 
-def sequence_lengths(mask: Tensor, seq_ids: Tensor | None) -> Tensor:
-    """Loss tokens of each sequence, indexed by `seq_ids` ([T] ints from 0); all one sequence if None.
-
-    Sized T (sequence ids < positions), zeros past the last sequence: sizing it by max(seq_ids), as
-    bincount does, is a host sync per micro-batch on CUDA.
-    """
-    return sequence_sums(torch.ones_like(mask, dtype=torch.float32), mask, seq_ids)
-
-
-def sequence_sums(values: Tensor, mask: Tensor, seq_ids: Tensor | None) -> Tensor:
-    """Sum of `values` over each sequence's loss tokens, indexed by sequence id (sized T; [1] if None)."""
-    masked = torch.where(mask.to(torch.bool), values, torch.zeros_like(values))
-    if seq_ids is None:
-        return masked.sum().reshape(1)
-    return torch.zeros_like(masked).scatter_add_(0, seq_ids, masked)
-
-
-def per_token(per_sequence: Tensor, seq_ids: Tensor | None, like: Tensor) -> Tensor:
-    """Each token's value of its sequence ([T], from `sequence_sums`-shaped `per_sequence`)."""
-    return per_sequence[seq_ids] if seq_ids is not None else per_sequence.expand_as(like)
-
-
 def token_weights(mask: Tensor, seq_ids: Tensor | None, cfg: LossConfig) -> Tensor:
     """The aggregation weight of every token (0 off the mask)."""
     m = mask.to(torch.float32)
@@ -119,16 +113,23 @@ def local_normalizer(mask: Tensor, seq_ids: Tensor | None, cfg: LossConfig) -> T
 
 
 def importance_weights(
-    proximal: Tensor, behavior: Tensor, cfg: LossConfig, *, mask: Tensor | None = None, seq_ids: Tensor | None = None
+    proximal: Tensor,
+    behavior: Tensor,
+    cfg: LossConfig,
+    *,
+    mask: Tensor | None = None,
+    seq_ids: Tensor | None = None,
+    level: str | None = None,
 ) -> tuple[Tensor, Tensor]:
     """(w, keep): the behavior correction pi_prox / mu per token and which tokens it keeps (masked IS drops some).
 
-    At sequence level every token carries its sequence's w, from the log-ratios on `mask` (default:
-    every token). Bounds are compared in log space on the unclamped log-ratio, so a sequence whose
-    log-ratio is past the clamp is still masked; w itself is exp of the clamped log-ratio.
+    At sequence level (`level`, default `cfg.importance_level`) every token carries its sequence's w, from
+    the log-ratios on `mask` (default: every token). Bounds are compared in log space on the unclamped
+    log-ratio, so a sequence whose log-ratio is past the clamp is still masked; w itself is exp of the
+    clamped log-ratio.
     """
     log_w = proximal - behavior
-    if cfg.importance_level == "sequence":
+    if (level or cfg.importance_level) == "sequence":
         mask = torch.ones_like(log_w, dtype=torch.bool) if mask is None else mask
         log_w = per_token(sequence_sums(log_w, mask, seq_ids), seq_ids, log_w)
     keep = torch.ones_like(log_w, dtype=torch.bool)
@@ -156,20 +157,6 @@ def ppo_log_ratio(logprobs: Tensor, old: Tensor, mask: Tensor, seq_ids: Tensor |
         mean = sequence_sums(log_ratio.detach(), mask, seq_ids) / lengths
         log_ratio = logprobs - logprobs.detach() + per_token(mean, seq_ids, logprobs)
     return log_ratio.clamp(-cfg.log_ratio_clamp, cfg.log_ratio_clamp)
-
-
-def clipped_surrogate(ratio: Tensor, advantages: Tensor, cfg: LossConfig) -> tuple[Tensor, Tensor]:
-    """Per-token PPO loss -min(r A, clip(r, 1-lo, 1+hi) A), dual-clipped at -c A for A < 0; and where clipped."""
-    unclipped = -ratio * advantages
-    clipped = -ratio.clamp(1.0 - cfg.clip_low, 1.0 + cfg.clip_high) * advantages
-    loss = torch.maximum(unclipped, clipped)
-    was_clipped = clipped > unclipped
-    if cfg.dual_clip > 0:
-        bound = -cfg.dual_clip * advantages
-        dual = (advantages < 0) & (loss > bound)
-        loss = torch.where(dual, bound, loss)
-        was_clipped = was_clipped | dual
-    return loss, was_clipped
 
 
 def policy_loss(
@@ -200,14 +187,19 @@ def policy_loss(
     mask = mask.to(torch.bool)
     proximal = logprobs.detach() if proximal_logprobs is None else proximal_logprobs.detach()
     behavior = behavior_logprobs.detach()
-    weight, keep = importance_weights(proximal, behavior, cfg, mask=mask, seq_ids=seq_ids)
+    out = rejection.rejected(proximal, behavior, advantages, mask, seq_ids, cfg.rejection, cfg.log_ratio_clamp)
+    weight, keep = rejection.apply(
+        *importance_weights(proximal, behavior, cfg, mask=mask, seq_ids=seq_ids), out, cfg.rejection
+    )
     old = behavior if cfg.importance == "none" else proximal
     log_ratio = ppo_log_ratio(logprobs, old, mask, seq_ids, cfg)
-    surrogate, was_clipped = clipped_surrogate(torch.exp(log_ratio), advantages, cfg)
+    policy, was_clipped = surrogate(log_ratio, logprobs, advantages, mask, seq_ids, cfg)
+    if cfg.surrogate == "gmpo":
+        weight = sequence_weight(weight, mask, seq_ids)
     # where() rather than a product: a kept-out token's surrogate never reaches the sum, not even as 0 x inf
-    loss_per_token = torch.where(keep, surrogate * weight, torch.zeros_like(surrogate))
+    loss_per_token = torch.where(keep, policy * weight, torch.zeros_like(policy))
     if cfg.kl_coef > 0:
-        ref_kl = kl_estimate(ref_logprobs.detach(), logprobs, cfg.kl_estimator, cfg.log_ratio_clamp)
+        ref_kl = reference_kl(logprobs, proximal, behavior, ref_logprobs, out, cfg)
         loss_per_token = loss_per_token + cfg.kl_coef * ref_kl
     if cfg.entropy_coef > 0:
         loss_per_token = loss_per_token - cfg.entropy_coef * entropy
@@ -219,11 +211,36 @@ def policy_loss(
     stats = _stats(mask, keep, was_clipped, weight, mismatch, same_version, seq_ids)
     stats.update(_ppo_kl(logprobs.detach(), proximal, behavior, mask, cfg.log_ratio_clamp))
     stats["loss_sum"] = (loss_per_token.detach() * agg).sum()
+    stats["rejected_sum"] = out.sum().to(torch.float32)
     if entropy is not None:
         stats["entropy_sum"] = (entropy.detach() * mask).sum()
     if cfg.kl_coef > 0:
         stats["ref_kl_sum"] = (ref_kl.detach() * mask).sum()
     return loss, stats
+
+
+def reference_kl(
+    logprobs: Tensor, proximal: Tensor, behavior: Tensor, ref_logprobs: Tensor, rejected: Tensor, cfg: LossConfig
+) -> Tensor:
+    """Per-token reference-KL term: the `kl_estimator` estimate, with `kl_correction` weighted by pi_theta / mu.
+
+    The weight is pi_prox / mu bounded as the policy's (`importance`, per token: a per-token term wants the
+    token's own ratio, not its sequence's; rejection applied alike) times pi_theta / pi_prox, differentiated.
+    Then E_mu[weight x KL_t] = E_pi_theta[KL_t] and its gradient is the gradient of that expectation, exactly
+    (while the bound does not act): on mu's samples the term is what it is on pi_theta's own, whatever the
+    staleness. Without it the term estimates E_mu[KL_t] and its gradient E_mu[grad KL_t], which on stale
+    samples is neither (docs/ALGORITHMS.md section 4 has the measurement). On pi_theta's own samples the
+    weight is 1 in value; its gradient adds KL_t grad log pi_theta, which makes k1 and k3 give the gradient of
+    KL(pi_theta || ref) itself. With `importance = "none"` the weight is pi_theta / mu, only log-clamped.
+    """
+    estimate = kl_estimate(ref_logprobs.detach(), logprobs, cfg.kl_estimator, cfg.log_ratio_clamp)
+    if not cfg.kl_correction:
+        return estimate
+    weight, keep = importance_weights(proximal, behavior, cfg, level="token")
+    weight, _ = rejection.apply(weight, keep, rejected, cfg.rejection)
+    old = behavior if cfg.importance == "none" else proximal
+    ratio = torch.exp((logprobs - old).clamp(-cfg.log_ratio_clamp, cfg.log_ratio_clamp))
+    return weight * ratio * estimate
 
 
 def _check_inputs(cfg: LossConfig, logprobs: Tensor, ref_logprobs: Tensor | None, entropy: Tensor | None) -> None:
@@ -292,6 +309,8 @@ def summarize(stats: dict[str, float]) -> dict[str, float]:
         # The whole off-policy gap (staleness + mismatch): k3 between pi_prox and the behavior policy.
         "behavior_kl": stats.get("behavior_kl_sum", 0.0) / tokens,
         "mismatch_samples": stats.get("mismatch_samples", 0.0),
+        # loss tokens `loss.rejection` acted on (masked out, or their weight clamped)
+        "rejected_fraction": stats.get("rejected_sum", 0.0) / tokens,
     }
     # Trainer-inference mismatch is only defined on tokens sampled by the weights the learner holds; a step
     # with none (every sample a version behind) has no measurement: the key is absent, not a zero or a NaN.

@@ -7,6 +7,7 @@ from typing import Annotated, Literal
 import msgspec
 
 from streamrl.engine.config.base import _doc, _Section
+from streamrl.engine.config.rejection import RejectionConfig
 
 
 class LossConfig(_Section):
@@ -22,8 +23,27 @@ class LossConfig(_Section):
     reached 0.9 by step 23 (docs/ALGORITHMS.md, "The default, and why").
     """
 
-    clip_low: Annotated[float, _doc("Ratio lower clip 1 - clip_low.", ge=0.0, lt=1.0)] = 0.2
-    clip_high: Annotated[float, _doc("Ratio upper clip 1 + clip_high (clip-higher when > clip_low).", ge=0.0)] = 0.28
+    clip_low: Annotated[
+        float,
+        _doc("Ratio lower clip 1 - clip_low (1: no lower bound; gmpo: the log-ratio's, -clip_low).", ge=0.0, le=1.0),
+    ] = 0.2
+    clip_high: Annotated[
+        float, _doc("Ratio upper clip 1 + clip_high (clip-higher when > clip_low; gmpo: the log-ratio's).", ge=0.0)
+    ] = 0.28
+    surrogate: Annotated[
+        Literal["ppo_clip", "cispo", "sapo", "gmpo"],
+        _doc(
+            "The policy term of the PPO ratio r (learner/surrogates.py): ppo_clip: -min(r A, clip(r) A); cispo: "
+            "-sg(clip(r)) A log pi_theta, every token keeps a gradient; sapo: -(4 / tau) sigmoid(tau (r - 1)) A, "
+            "a soft gate; gmpo: -A exp(mean of the sequence's clipped log-ratios), the geometric mean (verl geo_mean)."
+        ),
+    ] = "ppo_clip"
+    sapo_tau_pos: Annotated[float, _doc("SAPO's gate temperature for tokens with A > 0 (TRL, verl: 1.0).", gt=0.0)] = (
+        1.0
+    )
+    sapo_tau_neg: Annotated[
+        float, _doc("SAPO's gate temperature for tokens with A <= 0 (TRL, verl: 1.05).", gt=0.0)
+    ] = 1.05
     dual_clip: Annotated[float, _doc("Dual-clip bound c for negative advantages; 0 disables (else > 1).", ge=0.0)] = 0.0
     ratio_level: Annotated[
         Literal["token", "sequence"],
@@ -84,18 +104,43 @@ class LossConfig(_Section):
     kl_estimator: Annotated[
         Literal["k1", "k2", "k3"],
         _doc(
-            "Per-token estimator of KL(pi_theta || ref), r = ref / pi_theta: k1 = -log r, "
-            "k2 = (log r)^2 / 2, k3 = r - 1 - log r (unbiased, >= 0, low variance)."
+            "Per-token estimator of KL(pi_theta || ref), r = ref / pi_theta: k1 = -log r, k2 = (log r)^2 / 2, "
+            "k3 = r - 1 - log r. With kl_correction each gives its expectation's gradient (k1, k3: that of "
+            "KL(pi_theta || ref)); without, the gradient of k3 is KL(ref || pi_theta)'s, k2's KL(pi_theta || ref)'s, "
+            "k1's is 0 in expectation (docs/ALGORITHMS.md section 4)."
         ),
     ] = "k3"
+    kl_correction: Annotated[
+        bool,
+        _doc(
+            "Weight the reference-KL term by pi_theta / mu (the policy's bounded importance weight pi_prox / mu "
+            "times pi_theta / pi_prox, differentiated), so on stale samples its value and gradient are in "
+            "expectation those on pi_theta's own samples (TRL use_bias_correction_kl). Off: the term is taken "
+            "as if mu's samples were pi_theta's."
+        ),
+    ] = True
+    rejection: Annotated[
+        RejectionConfig,
+        _doc(
+            "Rejection of stale tokens or sequences by a statistic of pi_prox / mu ([loss.rejection]; off by default)."
+        ),
+    ] = msgspec.field(default_factory=RejectionConfig)
     entropy_coef: Annotated[
         float, _doc("Entropy bonus: the loss minus entropy_coef x the policy entropy of each loss token.", ge=0.0)
     ] = 0.0
     advantage: Annotated[
-        Literal["group_mean", "group_std", "leave_one_out"], _doc("Group-relative advantage estimator.")
+        Literal[
+            "group_mean", "group_std", "leave_one_out", "batch_std", "gae", "reinforce_pp", "reinforce_pp_baseline"
+        ],
+        _doc(
+            "Group-relative estimators (group_mean, group_std, leave_one_out; batch_std: r - mean(group) over the "
+            "std of the step's rewards, TRL scale_rewards='batch'); gae: per-token GAE from the "
+            "critic's values ([critic]); reinforce_pp: REINFORCE++, returns whitened over the batch; "
+            "reinforce_pp_baseline: the group mean subtracted first (learner/critic/, docs/ALGORITHMS.md)."
+        ),
     ] = "group_std"
     preset: Annotated[
-        Literal["", "grpo", "dapo", "dr_grpo", "gspo"],
+        Literal["", "grpo", "dapo", "dr_grpo", "gspo", "ppo", "cispo", "sapo", "gmpo"],
         _doc(
             "A recipe: sets the [loss] fields it names (engine/config/presets.py; the table with the verl and "
             "TRL settings in docs/ALGORITHMS.md) where this file or --set does not give them: an explicit field "
@@ -148,6 +193,16 @@ class LossConfig(_Section):
     ] = 1.0
 
     def __post_init__(self) -> None:
+        if self.dual_clip > 0 and self.surrogate != "ppo_clip":
+            raise ValueError(
+                f"loss.dual_clip = {self.dual_clip} applies to surrogate = 'ppo_clip' only (loss.surrogate = "
+                f"{self.surrogate!r}); set loss.dual_clip = 0"
+            )
+        if self.ratio_level == "sequence" and self.surrogate in ("cispo", "gmpo"):
+            raise ValueError(
+                f"loss.ratio_level = 'sequence' with loss.surrogate = {self.surrogate!r}: cispo weights each token's "
+                "own log-prob and gmpo takes its own geometric mean per sequence; use ratio_level = 'token'"
+            )
         if 0.0 < self.dual_clip <= 1.0:
             raise ValueError(f"loss.dual_clip = {self.dual_clip} must be > 1 (a bound c on -c*A), or 0 to disable")
         if self.is_low >= self.is_high:

@@ -9,7 +9,14 @@ reference KL and the entropy bonus are left alone (the recipes are synchronous, 
 - grpo: DeepSeekMath's GRPO, mean of per-sequence means, symmetric clip (TRL `loss_type="grpo"`);
 - dapo: DAPO, clip-higher, token mean, dynamic sampling, soft overlong penalty (verl's recipe/dapo);
 - dr_grpo: Dr. GRPO, no std scaling, per-sequence sums over a constant (TRL `loss_type="dr_grpo"`);
-- gspo: GSPO, the sequence's geometric-mean ratio clipped at 3e-4 / 4e-4 (verl `loss_mode=gspo`).
+- gspo: GSPO, the sequence's geometric-mean ratio clipped at 3e-4 / 4e-4 (verl `loss_mode=gspo`);
+- ppo: PPO with a critic (verl `adv_estimator=gae`): per-token GAE, token mean, clip 0.2; the critic's
+  gamma / lambdas are [critic]'s defaults (engine/config/critic.py: 1.0, 0.95 actor, 1.0 critic), printed here.
+- cispo: ScaleRL's recipe as TRL's paper index spells it (`loss_type="cispo"`, `epsilon_high=5.0`,
+  `scale_rewards="batch"`): the clipped ratio as a stopped weight, capped at 5, no lower bound;
+- sapo: SAPO's soft gate, temperatures 1.0 / 1.05, mean of per-sequence means (TRL `loss_type="sapo"`);
+- gmpo: GMPO, the geometric mean of the token ratios clipped at exp(+-0.4) (verl `loss_mode=geo_mean`,
+  `examples/gmpo_trainer`).
 
 docs/ALGORITHMS.md has the full table (each field, and where a peer's setting differs).
 """
@@ -33,10 +40,14 @@ FIELDS = (
     "mask_truncated",
     "overlong_buffer",
     "overlong_penalty",
+    "surrogate",
+    "sapo_tau_pos",
+    "sapo_tau_neg",
 )
 
 _COMMON = {"ratio_level": "token", "dynamic_sampling": False, "mask_truncated": False, "overlong_buffer": 0,
-           "overlong_penalty": 1.0, "clip_low": 0.2}  # fmt: skip
+           "overlong_penalty": 1.0, "clip_low": 0.2, "surrogate": "ppo_clip", "sapo_tau_pos": 1.0,
+           "sapo_tau_neg": 1.05}  # fmt: skip
 
 PRESETS: dict[str, dict[str, Any]] = {
     "grpo": {**_COMMON, "advantage": "group_std", "aggregation": "sequence", "clip_high": 0.2},
@@ -48,6 +59,14 @@ PRESETS: dict[str, dict[str, Any]] = {
                 "norm_constant": "max_tokens"},
     "gspo": {**_COMMON, "advantage": "group_std", "aggregation": "sequence", "ratio_level": "sequence",
              "clip_low": 3e-4, "clip_high": 4e-4},
+    "ppo": {**_COMMON, "advantage": "gae", "aggregation": "token", "clip_high": 0.2},
+    # TRL's epsilon_high = 5.0 caps the ratio itself at 5 (here 1 + clip_high); no lower bound (clip_low = 1)
+    "cispo": {**_COMMON, "surrogate": "cispo", "advantage": "batch_std", "aggregation": "token", "clip_low": 1.0,
+              "clip_high": 4.0},
+    "sapo": {**_COMMON, "surrogate": "sapo", "advantage": "group_std", "aggregation": "sequence", "clip_high": 0.2},
+    # verl's geo_mean takes the mean over sequences whatever loss_agg_mode says; its example clips the log-ratio at 0.4
+    "gmpo": {**_COMMON, "surrogate": "gmpo", "advantage": "group_std", "aggregation": "sequence", "clip_low": 0.4,
+             "clip_high": 0.4},
 }  # fmt: skip
 
 
@@ -83,4 +102,8 @@ def describe(cfg: Config) -> str:
     for field in FIELDS:
         value, actual = preset[field], getattr(cfg.loss, field)
         parts.append(f"{field} = {actual!r}" + ("" if actual == value else f" (explicit; the preset's {value!r})"))
+    if cfg.loss.advantage == "gae":  # the critic's half of the recipe (engine/config/critic.py)
+        c = cfg.critic
+        parts.append(f"critic.gamma = {c.gamma!r}, critic.lam_actor = {c.lam_actor!r}, critic.lam_critic = "
+                     f"{c.lam_critic!r}, critic.value_clip = {c.value_clip!r}, kl in reward: off")  # fmt: skip
     return f"loss.preset = {cfg.loss.preset!r}: " + ", ".join(parts)

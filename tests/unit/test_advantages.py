@@ -37,3 +37,15 @@ def test_ragged_groups_keep_their_form_and_singletons_carry_no_signal():
 def test_unknown_kind_names_the_choices():
     with pytest.raises(ValueError, match="leave_one_out"):
         group_advantages(REWARDS, "rloo")
+
+
+def test_batch_std_centres_on_the_group_and_scales_by_the_batch():
+    # rewards of the step: 0, 1 | 1, 1, 1 | 2 -> mean 1, squared deviations 1 + 0 + 0 + 0 + 0 + 1 = 2,
+    # unbiased std sqrt(2 / 5) = 0.632456; group 0's centred rewards -0.5, 0.5 -> -+0.790569; the flat groups 0
+    adv, flat = group_advantages([[0.0, 1.0], [1.0, 1.0, 1.0], [2.0]], "batch_std", eps=0.0)
+    assert adv[0] == pytest.approx([-0.790569, 0.790569], abs=1e-6)
+    assert adv[1:] == [[0.0, 0.0, 0.0], [0.0]] and flat == 2
+    # TRL scale_rewards="batch": (r - group mean) / (std of every reward + eps), the same on a [G, N] tensor
+    r = torch.tensor([[0.0, 1.0, 3.0], [2.0, 2.0, 5.0]])
+    expected = (r - r.mean(1, keepdim=True)) / (r.reshape(-1).std() + 1e-6)
+    assert torch.allclose(group_advantages(r, "batch_std")[0], expected, atol=1e-6)

@@ -224,23 +224,25 @@ def test_bounded_modes_tame_an_extreme_importance_log_ratio():
 
 
 @pytest.mark.parametrize(
-    "estimator, value, grad",
+    "estimator, value, grad, corrected_grad",
     [
-        # r = ref / pi = 2, log r = 0.693147
-        ("k1", -0.693147, 1.0),  # -log r = lp - ref; d/dlp = 1
-        ("k2", 0.240227, -0.693147),  # (log r)^2 / 2 = 0.480453 / 2; d/dlp = log r x (-1)
-        ("k3", 0.306853, -1.0),  # (2 - 1) - 0.693147; d/dlp = (r - 1)(-1)
+        # r = ref / pi = 2, log r = 0.693147. mu = pi_theta: the correction's weight is 1 in value, and its
+        # gradient d(pi_theta / mu)/dlp = 1 adds the estimate itself: corrected = grad + value
+        ("k1", -0.693147, 1.0, 0.306853),  # -log r = lp - ref; d/dlp = 1
+        ("k2", 0.240227, -0.693147, -0.452920),  # (log r)^2 / 2 = 0.480453 / 2; d/dlp = log r x (-1)
+        ("k3", 0.306853, -1.0, -0.693147),  # (2 - 1) - 0.693147; d/dlp = (r - 1)(-1)
     ],
 )
-def test_kl_estimators(estimator, value, grad):
+@pytest.mark.parametrize("correction", [False, True])
+def test_kl_estimators(estimator, value, grad, corrected_grad, correction):
     lp = leaf([-1.0])
     ref = const([-1.0 + math.log(2.0)])
-    cfg = LossConfig(kl_coef=0.1, kl_estimator=estimator)
+    cfg = LossConfig(kl_coef=0.1, kl_estimator=estimator, kl_correction=correction)
     # A = 0: the policy term is 0, the loss is 0.1 x the estimate
     loss, stats = policy_loss(lp, lp.detach(), const([0.0]), torch.ones(1, dtype=torch.bool), cfg, ref_logprobs=ref)
     loss.backward()
     assert loss.item() == pytest.approx(0.1 * value, abs=1e-7)
-    assert lp.grad.item() == pytest.approx(0.1 * grad, abs=1e-6)
+    assert lp.grad.item() == pytest.approx(0.1 * (corrected_grad if correction else grad), abs=1e-6)
     assert means(stats)["ref_kl"] == pytest.approx(value, abs=1e-6)
 
 

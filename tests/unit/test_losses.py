@@ -158,10 +158,10 @@ def test_k3_kl_to_reference():
         lp.detach(),
         torch.zeros(1, dtype=torch.float64),
         torch.ones(1, dtype=torch.bool),
-        cfg(kl_coef=0.1),
+        cfg(kl_coef=0.1, kl_correction=False),
         ref_logprobs=ref,
     )
-    # ref / pi = 2: k3 = (2 - 1) - ln 2 = 0.306853; loss = 0.1 * 0.306853
+    # ref / pi = 2: k3 = (2 - 1) - ln 2 = 0.306853; loss = 0.1 * 0.306853 (uncorrected: test_loss_modes has both)
     assert loss.item() == pytest.approx(0.0306853, abs=1e-7)
     loss.backward()
     # d k3 / d lp = 1 - ref / pi = -1 -> 0.1 * -1

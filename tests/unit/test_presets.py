@@ -46,8 +46,9 @@ def test_no_preset_changes_nothing_and_the_dump_round_trips():
 
 
 def test_an_unknown_preset_and_the_renamed_field_are_refused_naming_the_fix():
-    with pytest.raises(ConfigError, match=r"loss.preset.*allowed: '', 'grpo', 'dapo', 'dr_grpo', 'gspo'"):
-        build({}, ["loss.preset='ppo'"])
+    allowed = "'', 'grpo', 'dapo', 'dr_grpo', 'gspo', 'ppo', 'cispo', 'sapo', 'gmpo'"
+    with pytest.raises(ConfigError, match=rf"loss.preset.*allowed: {allowed}"):
+        build({}, ["loss.preset='vespo'"])
     with pytest.raises(ConfigError, match=r"`learner.updates_per_batch` was renamed: use learner.mini_batches"):
         build({"learner": {"updates_per_batch": 2}})
     assert build({}, ["learner.mini_batches=2", "learner.epochs=3"]).learner.epochs == 3
