@@ -171,6 +171,8 @@ def learner(
     if not gpus and cfg.learner.gpus and "CUDA_VISIBLE_DEVICES" not in os.environ:
         gpus = ",".join(map(str, cfg.learner.gpus))  # a launcher that placed us set the variable already
     _use_gpus(gpus)
+    if "RANK" not in os.environ and _own_run_folder(cfg) is None:  # torchrun's ranks run under its hold
+        raise typer.Exit(2)
     if preflight and "RANK" not in os.environ:  # once, in the process the user started, not per rank
         _preflight(cfg, ["learner"], debug, said=said)
     if os.environ.get("RANK", "0") == "0":
@@ -186,6 +188,18 @@ def learner(
     from streamrl.learner.main import main as learner_main
 
     _exit_now(learner_main(cfg, resume))
+
+
+def _own_run_folder(cfg):
+    """The learner's hold on RUN (ops/lock.py), kept for the process's life; None when another process owns it."""
+    from streamrl.ops.lock import own_or_refuse
+
+    global _OWNER
+    _OWNER = own_or_refuse(cfg.run.path)
+    return _OWNER
+
+
+_OWNER = None
 
 
 def _exit_now(code: int) -> None:
@@ -271,7 +285,8 @@ def run(
 ) -> None:
     """Everything on this machine: embedded Redis, a learner and N rollout nodes, with a live view.
     The config, model, engine, data and rewards are checked first (exit 2, nothing started, on an error)."""
-    from streamrl.ops.run import DEMO, TINY, name_sets, run_local
+    from streamrl.ops.lock import claim_run
+    from streamrl.ops.naming import DEMO, TINY, name_sets
 
     tiny = config is None and not model  # the built-in tiny model: its settings (the demo's too), then yours
     sets = (TINY if tiny and data else DEMO if tiny else []) + list(overrides or [])
@@ -282,9 +297,18 @@ def run(
     sets += [f"run.device={device!r}"] if device else []
     named = name_sets(config, sets)
     cfg, said = _load_role(config, sets + named, debug)
-    cfg = _preflight(cfg, ["learner", "rollout"], debug, nodes=rollout_nodes, said=said)
-    # a run named by you keeps its folder; a name made here gets a fresh one when taken
-    raise typer.Exit(run_local(cfg, rollout_nodes, explicit_name=not named, resume=resume))
+    # a run named by you keeps its folder; a name made here gets a fresh one when taken. Owned before the
+    # preflight: a second launcher on a live run is refused in seconds (ops/lock.py)
+    claimed = claim_run(cfg, explicit_name=not named, resume=resume)
+    if claimed is None:
+        raise typer.Exit(2)
+    cfg, owner = claimed
+    with owner:  # a refused preflight leaves no folder
+        cfg = _preflight(cfg, ["learner", "rollout"], debug, nodes=rollout_nodes, said=said)
+        from streamrl.ops.run import run_local
+
+        code = run_local(cfg, rollout_nodes, explicit_name=not named, resume=resume, owner=owner)
+    raise typer.Exit(code)
 
 
 @app.command()

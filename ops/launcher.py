@@ -80,13 +80,13 @@ def child_env(cfg: Config, tmp: pathlib.Path) -> dict[str, str]:
 class Launcher:
     """Owns the run's processes; everything it starts, it stops."""
 
-    def __init__(self, cfg: Config, resume: str = ""):
+    def __init__(self, cfg: Config, resume: str = "", owner: RunOwner | None = None):
         """Owns the run folder first (ops/lock.py: RunBusyError, with nothing changed, while another
-        process owns it), then makes its logs folder."""
+        process owns it; `owner`: the hold, taken already), then makes its logs folder."""
         self.cfg = cfg
         self.resume = resume  # the learner's --resume: a checkpoint folder or "latest"
         self.run_dir = cfg.run.path
-        self.owner = RunOwner.take(self.run_dir, this_command())  # handed to the learner (`_spawn`)
+        self.owner = owner or RunOwner.take(self.run_dir, this_command())  # handed to the learner (`_spawn`)
         (self.run_dir / "logs").mkdir(exist_ok=True)
         self.redis: RedisServer | None = None
         self.learner: Child | None = None

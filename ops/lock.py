@@ -53,14 +53,35 @@ def describe(held_by: dict) -> str:
 class RunOwner:
     """This process's hold on a run folder (`take`, or `inherited` from the launcher that started it)."""
 
-    def __init__(self, run_dir: pathlib.Path, fd: int, inherited: bool = False):
+    def __init__(self, run_dir: pathlib.Path, fd: int, inherited: bool = False, made: tuple = ()):
         self.run_dir, self.fd, self.inherited_hold = run_dir, fd, inherited
+        self.made = made  # the folders this hold made (the run's, then its parents'): `abandon` removes them
+
+    def __enter__(self) -> RunOwner:
+        return self
+
+    def __exit__(self, kind, error, trace) -> None:
+        """Released; a command that failed before it wrote anything but the lock (a refused preflight) leaves
+        no folder behind (`typer.Exit`'s code says whether it failed)."""
+        if error is not None and getattr(error, "exit_code", 1) != 0:
+            self.abandon()
+        self.release()
+
+    def abandon(self) -> None:
+        """Remove the folders this hold made, when the lock file is all they hold."""
+        if not self.made or [p.name for p in self.run_dir.iterdir()] != [LOCK_FILE]:
+            return
+        (self.run_dir / LOCK_FILE).unlink()
+        with contextlib.suppress(OSError):  # a folder someone else wrote to meanwhile stays
+            for folder in self.made:
+                folder.rmdir()
 
     @classmethod
     def take(cls, run_dir: pathlib.Path, command: str = "") -> RunOwner:
         """The folder's lock (the folder made if missing), or RunBusyError naming the live owner. Nothing in the
         folder is written unless the lock is ours: the lock file is opened without truncating."""
         run_dir = pathlib.Path(run_dir)
+        made = tuple(folder for folder in (run_dir, *run_dir.parents) if not folder.exists())
         run_dir.mkdir(parents=True, exist_ok=True)
         fd = os.open(run_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
         for attempt in range(TAKE_TRIES):
@@ -75,7 +96,7 @@ class RunOwner:
         said = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.time(), "command": command}
         os.ftruncate(fd, 0)
         os.pwrite(fd, (json.dumps(said) + "\n").encode(), 0)
-        return cls(run_dir, fd)
+        return cls(run_dir, fd, made=made)
 
     @classmethod
     def inherited(cls, run_dir: pathlib.Path) -> RunOwner | None:
@@ -155,3 +176,19 @@ def own_or_refuse(run_dir: pathlib.Path) -> RunOwner | None:
         return None
     os.set_inheritable(owner.fd, True)  # torchrun, exec'd in this process for learner.ranks > 1, keeps it
     return owner
+
+
+def claim_run(cfg, explicit_name: bool, resume: str = ""):
+    """`streamrl run`'s hold on its run folder, taken before the preflight loads anything (this module imports
+    no torch), so that of two launchers started together on one run the second is refused in seconds: (the
+    config, whose name made here gets a fresh folder when its own exists: `fresh_name`; the hold, which
+    ops/run.py `run_local` hands to its launcher). None, with the one line said on stderr, while another process
+    owns the folder: nothing in it was changed."""
+    from streamrl.ops.naming import fresh_name
+
+    cfg = fresh_name(cfg, explicit_name or bool(resume))
+    try:
+        return cfg, RunOwner.take(cfg.run.path, this_command())
+    except RunBusyError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return None

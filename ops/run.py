@@ -2,33 +2,26 @@
 
 from __future__ import annotations
 
-import math
-import pathlib
 import re
 import shutil
 import signal
 import time
 
-import msgspec
 from rich.console import Console
 from rich.markup import escape
 
 from streamrl.engine.auth import NO_CURVE_WARNING
 from streamrl.engine.config import Config, ConfigError, presets
-from streamrl.engine.telemetry import MetricsTail, read_metrics
+from streamrl.engine.telemetry import MetricsTail
 from streamrl.engine.weights.paths import NAMES, planned
+from streamrl.ops.closing import closing_line, summary  # noqa: F401 (summary: moved there, still imported from here)
 from streamrl.ops.launcher import Launcher
 from streamrl.ops.live import live_table, plain_console
+from streamrl.ops.lock import RunBusyError, RunOwner
+from streamrl.ops.naming import DEMO, TINY, fresh_name, name_after, name_sets  # noqa: F401 (imported from here)
 from streamrl.ops.phases import Board
 from streamrl.ops.progress import live_output
 
-# The built-in tiny model's settings, whatever the data (`streamrl run` without --model or --config): a
-# learning rate this high suits only a tiny random model (real models want ~1e-6), and its completions are
-# noise past a few tokens. examples/demo.toml spells them out.
-TINY = ["learner.lr=1e-2", "rollout.group_size=8", "rollout.max_tokens=24"]
-# The built-in demo: the random-init tiny model learns to write the letter of the demo task's
-# `answer` column. Measured on 2 CPU cores with 2 nodes: mean reward 0.06 -> 1.0 in 30 steps.
-DEMO = [*TINY, "run.steps=30"]
 LEARNER_UP_S = 300.0  # from the learner's start to its sockets (RUN/learner.json)
 LEDGER_LOST = 4  # the learner's exit status when Redis stayed unreachable past ledger.retry_s
 LEDGER_UNWRITABLE = 5  # ... when it refused writes that long (its disk full: MISCONF; OOM; READONLY)
@@ -36,69 +29,29 @@ POLL_S = 0.1  # how often the live view reads the logs and the metrics
 REDRAW_S = 0.5  # the view redraws at least this often (its clock), and whenever a state changes
 
 
-def name_after(config: str | None, data: str) -> str:
-    """The name of a run its config does not name: the config file's stem, else the data source's (a file's
-    stem, a library task's or taskset's id), else `demo` (the built-in demo)."""
-    if config:
-        base = pathlib.Path(config).stem
-    elif data.startswith(("reasoning_gym:", "verifiers:")):
-        base = data.split(":")[1]
-    else:
-        base = pathlib.Path(data).stem if data else "demo"
-    return re.sub(r"[^A-Za-z0-9_.-]+", "-", base).strip("-.") or "run"
-
-
-def name_sets(config: pathlib.Path | None, sets: list[str]) -> list[str]:
-    """`run.name=...` for a run that neither the config nor `--set` names (`name_after`); [] when it is
-    named (or the config cannot be read: loading it says why)."""
-    from streamrl.engine.config import given, read
-
-    try:
-        raw = given(read(config), sets)
-    except ConfigError:
-        return []
-    if "name" in raw.get("run", {}):
-        return []
-    return [f"run.name={name_after(config and str(config), str(raw.get('data', {}).get('path', '')))!r}"]
-
-
-def fresh_name(cfg: Config, explicit: bool) -> Config:
-    """A default-named run whose folder exists gets a timestamped name; an explicit name is kept."""
-    if explicit or not cfg.run.path.exists():
-        return cfg
-    run = msgspec.structs.replace(cfg.run, name=f"{cfg.run.name}-{time.strftime('%Y%m%d-%H%M%S')}")
-    return msgspec.structs.replace(cfg, run=run)
-
-
-def summary(records: list[dict], wall_s: float) -> str:
-    """The closing line: steps (and how many took no update), the reward's first and last quarter, the
-    completion tokens of the steps that trained (a skipped step's trained nothing)."""
-    if not records:
-        return f"no step finished in {wall_s:.0f} s"
-    scored = [r["reward/mean"] for r in records if "reward/mean" in r]  # a step left without samples has none
-    k = max(1, len(scored) // 4)
-    first, last = (sum(scored[:k]) / k, sum(scored[-k:]) / k) if scored else (math.nan, math.nan)
-    skipped = sum(1 for r in records if r.get("skipped"))
-    tokens = sum(r.get("completion_tokens", 0) for r in records if not r.get("skipped"))
-    steps = f"{len(records)} steps" + (f" ({skipped} skipped: no update)" if skipped else "")
-    return (
-        f"{steps} in {wall_s:.0f} s; mean reward {first:.3f} (first {k} steps) -> {last:.3f} "
-        f"(last {k}); {tokens} completion tokens trained, {tokens / wall_s:.0f} tokens/s overall"
-    )
-
-
 def run_local(
-    cfg: Config, nodes: int, explicit_name: bool = False, console: Console | None = None, resume: str = ""
+    cfg: Config,
+    nodes: int,
+    explicit_name: bool = False,
+    console: Console | None = None,
+    resume: str = "",
+    owner: RunOwner | None = None,
 ) -> int:
     """Run to the configured number of steps (or Ctrl-C); the exit status. `resume` (a checkpoint
-    folder, or "latest") continues the run of that name in its folder."""
+    folder, or "latest") continues the run of that name in its folder. `owner`: the folder's hold, taken by
+    `claim_run` (its config's name is final); else the launcher takes it (refused, exit 2, while another owns it)."""
     console = console or plain_console()
-    cfg = fresh_name(cfg, explicit_name or bool(resume))
-    launcher = Launcher(cfg, resume=resume)
+    cfg = cfg if owner is not None else fresh_name(cfg, explicit_name or bool(resume))
+    try:
+        launcher = Launcher(cfg, resume=resume, owner=owner)  # owns the folder first: refused, changing nothing
+    except RunBusyError as e:
+        console.print(f"[red]error:[/] {escape(str(e))}", soft_wrap=True)
+        return 2
     try:
         placement = launcher.plan_gpus(nodes)
     except ConfigError as e:
         console.print(f"[red]error:[/] {e}")
+        launcher.owner.release()
         return 2
     board = Board(launcher, nodes)
     where = launcher.run_dir
@@ -112,7 +65,7 @@ def run_local(
         console.print(f"[yellow]warning:[/] {NO_CURVE_WARNING}", markup=True)
     if cfg.loss.preset:
         console.print(presets.describe(cfg), markup=False)
-    started, code, failure = time.monotonic(), 1, ""
+    started, since, code, failure = time.monotonic(), time.time(), 1, ""  # since: this launch's records
     signal.signal(signal.SIGTERM, _interrupt)  # a SIGTERM stops the run as cleanly as Ctrl-C
     previous: dict = {}
     try:
@@ -142,7 +95,7 @@ def run_local(
         elif board.learner is not None and board.learner.state.state == "dead":
             log = launcher.learner.log_path
             console.print(f"[red]the learner exited[/] ({board.learner.state.detail}); its log {log}")
-        console.print(summary(read_metrics(launcher.run_dir / "metrics.jsonl"), time.monotonic() - started))
+        console.print(closing_line(launcher.run_dir, since, time.monotonic() - started, resumed=bool(resume)))
         if code != LEDGER_LOST:  # no ledger to read the books from (one that cannot write still reads)
             code = _books(launcher, board, cfg, console) or code
     finally:
@@ -264,15 +217,16 @@ class _NodeWatch:
         self.board, self.wait_s = board, wait_s
         self.since: float | None = None  # when the run was first seen without a node
 
-    def check(self) -> None:
-        board = self.board
+    def check(self, now: float | None = None) -> None:
+        """now: time.monotonic() unless given (a test's clock)."""
+        board, now = self.board, time.monotonic() if now is None else now
         watches = list(board.nodes.values())
         roster = board.learner.registered if board.learner is not None else set()
         if roster or any(w.child.alive for w in watches):
             self.since = None
             return
-        self.since = self.since or time.monotonic()
-        if time.monotonic() - self.since < self.wait_s:
+        self.since = now if self.since is None else self.since
+        if now - self.since < self.wait_s:
             return
         dead = [state for state in (w.poll() for w in watches) if state.state == "dead"]
         none = f"no rollout node has been live for {self.wait_s:g} s (ledger.heartbeat_ttl_s)"
