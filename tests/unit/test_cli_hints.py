@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pathlib
 import re
-from types import SimpleNamespace
 
 import click
 import typer
@@ -65,13 +64,13 @@ def test_the_check_catches_the_hint_of_issue_19():
 
 
 def test_the_learners_waiting_hint_is_the_launchers_node_command(tmp_path):
-    """The learner (learner/orchestrator.py) and `streamrl run --rollout-nodes 0` (ops/launcher.py)
+    """The learner (learner/admission.py) and `streamrl run --rollout-nodes 0` (ops/launcher.py)
     print the same command; tests/integration/test_first_hour_run.py runs it."""
-    from streamrl.learner.orchestrator import Orchestrator
+    from streamrl.learner.admission import Admission
     from streamrl.ops.launcher import Launcher
 
     cfg = build({}, [f"run.dir={str(tmp_path)!r}", "run.name='hint'"])
-    hint = Orchestrator._hint(SimpleNamespace(cfg=cfg, registry=SimpleNamespace(count=0)))
+    hint = Admission(cfg, None, None, lambda: 0, serve=lambda: None, node_count=lambda: 0).hint()  # no node registered
     launcher = Launcher(cfg)
     try:
         assert hint == f"no rollout node registered; start one with `{launcher.node_command()}`"

@@ -1,6 +1,6 @@
 """What a step trains of its groups (learner/selection.py), against numbers worked by hand: the soft overlong
 penalty, the zero-variance test, dynamic sampling's refill bound and truncated completions masked.
-(tests/integration/test_dynamic_sampling.py runs the same through a real ledger and socket.)"""
+(tests/unit/test_admission.py runs the same through a real ledger and socket.)"""
 
 import pytest
 

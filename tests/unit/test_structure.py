@@ -73,6 +73,8 @@ NOT_A_ROSTER = {
     ("engine/transport.py", "TrajectoryReceiver", "next_seq"): "the stream's framing: the next sequence number "
     "expected from each sender named in a frame, registered or not (gaps and duplicates are counted per sender)"
 }
+# learner rank 0's orchestrator and the modules of its three flows
+ORCHESTRATOR_FLOWS = ("orchestrator.py", "admission.py", "node_service.py", "step_outcome.py")
 MUTATORS = {"add", "append", "insert", "setdefault", "update", "pop", "popitem", "clear", "discard", "remove"}
 NODE_ID = re.compile(r"(^|_)node(_id)?$")
 
@@ -222,9 +224,9 @@ def test_no_container_of_node_ids_outside_the_node_registry():
     assert {"nodes", "identities", "departed"} <= fields  # the rule knows the registry's containers
     found = [hit for path in package_files() for hit in node_rosters(parse(path), _rel(path), fields)]
     assert found == []
-    # the orchestrator counts nodes by asking the registry, never through the publisher
-    orchestrator = (ROOT / "learner" / "orchestrator.py").read_text()
-    assert "registry.count" in orchestrator and not re.search(r"len\(self\.publisher", orchestrator)
+    # the orchestrator's flows count nodes by asking the registry, never through the publisher
+    flows = "".join((ROOT / "learner" / f).read_text() for f in ORCHESTRATOR_FLOWS)
+    assert "registry.count" in flows and not re.search(r"len\(self\.publisher", flows)
 
 
 def test_the_roster_rule_catches_a_second_roster_and_a_reach_into_the_registry():

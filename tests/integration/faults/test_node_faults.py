@@ -27,7 +27,7 @@ from streamrl.engine.auth import NodeKeys, node_keys
 from streamrl.engine.control import ControlClient
 from streamrl.engine.messages import Goodbye, Register, Welcome
 from streamrl.engine.transport import TransportError
-from streamrl.learner.orchestrator import REAP_EVERY_S
+from streamrl.learner.node_service import REAP_EVERY_S
 from streamrl.learner.overdue import SILENT_S
 
 pytestmark = [pytest.mark.faults, pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(900)]
