@@ -12,6 +12,7 @@ import math
 import pathlib
 
 from streamrl.engine.telemetry import EVENTS_FILE, ending_torn, read_jsonl
+from streamrl.learner.evaluation.report import first_to_last
 from streamrl.ops.progress import trained_rate
 
 
@@ -47,7 +48,8 @@ def closing_line(run_dir: pathlib.Path, since: float, wall_s: float, resumed: bo
     skips = [f"{torn} torn line(s) of metrics.jsonl"] * bool(torn)
     skips += [f"{torn_events} of events.jsonl"] * bool(torn_events)
     skips += ["a torn end.json"] * ending_torn(run_dir)
-    return line + (f" ({', '.join(skips)} skipped)" if skips else "")
+    line += f" ({', '.join(skips)} skipped)" if skips else ""
+    return "\n".join([line, *first_to_last(ours)])  # each held-out source's first -> last evaluation
 
 
 def _time(record: dict) -> float:
