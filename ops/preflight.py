@@ -7,7 +7,8 @@
 Each check reuses the code the roles themselves run (the model checks of engine/models.py, the row
 judging of rollout/sources.py, reward resolution and signature checks of rewards/registry.py, the
 vLLM rules of rollout/backends/vllm_support.py), so preflight and the node never disagree. Nothing here
-starts an engine, loads weights, opens a socket or calls a reward. A check that needs what an
+starts an engine, loads weights or opens a socket; each reward is called once, on a few rows in a worker with the
+run's deadline (rewards/trial.py). A check that needs what an
 earlier one failed to load (the tokenizer, the model config) is skipped, not reported twice.
 """
 
@@ -59,6 +60,7 @@ class _Context:
     hf_config: Any = None  # set by the model check when the config loads
     tokenizer: Any = None  # likewise
     columns: list[str] | None = None  # reward column keywords, set by the data check
+    rewards_resolve: bool = False  # set by the reward check: every reward resolved, so the trial can call them
     nodes: int = 1  # rollout nodes `streamrl run` starts (the GPU placement)
     mode: str = ""  # set by the GPU check: the mode run.mode = 'auto' comes to on a shared GPU
 
@@ -203,7 +205,21 @@ def check_rewards(ctx: _Context) -> list[Problem]:
             check_signature(resolve(spec, reward), spec, ctx.columns)
         except RewardSpecError as e:
             out.append(str(e))
+    ctx.rewards_resolve = not out and ctx.columns is not None
     return [_problem("reward", m) for m in out]
+
+
+def check_reward_trial(ctx: _Context) -> list[Problem]:
+    """Each reward called once on the first prompts with dummy completions, in a worker with the run's deadline
+    (rewards/trial.py): one that raises, breaks the contract or times out stops the run before it starts."""
+    from streamrl.rewards.trial import trial, trial_batch
+
+    if ctx.cfg.env.name or not ctx.rewards_resolve:
+        return []  # no reward.functions called (an environment's rewards), or the reward check said why not
+    cfg = ctx.cfg
+    batch = trial_batch(cfg.data, ctx.tokenizer, cfg.run.seed)
+    found = trial(cfg.reward, batch, f"data.path = {cfg.data.path}" if cfg.data.path else "the demo task")
+    return [_problem("reward", message, level=level) for level, message in found]
 
 
 def check_env(ctx: _Context) -> list[Problem]:
@@ -327,6 +343,7 @@ CHECKS: list[tuple[str, frozenset[str], Callable[[_Context], list[Problem]]]] = 
     ("lora", frozenset(ROLES), check_lora),
     ("data", frozenset({"rollout"}), check_data),
     ("reward", frozenset({"rollout"}), check_rewards),
+    ("reward trial", frozenset({"rollout"}), check_reward_trial),
     ("env", frozenset({"rollout"}), check_env),
     ("eval", frozenset({"rollout"}), check_eval),
     ("telemetry", frozenset({"learner"}), check_telemetry),

@@ -14,6 +14,7 @@ from .demo import demo_rows, letter_share
 from .registry import BUILTINS, REWARD_MODEL, RewardSpecError, resolve
 from .scorer import Scorer, ScorerStats, build_scorer, combine
 from .stats import RewardStats, batch_stats, warn_if_flat
+from .trial import no_trial
 
 __all__ = [
     "BUILTINS",
@@ -28,6 +29,7 @@ __all__ = [
     "combine",
     "demo_rows",
     "letter_share",
+    "no_trial",
     "resolve",
     "warn_if_flat",
 ]

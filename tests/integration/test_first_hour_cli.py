@@ -149,6 +149,47 @@ def test_a_reward_that_needs_a_column_the_data_lacks(tmp_path, tiny_model):
     assert_fast(wall, cpu)
 
 
+BROKEN_REWARDS = """
+def batch_mean(completions, **kwargs):
+    return [sum(len(c) for c in completions) / len(completions)]
+
+def always_raises(completions, **kwargs):
+    raise RuntimeError("this reward raises on every call")
+"""
+
+
+def test_a_reward_of_the_wrong_length_stops_the_run_in_preflight(tmp_path, tiny_model):
+    """Issue 53: it trained 20 steps at 'reward 83.5' and exited 0 (a batch of one got the batch's one value)."""
+    (tmp_path / "broken.py").write_text(BROKEN_REWARDS)
+    proc, wall, cpu = streamrl(tmp_path, "run", "--model", tiny_model, "--reward", "broken.py:batch_mean")
+    assert_refused(
+        proc,
+        wall,
+        cpu,
+        "error: reward: reward 'broken.py:batch_mean' failed a trial call on 4 samples (the first prompts of the demo "
+        "task, dummy completions): streamrl.rewards.call.RewardValueError: reward batch_mean returned 1 values for 4 "
+        "completions; a reward returns a list with one float (or None) per completion, in the order given (a score "
+        "of the whole batch, such as its mean, is given to each: `[score] * len(completions)`); a reward whose trial "
+        "is not meaningful opts out with `fn.streamrl_trial = False`",
+        tmp_path,
+    )
+
+
+def test_a_reward_raising_on_every_call_stops_the_run_in_preflight(tmp_path, tiny_model):
+    """Issue 53: exit 3 after 26.9 s, with Redis, the learner and two nodes started and the run folder left."""
+    (tmp_path / "broken.py").write_text(BROKEN_REWARDS)
+    proc, wall, cpu = streamrl(tmp_path, "run", "--model", tiny_model, "--reward", "broken.py:always_raises")
+    assert_refused(
+        proc,
+        wall,
+        cpu,
+        "error: reward: reward 'broken.py:always_raises' failed a trial call on 4 samples (the first prompts of the "
+        "demo task, dummy completions): RuntimeError: this reward raises on every call; each sample alone: all "
+        "failed; a reward whose trial is not meaningful opts out with `fn.streamrl_trial = False`",
+        tmp_path,
+    )
+
+
 def test_an_environment_name_that_does_not_exist(tmp_path, tiny_model):
     """Issue 38: it started Redis, the learner and two nodes, which died on it 47 s later (exit 1)."""
     proc, wall, cpu = streamrl(tmp_path, "run", "--model", tiny_model, "--set", "env.name='no_such_env'")
