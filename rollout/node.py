@@ -1,10 +1,12 @@
 """The rollout node loop: prompt -> credit -> generate a group -> score -> send each trajectory.
 
 Up to `rollout.max_concurrent_groups` groups (engine.config.rules.node_groups) are in flight at once
-(asyncio tasks); the engine batches them. Seams the end-to-end wiring fills: `credits` (admission;
-unlimited by default), `apply_weights` (a new policy between or during generation), and `stop` (finish in-flight groups
-within a grace period, abandon the rest and report them). Completions are decoded only for the
-rewards; trajectories carry token ids.
+(asyncio tasks); the engine batches them. Seams the end-to-end wiring fills (rollout/seams.py): `credits`
+(admission; unlimited by default), the sink and the scorer; and `apply_weights` (a new policy between or
+during generation), and `stop` (finish in-flight groups within a grace period, abandon the rest and
+report them). What a group is (generated, scored, made into trajectories) is rollout/groups.py's;
+completions are decoded only for the rewards; trajectories carry token ids. A slot is given to work in
+one place (`_start_next`): other kinds of work than training groups would be served there.
 
 With `env.name` set, a group is `rollout.group_size` multi-turn episodes of the row instead
 (rollout/envs): the environment's rewards replace reward.functions. An episode that fails
@@ -19,77 +21,27 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import dataclasses
 import itertools
 import logging
-import time
 import uuid
-from collections.abc import Iterable
-from typing import Protocol
+from collections.abc import Iterable, Iterator
 
 from streamrl.engine.config import Config
 from streamrl.engine.ledger import sample_ids as ledger_sample_ids
-from streamrl.engine.messages import Timings, Trajectory, WeightsReady
+from streamrl.engine.messages import Trajectory, WeightsReady
 from streamrl.engine.placement import node_groups
 from streamrl.engine.telemetry import EventLog
 from streamrl.engine.weights.paths import SHARED
-from streamrl.rollout.backends.protocol import Completion, GenerationBackend
-from streamrl.rollout.envs.episode import Episode, build_runner
-from streamrl.rollout.scoring import GroupScorer
+from streamrl.rollout.backends.protocol import GenerationBackend
+from streamrl.rollout.envs.episode import build_runner
+from streamrl.rollout.groups import GroupMaker
+from streamrl.rollout.seams import Credits, NodeStats, Scorer, TrajectorySink, UnlimitedCredits
 from streamrl.rollout.sources import Prompt
 
 log = logging.getLogger(__name__)
 
 CREDIT_RETRY_S = 0.01  # a refused credit is asked again this soon (sync mode: right after new weights)
 MAX_FAILURES_IN_A_ROW = 5
-
-
-class Credits(Protocol):
-    """Admission: a group starts only once `acquire` granted it; `release` returns a group never sent;
-    `drop` resolves single samples never sent as `dropped:<reason>` (`reason` is a ledger drop reason,
-    lowercase letters, digits and '_'), the group's other samples going on."""
-
-    async def acquire(self, group_id: str, sample_ids: list[str]) -> bool: ...
-
-    async def release(self, group_id: str, sample_ids: list[str], reason: str) -> None: ...
-
-    async def drop(self, sample_ids: list[str], reason: str) -> None: ...
-
-
-class UnlimitedCredits:
-    async def acquire(self, group_id: str, sample_ids: list[str]) -> bool:
-        return True
-
-    async def release(self, group_id: str, sample_ids: list[str], reason: str) -> None:
-        return None
-
-    async def drop(self, sample_ids: list[str], reason: str) -> None:
-        return None
-
-
-class TrajectorySink(Protocol):
-    def send(self, traj: Trajectory) -> int: ...
-
-
-class Scorer(Protocol):
-    def score(
-        self, prompts: list[str], completions: list[str], completion_ids: list[list[int]], columns: list[dict]
-    ) -> list[float | None]: ...
-
-
-@dataclasses.dataclass
-class NodeStats:
-    groups_started: int = 0
-    groups_sent: int = 0
-    samples_sent: int = 0
-    tokens_sent: int = 0
-    groups_failed: int = 0  # generation or scoring raised; the group's credit was released
-    rewards_none: int = 0
-    abandoned: list[str] = dataclasses.field(default_factory=list)  # group ids cut off by stop()
-    weight_updates: int = 0
-    episodes_dropped: dict[str, int] = dataclasses.field(default_factory=dict)  # by reason (env mode)
-    episode_limits: dict[str, int] = dataclasses.field(default_factory=dict)  # episodes/turns cut by each limit
-    sleeps: int = 0  # times the engine slept while the learner trained (sync mode, the learner's device)
 
 
 def sleeps_on(cfg: Config, weights_path: str, engine: GenerationBackend) -> bool:
@@ -120,7 +72,6 @@ class RolloutNode:
         self.cfg, self.node_id, self.engine, self.events = cfg, node_id, engine, events
         self.concurrency = node_groups(cfg, device)
         self.source, self.scorer, self.sink, self.tokenizer = source, scorer, sink, tokenizer
-        self._scoring = GroupScorer(scorer, tokenizer, cfg.data)  # groups finishing together: one reward call
         self.credits = credits or UnlimitedCredits()
         self.stats = NodeStats()
         self._failures_in_a_row = 0
@@ -139,6 +90,7 @@ class RolloutNode:
         self.episodes = build_runner(cfg, engine, tokenizer) if cfg.env.name else None
         if self.episodes is not None:  # the runner's live counters
             self.stats.episodes_dropped, self.stats.episode_limits = self.episodes.failures, self.episodes.limits
+        self.groups = GroupMaker(cfg, node_id, engine, scorer, tokenizer, self.credits, self.stats, self.episodes)
 
     @property
     def policy_version(self) -> int:
@@ -153,8 +105,7 @@ class RolloutNode:
             while max_groups is None or self.stats.groups_started < max_groups:
                 if not await self._slot(limit):
                     break
-                prompt = next(prompts, None)
-                if prompt is None or not await self._admit(prompt, limit):
+                if not await self._start_next(prompts, limit):
                     limit.release()
                     break
         finally:
@@ -189,6 +140,13 @@ class RolloutNode:
         acquire.cancel()
         return False
 
+    async def _start_next(self, prompts: Iterator[Prompt], limit: asyncio.Semaphore) -> bool:
+        """Give the slot just taken to the next piece of work: a training group of the next prompt. The one
+        place a slot is handed out, between groups: another kind of work (evaluation prompts, say) would be
+        served here, in a slot of its own. False (the slot unused) when the source ended or the node stops."""
+        prompt = next(prompts, None)
+        return prompt is not None and await self._admit(prompt, limit)
+
     async def _admit(self, prompt: Prompt, limit: asyncio.Semaphore) -> bool:
         """Take a credit for a new group (retrying while none is free) and start it; False when stopping."""
         group_id = f"{self.node_id}-{self._incarnation}-g{next(self._groups)}"
@@ -220,10 +178,7 @@ class RolloutNode:
         self._generating += 1
         try:
             try:
-                if self.episodes is not None:
-                    trajectories = await self._episode_group(group_id, sample_ids, prompt)
-                else:
-                    trajectories = await self._completion_group(group_id, sample_ids, prompt)
+                trajectories = await self.groups.make(group_id, sample_ids, prompt)
             finally:
                 self._generating -= 1
         except asyncio.CancelledError:
@@ -248,75 +203,6 @@ class RolloutNode:
         if trajectories:
             await self._send(trajectories)
             self.stats.groups_sent += 1
-
-    async def _completion_group(self, group_id: str, sample_ids: list[str], prompt: Prompt) -> list[Trajectory]:
-        submitted = time.time()
-        cap = prompt.cap(self.cfg.rollout.max_tokens)  # the row's own cap (data's max_tokens column), if lower
-        completions = await self.engine.generate(prompt.prompt_ids, len(sample_ids), cap)
-        finished = time.time()
-        rewards = await self._scoring.score(prompt, completions)
-        timings = Timings(submitted=submitted, finished=finished, rewarded=time.time())
-        return [
-            self._trajectory(sid, group_id, prompt, c, r, timings)
-            for sid, c, r in zip(sample_ids, completions, rewards, strict=True)
-        ]
-
-    async def _episode_group(self, group_id: str, sample_ids: list[str], prompt: Prompt) -> list[Trajectory]:
-        """The group's episodes; failed ones dropped in the ledger, the rest a group of the survivors."""
-        episodes = await self.episodes.run_group(prompt.prompt_ids, prompt.row, len(sample_ids))
-        for reason in sorted({e.failure for e in episodes if e.failure}):
-            await self.credits.drop([s for s, e in zip(sample_ids, episodes) if e.failure == reason], reason)
-        survivors = [(s, e) for s, e in zip(sample_ids, episodes) if not e.failure]
-        return [self._episode_trajectory(s, group_id, e, len(survivors)) for s, e in survivors]
-
-    def _episode_trajectory(self, sample_id: str, group_id: str, ep: Episode, group_size: int) -> Trajectory:
-        return Trajectory(
-            sample_id=sample_id,
-            group_id=group_id,
-            node_id=self.node_id,
-            seq=0,
-            prompt_ids=ep.prompt_ids,
-            completion_ids=ep.completion_ids,
-            behavior_logprobs=ep.logprobs,
-            reward=ep.reward,
-            reward_error=self._reward_error() if ep.reward is None else "",
-            policy_version=ep.versions[0],
-            token_versions=ep.versions if len(set(ep.versions)) > 1 else [],
-            finish_reason=ep.finish_reason,
-            group_size=group_size,
-            timings=Timings(submitted=ep.started, finished=ep.generated, rewarded=time.time()),
-            loss_mask=ep.mask if 0 in ep.mask else [],
-            turns=ep.turns,
-            tool_calls=ep.tools.get("calls", 0),
-            tool_failed=ep.tools.get("failed", 0),
-            tool_timeouts=ep.tools.get("timed_out", 0),
-        )
-
-    def _trajectory(
-        self, sample_id: str, group_id: str, prompt: Prompt, c: Completion, reward: float | None, timings: Timings
-    ) -> Trajectory:
-        self.stats.rewards_none += reward is None
-        version = c.policy_version if c.token_versions else self.engine.policy_version
-        return Trajectory(
-            sample_id=sample_id,
-            group_id=group_id,
-            node_id=self.node_id,
-            seq=0,
-            prompt_ids=prompt.prompt_ids,
-            completion_ids=c.token_ids,
-            behavior_logprobs=c.logprobs,
-            reward=reward,
-            policy_version=version,
-            token_versions=c.token_versions if c.mixed_versions else [],
-            finish_reason=c.finish_reason,
-            group_size=self.cfg.rollout.group_size,
-            timings=timings,
-            reward_error=self._reward_error() if reward is None else "",
-        )
-
-    def _reward_error(self) -> str:
-        """Why a reward is None: the scorer's first failure (a test's scorer may not keep one)."""
-        return getattr(self.scorer, "first_error", "") or "a reward returned None"
 
     async def _send(self, trajectories: list[Trajectory]) -> None:
         """Send a group in the one sender thread (ZMQ sockets are not thread-safe), in one hop to it: a hop a

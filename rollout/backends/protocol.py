@@ -33,10 +33,6 @@ class Completion(msgspec.Struct, kw_only=True):
         """Version of the first token (the one the node had when the sample started)."""
         return self.token_versions[0] if self.token_versions else -1
 
-    @property
-    def mixed_versions(self) -> bool:
-        return len(set(self.token_versions)) > 1
-
 
 @runtime_checkable
 class GenerationBackend(Protocol):

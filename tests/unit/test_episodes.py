@@ -269,6 +269,19 @@ def test_a_multi_turn_group_goes_out_with_its_mask_and_versions(tokenizer):
         assert traj.token_versions and traj.min_version == traj.policy_version == traj.token_versions[0]
 
 
+def test_an_episode_without_a_stamped_token_takes_the_live_version_as_a_completion_does(tokenizer):
+    # one definition of a sample's versions (rollout/groups.py stamp) for completions and episodes: an
+    # episode whose turn sampled no token is of the engine's live version (the node's two builders
+    # differed here: the episode's read ep.versions[0], an IndexError that failed the group)
+    cfg = _cfg(name="echo_target", args={"rounds": 1, "letters": "a"})
+    cfg.rollout.group_size = 2
+    engine = FakeEngine([[]])
+    node, sink, credits = _node(cfg, tokenizer, engine, [{"prompt": "p"}])
+    stats = asyncio.run(node.run())
+    assert stats.groups_failed == 0 and credits.released == [] and len(sink.sent) == 2
+    assert [(t.policy_version, t.token_versions, t.completion_ids) for t in sink.sent] == [(2, [], [])] * 2
+
+
 def test_an_engine_error_fails_the_group_and_cancels_its_other_episodes(tokenizer):
     class OneBreaks:
         policy_version = 0
