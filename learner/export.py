@@ -1,4 +1,5 @@
-"""HF export: a folder that `AutoModelForCausalLM.from_pretrained` and vLLM load with no streamrl.
+"""HF export: a folder that `AutoModelForCausalLM.from_pretrained` and vLLM load with no streamrl (the critic's
+value model: one that `AutoModelForSequenceClassification.from_pretrained` loads, one label, as reward models are).
 
 Sharded safetensors (with their index when there is more than one shard), `config.json`,
 `generation_config.json` and the tokenizer files. Written from a full state dict: rank 0's during
@@ -29,16 +30,21 @@ def export_state(
     out_dir: str | os.PathLike,
     max_shard_size: str | int = DEFAULT_SHARD_SIZE,
     overwrite: bool = False,
+    value_model: bool = False,
 ) -> pathlib.Path:
     """Write `state` (HF names, full tensors) as an HF model folder, with the config and tokenizer
-    files found in `hf_files` (a checkpoint's `hf/` or the source model's folder)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    files found in `hf_files` (a checkpoint's `hf/` or the source model's folder). value_model: `state` is the
+    critic's (body and `score`), written as a one-label sequence-classification model of the same architecture."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
 
     hf_files, out = pathlib.Path(hf_files), pathlib.Path(out_dir)
     _check_out(out, overwrite)
-    config = AutoConfig.from_pretrained(hf_files)
+    config = AutoConfig.from_pretrained(hf_files, **({"num_labels": 1} if value_model else {}))
+    if value_model and config.pad_token_id is None:
+        config.pad_token_id = config.eos_token_id  # its forward finds each sequence's last token by the pad id
+    kind = AutoModelForSequenceClassification if value_model else AutoModelForCausalLM
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=_dtype_of(state))
+        model = kind.from_config(config, dtype=_dtype_of(state))
     missing, unexpected = model.load_state_dict(dict(state), strict=False, assign=True)
     missing = [k for k in missing if not _tied(config, k)]
     if missing or unexpected:

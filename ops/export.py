@@ -7,6 +7,7 @@ import pathlib
 import tempfile
 
 from streamrl.learner import checkpoint
+from streamrl.learner.checkpoint import critic as critic_part
 from streamrl.learner.export import DEFAULT_SHARD_SIZE, ExportError, export_adapter, export_state, merge_adapter
 
 
@@ -17,10 +18,12 @@ def export_checkpoint(
     overwrite: bool = False,
     merge: bool = False,
     base: str = "",
+    critic: bool = False,
 ) -> pathlib.Path:
     """A checkpoint (a step folder, or a run / checkpoints folder: its newest) → an HF model folder at `out_dir`;
     a LoRA checkpoint → a PEFT adapter folder, or with `merge` the base model (`base`, default the run's
-    model.path) with the adapter merged in.
+    model.path) with the adapter merged in; with `critic`, the critic's value model (a one-label
+    sequence-classification folder, as reward models are saved).
 
     Raises `checkpoint.CheckpointError` for a checkpoint that cannot be read, `ExportError` for a
     folder that cannot be written."""
@@ -31,6 +34,11 @@ def export_checkpoint(
             f"checkpoint {path} has no hf/config.json: it cannot be exported (was it copied without its hf/ folder?)"
         )
     meta = checkpoint.read_meta(path)
+    if critic:
+        if not meta.critic:
+            raise ExportError(f"checkpoint {path} has no critic (its run's loss.advantage was not 'gae')")
+        weights = critic_part.load_weights(path, meta.critic, meta.critic_dtypes)
+        return export_state(weights, hf_files, out_dir, max_shard_size, overwrite, value_model=True)
     if meta.adapter is None:
         return export_state(checkpoint.load_weights(path), hf_files, out_dir, max_shard_size, overwrite)
     base = checkpoint.local_path(base or meta.base)  # as PEFT's base_model_name_or_path: absolute

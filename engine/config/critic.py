@@ -36,6 +36,14 @@ class CriticConfig(_Section):
             ge=0,
         ),
     ] = 0
+    epochs: Annotated[
+        int,
+        _doc(
+            "The critic's passes over a step's mini-batches (one update each; verl critic.ppo_epochs); 0: "
+            "learner.epochs, as the actor.",
+            ge=0,
+        ),
+    ] = 0
     value_clip: Annotated[
         float,
         _doc(

@@ -70,7 +70,8 @@ class Keeper:
     def resume(self, spec: str, run_dir: str | os.PathLike) -> LearnerState:
         """Every rank: load the checkpoint `spec` names (`latest`, or a path) into the model and trainer."""
         path = resolve(spec, run_dir)
-        state = load(path, self.lm, self.trainer.optimizer, self.trainer.scheduler)
+        critic = getattr(self.trainer, "shaper", None)  # the critic's model and optimizer (checkpoint/critic.py)
+        state = load(path, self.lm, self.trainer.optimizer, self.trainer.scheduler, critic=critic)
         self.trainer.load_state_dict(state.trainer_state())
         if parallel.is_rank0():
             log.info(
@@ -117,7 +118,8 @@ class Keeper:
         state = LearnerState(step=step, **self.trainer.state_dict())
         args = (self.lm, self.trainer.optimizer, self.trainer.scheduler, state, self.model_source)
         try:
-            save(self.root, *args, self.cfg.keep_last, self.cfg.keep_every, self.adapter, need=self.need)
+            critic = getattr(self.trainer, "shaper", None)
+            save(self.root, *args, self.cfg.keep_last, self.cfg.keep_every, self.adapter, need=self.need, critic=critic)
         except DiskFullError as e:
             if step == self.last_step:
                 raise

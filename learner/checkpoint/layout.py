@@ -72,6 +72,9 @@ class Meta(msgspec.Struct):
     # LoRA: the checkpoint holds the adapters alone (`params`), of this spec, trained on the base model `base`
     adapter: AdapterSpec | None = None
     base: str = ""
+    # the critic's value model (checkpoint/critic.py): DCP key -> full shape, and -> dtype; empty without one
+    critic: dict[str, list[int]] = {}
+    critic_dtypes: dict[str, str] = {}
 
 
 def trained_names(lm: nn.Module) -> set[str] | None:

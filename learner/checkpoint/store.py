@@ -17,6 +17,7 @@ from torch import nn
 
 from streamrl.engine.messages import AdapterSpec
 from streamrl.learner import parallel
+from streamrl.learner.checkpoint import critic as critic_part
 from streamrl.learner.checkpoint.layout import (
     FORMAT,
     META,
@@ -51,12 +52,13 @@ def save(
     keep_every: int = 0,
     adapter: AdapterSpec | None = None,
     need: int = 0,
+    critic=None,
 ) -> pathlib.Path:
     """Every rank calls: write `root/step_{state.step}` (model, optimizer, schedule, RNG, state), then
     apply the retention policy. Returns the checkpoint folder. LoRA (`adapter`): the trained adapters and
     their optimizer state alone; the frozen base is `model_source`'s. `need`: the bytes it takes
     (`estimate_bytes`, computed when 0). A checkpoint that does not fit raises `DiskFullError` on every rank
-    and leaves nothing behind."""
+    and leaves nothing behind. `critic`: the trainer's critic, whose value model and optimizer go in too."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
@@ -67,20 +69,23 @@ def save(
     need = need or estimate_bytes(lm, model_source, parallel.world_size())
     _on_rank0_then_share(lambda: _prepare(root, tmp, need))
     try:
-        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
+        dcp.save({"model": model_sd, "optim": optim_sd, **critic_part.state(critic)}, checkpoint_id=str(tmp))
     except BaseException as e:  # DCP reports a rank's failed write on every rank: CheckpointException, a BaseException
         if not _no_space(e):
             raise
         _on_rank0_then_share(lambda: _discard(tmp))
     rngs = parallel.gather_objects(_rng_state())
     # rank 0's files; its error reaches every rank (one rank raising alone would leave the others waiting)
-    _on_rank0_then_share(lambda: _finish(root, tmp, final, lm, scheduler, state, model_source, adapter, rngs))
+    critic_meta = critic_part.shapes(critic)
+    _on_rank0_then_share(
+        lambda: _finish(root, tmp, final, lm, scheduler, state, model_source, adapter, rngs, critic_meta)
+    )
     if parallel.is_rank0():
         prune(root, keep_last, keep_every)
     return final
 
 
-def _finish(root, tmp, final, lm, scheduler, state, model_source, adapter, rngs) -> None:
+def _finish(root, tmp, final, lm, scheduler, state, model_source, adapter, rngs, critic_meta=({}, {})) -> None:
     """Rank 0: the files that are not sharded, meta.json last, then the folder under its name."""
     try:
         torch.save({"scheduler": scheduler.state_dict(), "rng": rngs}, tmp / "extra.pt")
@@ -94,6 +99,8 @@ def _finish(root, tmp, final, lm, scheduler, state, model_source, adapter, rngs)
             dtypes,
             adapter=adapter,
             base=local_path(model_source) if adapter is not None else "",
+            critic=critic_meta[0],
+            critic_dtypes=critic_meta[1],
         )
         _write_atomic(tmp / META, msgspec.json.encode(meta))
     except (OSError, RuntimeError) as e:  # torch.save reports a full disk as a RuntimeError
@@ -167,9 +174,10 @@ def write_hf_files(lm: nn.Module, model_source: str, out: pathlib.Path) -> None:
 # ---- load ------------------------------------------------------------------------------------
 
 
-def load(path: str | os.PathLike, lm: nn.Module, optimizer, scheduler) -> LearnerState:
+def load(path: str | os.PathLike, lm: nn.Module, optimizer, scheduler, critic=None) -> LearnerState:
     """Every rank calls: restore model, optimizer, schedule and RNG from `path` (any number of ranks
-    may have saved it); returns the learner state to continue from."""
+    may have saved it), and the critic's value model and optimizer when the run has one; returns the
+    learner state to continue from."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
@@ -178,8 +186,15 @@ def load(path: str | os.PathLike, lm: nn.Module, optimizer, scheduler) -> Learne
     check_compatible(meta, lm, path)
     options = _options(lm)
     model_sd, optim_sd = _trained(lm, *get_state_dict(lm, optimizer, options=options))
-    dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(path))
+    critic_sd = critic_part.state(critic)
+    if critic_sd and not meta.critic:
+        raise CheckpointError(
+            f"checkpoint {path} has no critic, and this run trains one (loss.advantage = 'gae'); resume it with "
+            "the loss it was saved with, or start a new run"
+        )
+    dcp.load({"model": model_sd, "optim": optim_sd, **critic_sd}, checkpoint_id=str(path))
     set_state_dict(lm, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd, options=options)
+    critic_part.restore(critic, critic_sd)
     extra = _load_extra(path / "extra.pt")
     scheduler.load_state_dict(extra["scheduler"])
     rngs = extra["rng"]

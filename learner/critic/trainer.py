@@ -85,12 +85,13 @@ class Shaper:
         return out
 
     def train(self, minis: list[list[MicroBatch]], normalizers: list[float], epochs: int) -> dict[str, float]:
-        """The critic's updates (one per mini-batch per epoch) and the step's critic metrics (reduced)."""
+        """The critic's updates (one per mini-batch per epoch: critic.epochs, else the actor's `epochs`) and the
+        step's critic metrics (reduced)."""
         if self.model is None:
             return {}
         norms = [
             self._update(mini, targets, n)
-            for _ in range(epochs)
+            for _ in range(self.cfg.epochs or epochs)
             for mini, targets, n in zip(minis, self._targets, normalizers)
         ]
         self.steps += 1

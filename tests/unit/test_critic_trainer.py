@@ -1,6 +1,8 @@
 """The critic in the learner step, on the tiny model, one rank: its values make per-token advantages, it trains
 toward the returns on the same micro-batches, the actor waits during its warm-up, micro-batching does not
-change the value loss, and REINFORCE++ needs no value model."""
+change the value loss, and REINFORCE++ needs no value model. In a checkpoint (the same DCP path as many
+ranks) its weights and AdamW state come back bit-exact and training goes on as if never stopped; `streamrl
+export --critic` writes a value model that transformers loads as a one-label sequence classifier."""
 
 import random
 
@@ -10,15 +12,17 @@ import torch
 from streamrl.engine.config import LearnerConfig, LossConfig, build
 from streamrl.engine.config.critic import CriticConfig
 from streamrl.engine.messages import Trajectory
-from streamrl.learner import parallel
+from streamrl.learner import checkpoint, parallel
 from streamrl.learner.batching import pack
 from streamrl.learner.critic.model import load_value_net, wrap_value_model
 from streamrl.learner.critic.trainer import Shaper, build_shaper
 from streamrl.learner.train_step import Trainer
+from streamrl.ops.export import export_checkpoint
 
 LEARNER = LearnerConfig(lr=1e-3)
 LOSS = LossConfig(advantage="gae", aggregation="token")
 CRITIC = CriticConfig(lr=1e-2)
+WARMING = CriticConfig(lr=1e-2, warmup_steps=1)
 CPU = torch.device("cpu")
 
 
@@ -115,3 +119,76 @@ def test_reinforce_pp_has_no_value_model(tiny_model):
     assert metrics["skipped"] == 0.0 and t.version == 1
     cfg = build({"loss": {"advantage": "group_std"}})
     assert build_shaper(cfg, CPU, torch.float32) is None  # group estimators: nothing per token
+
+
+def batch():
+    return pack(samples(), [0.0, 1.0, 0.0, 1.0], token_budget=64)
+
+
+def critic_state(t):
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    weights = {k: v.clone() for k, v in parallel.full_state_dict(t.shaper.model).items()}
+    sd = get_optimizer_state_dict(t.shaper.model, t.shaper.optimizer, options=StateDictOptions(full_state_dict=True))
+    moments = {f"{n}.{k}": v.clone() for n, st in sd["state"].items() for k, v in st.items()}
+    return weights, moments
+
+
+def same(a, b):
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.fixture(scope="module")
+def saved(tiny_model, tmp_path_factory):
+    """A trainer two steps in (the first the critic's warm-up), saved; and the checkpoint's folder."""
+    t = trainer(tiny_model, critic=WARMING)
+    for _ in range(2):
+        t.step(batch())
+    state = checkpoint.LearnerState(step=2, **t.state_dict())
+    root = tmp_path_factory.mktemp("ckpt") / "checkpoints"
+    path = checkpoint.save(root, t.model.lm, t.optimizer, t.scheduler, state, tiny_model, critic=t.shaper)
+    saved_values = t.shaper.values(batch()[0])  # the tests after the first see t a step further on
+    return t, path, saved_values
+
+
+def test_resume_restores_the_critic_bit_exact_and_training_goes_on_the_same(saved, tiny_model):
+    t, path, _ = saved
+    torch.manual_seed(99)
+    fresh = trainer(tiny_model, critic=CriticConfig(lr=1e-2, warmup_steps=1, value_clip=0.5))
+    with torch.no_grad():  # another start: everything must come from the checkpoint
+        for p in fresh.shaper.model.parameters():
+            p.add_(0.01)
+    before = critic_state(fresh)
+    state = checkpoint.load(path, fresh.model.lm, fresh.optimizer, fresh.scheduler, critic=fresh.shaper)
+    fresh.load_state_dict(state.trainer_state())
+    assert not torch.equal(next(iter(before[0].values())), next(iter(critic_state(fresh)[0].values())))
+    for a, b in zip(critic_state(t), critic_state(fresh)):
+        same(a, b)
+    assert (fresh.shaper.steps, fresh.version) == (2, 1)  # one warm-up step, one step of both
+    t.step(batch())
+    fresh.step(batch())
+    for a, b in zip(critic_state(t), critic_state(fresh)):
+        same(a, b)
+
+
+def test_a_critic_run_refuses_a_checkpoint_without_one(saved, tiny_model, tmp_path):
+    t, _, _ = saved
+    state = checkpoint.LearnerState(step=1, **t.state_dict())
+    path = checkpoint.save(tmp_path, t.model.lm, t.optimizer, t.scheduler, state, tiny_model)  # no critic
+    with pytest.raises(checkpoint.CheckpointError, match="has no critic"):
+        checkpoint.load(path, t.model.lm, t.optimizer, t.scheduler, critic=t.shaper)
+
+
+def test_export_critic_writes_a_value_model_transformers_loads(saved, tmp_path):
+    from transformers import AutoModelForSequenceClassification
+
+    _, path, values = saved
+    out = export_checkpoint(path, tmp_path / "critic", critic=True)
+    net = AutoModelForSequenceClassification.from_pretrained(out, dtype=torch.float32, attn_implementation="sdpa")
+    mb = batch()[0]
+    with torch.no_grad():
+        hidden = net.model(input_ids=mb.input_ids[None], position_ids=mb.position_ids[None], use_cache=False)
+        hidden = hidden.last_hidden_state[0]
+        exported = net.score(hidden).squeeze(-1)
+    assert torch.allclose(exported, values, atol=1e-5)
+    assert torch.count_nonzero(exported) > 0  # trained away from the zero head it started with
