@@ -1,4 +1,4 @@
-"""`streamrl learner`: receive → admit → step → commit → push → checkpoint → report, once per step.
+"""`streamrl learner`: receive → admit → step → commit → push → report → checkpoint, once per step.
 
 Every rank runs this loop (torchrun for more than one). Rank 0's `Orchestrator` does the I/O: it
 collects the step's groups, packs each rank's micro-batches (balanced by tokens) and sends them as
@@ -24,6 +24,7 @@ from streamrl.engine.messages import AdapterSpec
 from streamrl.engine.models import default_tiny_model, load_model
 from streamrl.engine.telemetry import ENDING, keep_reserve, setup_logging, write_ending
 from streamrl.learner import checkpoint, evaluation, lora, parallel
+from streamrl.learner.clean_stop import CleanStop
 from streamrl.learner.critic.trainer import build_shaper
 from streamrl.learner.intake import LearnerStalledError, RewardFailingError
 from streamrl.learner.orchestrator import Orchestrator
@@ -69,6 +70,8 @@ def run_learner(cfg: Config, resume: str = "") -> str:
     orchestrator = _start_orchestrator(cfg, device, trainer, policy, resumed_version, first, adapter)
     evaluations = evaluation.start(cfg, orchestrator, trainer.version, first) if rank0 else None  # v0's posted
     ending = {"reason": "the learner stopped", "finished": False, "ledger_reachable": True}
+    stop, saved_s = CleanStop(done_step=first - 1), 0.0  # Ctrl-C and SIGTERM from here: learner/clean_stop.py
+    stop.install()
     skips = 0  # steps that took no optimizer update (no gradient, or a non-finite one): they trained nothing
     # sync mode on a GPU: a step's freed activations go back to the driver, for nodes waking on this GPU
     release = cfg.run.mode == "sync" and torch.device(device).type == "cuda"
@@ -83,6 +86,7 @@ def run_learner(cfg: Config, resume: str = "") -> str:
             per_rank = orchestrator.next_batch(parallel.world_size(), step) if rank0 else None  # receive → admit
             clock.lap("wait_s")
             batch = parallel.scatter_step(per_rank, device)
+            stop.hold()  # a signal waits for the update and its commit: a clean stop saves a state that agrees
             metrics = trainer.step(batch.micro_batches, batch.loss_tokens)  # step
             if release:
                 torch.cuda.empty_cache()
@@ -91,6 +95,7 @@ def run_learner(cfg: Config, resume: str = "") -> str:
             skips += skipped
             if rank0:
                 orchestrator.commit(step, metrics)  # commit
+            stop.release(step)
             clock.lap("commit_s")
             weights = push_weights() if not skipped else None  # on the device
             if rank0:
@@ -98,12 +103,17 @@ def run_learner(cfg: Config, resume: str = "") -> str:
             if rank0 and weights is not None:
                 orchestrator.publish(weights)  # push: nodes receive it in the background
             clock.lap("push_s")
-            keeper.after_step(step, policy)  # checkpoint
-            clock.lap("checkpoint_s")
-            if rank0:
+            if rank0:  # report before the checkpoint: a learner killed in the save leaves its step's record
                 metrics = {**metrics, **evaluations.figures(last=step == cfg.run.steps)}  # the last: waited for
-                orchestrator.report(step, batch.version, metrics, clock.laps, clock.started)  # report
+                laps = {**clock.laps, "checkpoint_s": saved_s}  # the previous step's save
+                orchestrator.report(step, batch.version, metrics, laps, clock.started)  # report
+            clock.lap("report_s")
+            keeper.after_step(step, policy)  # checkpoint
+            saved_s = clock.lap("checkpoint_s")
         ending.update(reason="run finished", finished=True)
+    except KeyboardInterrupt:
+        keeper.save_on_stop(stop.done_step)  # resumable from where it stopped (a second signal cuts it short)
+        raise
     except LedgerUnavailableError as e:
         why = "refuses writes" if isinstance(e, LedgerUnwritableError) else "is unreachable"
         ending.update(reason=f"the ledger (Redis) {why}", ledger_reachable=False)
@@ -142,10 +152,11 @@ class _Laps:
         self.started = self._last = time.monotonic()
         self.laps: dict[str, float] = {}
 
-    def lap(self, name: str) -> None:
+    def lap(self, name: str) -> float:
         now = time.monotonic()
         self.laps[name] = now - self._last
         self._last = now
+        return self.laps[name]
 
 
 def _start_orchestrator(

@@ -59,6 +59,7 @@ class Keeper:
         # when the last save ended (the clock starts at the first step: not while the nodes start), what it took
         self.saved_at: float | None = None
         self.save_s = 0.0
+        self.saved_step = 0  # the step of the last checkpoint this learner saved (or resumed from)
         if self.saves:
             _on_rank0_then_share(lambda: check_writable(self.root, self.need))
             import torch.distributed.checkpoint  # noqa: F401 - 1-3 s on a loaded CPU: now, not in the first save
@@ -73,6 +74,7 @@ class Keeper:
         critic = getattr(self.trainer, "shaper", None)  # the critic's model and optimizer (checkpoint/critic.py)
         state = load(path, self.lm, self.trainer.optimizer, self.trainer.scheduler, critic=critic)
         self.trainer.load_state_dict(state.trainer_state())
+        self.saved_step = state.step
         if parallel.is_rank0():
             log.info(
                 "resumed from %s: step %d, version %d, saved by %d ranks, loaded on %d",
@@ -102,6 +104,23 @@ class Keeper:
             if parallel.is_rank0():
                 export_state(full_state, self.exports / ".hf", self.exports / f"step_{step}", overwrite=True)
 
+    def save_on_stop(self, step: int) -> bool:
+        """A learner stopping cleanly (learner/clean_stop.py) saves step `step`, its last complete one, unless a
+        checkpoint of it exists or saving is off; one rank only (a save is collective, and a signal may have
+        reached the ranks at different points). Whether it saved."""
+        if not self.saves or step <= self.saved_step:
+            return False
+        if parallel.world_size() > 1:
+            log.warning("stopped at step %d: not saved (a clean stop saves with one rank only)", step)
+            return False
+        try:
+            self._save(step)
+        except Exception as e:  # the stop goes on; the last complete checkpoint stays
+            log.error("stopped at step %d: its checkpoint failed: %s", step, e)
+        if self.saved_step == step:
+            log.info("stopped at step %d: saved in %.1f s (continue with --resume latest)", step, self.save_s)
+        return self.saved_step == step
+
     def _save_due(self, step: int) -> bool:
         """The same answer on every rank: by steps (`every`), else by rank 0's clock (`budget`)."""
         if not self.saves:
@@ -125,5 +144,7 @@ class Keeper:
                 raise
             if parallel.is_rank0():
                 log.warning("the checkpoint of step %d was skipped (training goes on): %s", step, e)
+        else:
+            self.saved_step = step
         self.saved_at = time.monotonic()
         self.save_s = self.saved_at - started
