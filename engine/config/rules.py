@@ -113,6 +113,11 @@ def _learner(cfg: Config) -> list[Finding]:
             "loss.ratio_level = 'sequence' (GSPO) with one update per step: the ratio is exactly 1 there, so "
             "GSPO's sequence clip never acts; raise learner.mini_batches (GSPO's paper: 4) or learner.epochs"
         )
+    if loss.surrogate != "ppo_clip" and learner.mini_batches * learner.epochs == 1:
+        warnings.append(
+            f"loss.surrogate = {loss.surrogate!r} with one update per step: the ratio is exactly 1 there, so the "
+            "gradient is PPO-clip's; it differs from a step's second update on: raise learner.mini_batches or epochs"
+        )
     if loss.reference_path and loss.kl_coef == 0:
         warnings.append(
             f"loss.reference_path = {loss.reference_path!r} but loss.kl_coef = 0: no reference model is built; "

@@ -58,6 +58,9 @@ def test_recipe_rules_name_their_fields():
     (gspo,) = messages("loss.ratio_level='sequence'")
     assert gspo.startswith("warning: loss.ratio_level = 'sequence' (GSPO) with one update per step")
     assert messages("loss.ratio_level='sequence'", "learner.mini_batches=4") == []
+    (cispo,) = messages("loss.preset='cispo'")
+    assert cispo.startswith("warning: loss.surrogate = 'cispo' with one update per step")
+    assert messages("loss.preset='cispo'", "learner.epochs=2") == []
 
 
 def test_a_reference_without_kl_is_a_warning_and_readmit_an_error():
