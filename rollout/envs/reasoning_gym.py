@@ -87,6 +87,9 @@ def score(prompts, completions, completion_ids, rg_task, **_) -> list[float]:
 
 
 score.warm_up = _rg  # the reward worker imports reasoning-gym when it starts (seconds), not in a call's deadline
+# no trial call in preflight (rewards/trial.py): the library's own scoring, whose worker would import the library
+# for it (8 s for reasoning-gym, 40 s for verifiers on a loaded 2-core machine) and find nothing the rows check misses
+score.streamrl_trial = False
 
 
 class ReasoningGymEnv:

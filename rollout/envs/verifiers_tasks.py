@@ -149,3 +149,6 @@ def _warm_up() -> None:
 
 
 score.warm_up = _warm_up
+# no trial call in preflight (rewards/trial.py): the library's own scoring, whose worker would import the library
+# for it (8 s for reasoning-gym, 40 s for verifiers on a loaded 2-core machine) and find nothing the rows check misses
+score.streamrl_trial = False
