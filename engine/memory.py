@@ -9,9 +9,11 @@ to their share. The formulas are first-order and were checked against measured p
   `learner.micro_batch_tokens` tokens, 2·(4·hidden + 4·intermediate) bytes per token and layer (one
   layer's with activation checkpointing, plus 2·hidden per layer) + the LM head's logits (kept up to
   `learner.head_logits_gib`, plus an 8192-token fp32 chunk and its gradient) + a reference model
-  (kl_coef > 0) + 1 GiB of CUDA context; on rank 0 two sets of packed weights for the push. The step
-  alone (bench/learner_step.py), Qwen2-0.5B body (512-token vocabulary) at 40960 tokens: 49.3 GiB
-  estimated, 46.8 measured; Qwen2.5-3B, 152k vocabulary, 16384 tokens: 124 estimated, 117 measured.
+  (kl_coef > 0) + the critic's value model, trained like the actor but after it (weights, gradients and
+  AdamW: its activations are the actor's, freed by then) + 1 GiB of CUDA context; on rank 0 two sets of
+  packed weights for the push. The step alone (bench/learner_step.py), Qwen2-0.5B body (512-token
+  vocabulary) at 40960 tokens: 49.3 GiB estimated, 46.8 measured; Qwen2.5-3B, 152k vocabulary, 16384
+  tokens: 124 estimated, 117 measured.
 - hf node: the model and one staging copy of it in the serving dtype + the static KV cache (every
   batch padded to `MAX_BATCH` rows of the prompt width plus `rollout.max_tokens`) + the logits
   `generate` keeps (fp32, one row per token, twice: kept, then stacked; 46 GiB for a 152k vocabulary at
@@ -32,6 +34,7 @@ from __future__ import annotations
 import dataclasses
 
 from streamrl.engine.config import Config
+from streamrl.engine.config.critic import critic_on
 from streamrl.engine.config.rules import longest_sample
 from streamrl.engine.placement import HF_GPU_ROWS, node_groups, shared_groups
 
@@ -122,6 +125,8 @@ def learner(cfg: Config, shape: Shape, tokens: int | None = None) -> Estimate:
     }
     if cfg.loss.kl_coef > 0:
         parts["reference model"] = 2 * p / GIB
+    if critic_on(cfg.critic.enabled, cfg.loss.advantage):  # a full value model (no LM head), trained after the actor
+        parts["critic: weights, gradients, AdamW"] = (16 * p / lc.ranks + 2 * p) / GIB
     parts["CUDA context"] = CONTEXT_GIB
     return Estimate(parts)
 

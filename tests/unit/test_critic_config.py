@@ -1,0 +1,50 @@
+"""`loss.preset = "ppo"`, the rules that tie the critic to GAE, and the critic in the learner's memory estimate."""
+
+import pytest
+
+from streamrl.engine import memory
+from streamrl.engine.config import build, presets
+from streamrl.engine.config import rules as config_rules
+
+PPO = {"loss": {"preset": "ppo"}, "rollout": {"group_size": 1}}
+
+
+def errors(data):
+    return [f.message for f in config_rules.check(build(data)) if f.level == "error"]
+
+
+def test_the_ppo_preset_sets_gae_and_prints_the_critic_half_of_the_recipe():
+    cfg = build(PPO)
+    assert (cfg.loss.advantage, cfg.loss.aggregation, cfg.loss.clip_low, cfg.loss.clip_high) == (
+        "gae",
+        "token",
+        0.2,
+        0.2,
+    )
+    assert (cfg.critic.gamma, cfg.critic.lam_actor, cfg.critic.lam_critic) == (1.0, 0.95, 1.0)
+    line = presets.describe(cfg)
+    for part in ("advantage = 'gae'", "critic.gamma = 1.0", "critic.lam_actor = 0.95", "critic.lam_critic = 1.0"):
+        assert part in line, line
+    assert errors(PPO) == []  # a group of one is fine with a critic
+
+
+@pytest.mark.parametrize(
+    "data, fragment",
+    [
+        ({"loss": {"advantage": "gae"}, "critic": {"enabled": False}}, "needs the critic's values"),
+        ({"critic": {"enabled": True}}, "only GAE uses the critic's values"),
+        ({"rollout": {"group_size": 1}}, "a group of one is its own baseline"),
+        ({**PPO, "loss": {"preset": "ppo", "dynamic_sampling": True}}, "never has reward variance"),
+    ],
+)
+def test_each_misfit_is_refused_in_one_line_naming_the_fields(data, fragment):
+    found = errors(data)
+    assert len(found) == 1 and fragment in found[0], found
+    assert "\n" not in found[0]
+
+
+def test_the_learner_estimate_counts_the_critic():
+    shape = memory.Shape(params=494_000_000, hidden=896, intermediate=4864, layers=24, kv_width=128, vocab=151936)
+    grpo, ppo = memory.learner(build({}), shape), memory.learner(build(PPO), shape)
+    # the critic: 16 bytes a parameter (fp32 weights, gradients, two AdamW moments) + its 2-byte compute copy
+    assert ppo.gib - grpo.gib == pytest.approx(18 * 494_000_000 / 2**30)
