@@ -15,29 +15,30 @@ a new incarnation; the node sees it there (`LedgerHeartbeat`), abandons the grou
 the old one (resolved as `preempted`), registers with the new one and takes its weights, keeping
 its engine. A learner that does not come back ends the node when a send has waited
 `transport.send_timeout_s`.
+
+Finding and joining the learner is rollout/registration.py's; the credits and the marking sink are the
+node's side of the ledger (rollout/ledger_link.py); the node loop is rollout/node.py.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
-import pathlib
 import signal
 import socket
 import threading
-import time
 
 from streamrl.engine.auth import client_keys
 from streamrl.engine.config import Config, ConfigError
 from streamrl.engine.control import ControlClient
-from streamrl.engine.ledger import Ledger, LedgerError, LedgerUnavailableError
-from streamrl.engine.messages import Goodbye, Register, Stop, Trajectory, Welcome
+from streamrl.engine.ledger import Ledger, LedgerUnavailableError
+from streamrl.engine.messages import Goodbye, Welcome
 from streamrl.engine.telemetry import EventLog
-from streamrl.engine.transport import SendTimeoutError, TrajectorySender, TransportError
-from streamrl.engine.weights.paths import here
+from streamrl.engine.transport import TrajectorySender, TransportError
 from streamrl.rollout.control import ControlLoop, LedgerHeartbeat
+from streamrl.rollout.ledger_link import LedgerCredits, LedgerSink
+from streamrl.rollout.registration import check_reachable, ledger_url, register, resolve_learner
 
 log = logging.getLogger("streamrl.rollout")
 
@@ -51,122 +52,6 @@ def stop_bound_s(cfg: Config) -> float:
     send's last slice, resolving the abandoned groups and leaving the ledger (each may retry for
     `ledger.retry_s` while Redis is away), closing. A node still running then exits at once."""
     return STOP_GRACE_S + SEND_SLICE_S + 2 * cfg.ledger.retry_s + CLOSE_S
-
-
-class LedgerCredits:
-    """Admission through the ledger: one credit per group, returned when the group is resolved."""
-
-    def __init__(self, ledger: Ledger, node_id: str, version_of=lambda: -1):
-        """version_of: the policy version the node would generate with now (the ledger's admission
-        weighs it against max_staleness, or, in sync mode, against the learner's newest)."""
-        self.ledger, self.node_id, self.version_of = ledger, node_id, version_of
-
-    async def acquire(self, group_id: str, sample_ids: list[str]) -> bool:
-        n, version = len(sample_ids), self.version_of()
-        try:
-            taken = await asyncio.to_thread(self.ledger.take_credit, self.node_id, group_id, n, node_version=version)
-        except LedgerError as e:
-            if "NODE_NOT_ALIVE" not in str(e):
-                raise
-            # A Redis restarted from its append-only file forgets a heartbeat that expired while it was
-            # down; the heartbeat thread beats again within a quarter TTL. Beat now and ask once more.
-            log.info("the ledger lost this node's heartbeat (a restarted Redis?); beating again")
-            await asyncio.to_thread(self.ledger.heartbeat, self.node_id)
-            taken = await asyncio.to_thread(self.ledger.take_credit, self.node_id, group_id, n, node_version=version)
-        return taken is not None
-
-    async def release(self, group_id: str, sample_ids: list[str], reason: str) -> None:
-        why = "preempted" if reason == "abandoned" else "generation_error"
-        await asyncio.to_thread(self.ledger.drop, sample_ids, why)
-
-    async def drop(self, sample_ids: list[str], reason: str) -> None:
-        """Samples of a group that goes on without them (a failed episode), resolved with their reason."""
-        await asyncio.to_thread(self.ledger.drop, sample_ids, reason)
-
-
-class LedgerSink:
-    """Marks each trajectory generated in the ledger, then streams it to the learner. A send the learner
-    does not take waits in slices (the sender's timeout is `SEND_SLICE_S`) up to `send_timeout_s`, so
-    `cancel()` (a stop past its grace, a restarted learner) ends it within a slice; a sample not sent
-    then stays `generated`, and leaving the ledger resolves it."""
-
-    def __init__(self, ledger: Ledger, sender: TrajectorySender, send_timeout_s: float = 60.0):
-        self.ledger, self.sender, self.send_timeout_s = ledger, sender, send_timeout_s
-        self.cancelled = threading.Event()
-
-    def cancel(self) -> None:
-        self.cancelled.set()
-
-    def send(self, traj: Trajectory) -> int:
-        if self.cancelled.is_set():
-            return -1
-        if not self.ledger.mark_generated([traj])[0]:
-            # Not ours any more (reaped as lost while generating, or resolved already): the learner
-            # would refuse it, so it is not sent.
-            log.warning("sample %s is no longer this node's in the ledger; not sent", traj.sample_id)
-            return -1
-        deadline = time.monotonic() + self.send_timeout_s
-        while not self.cancelled.is_set():
-            try:
-                return self.sender.send(traj)
-            except SendTimeoutError:
-                if time.monotonic() >= deadline:
-                    raise TransportError(
-                        f"node {self.sender.node_id}: trajectory {traj.sample_id} not accepted by the learner at "
-                        f"{self.sender.addr} within transport.send_timeout_s = {self.send_timeout_s:g}: the learner "
-                        "is gone or stopped reading (raise transport.send_timeout_s if it is only slow)"
-                    ) from None
-        return -1
-
-
-def resolve_learner(learner: str, cfg: Config) -> str:
-    """A control address as given, or the one the run's learner wrote into `RUN/learner.json`."""
-    if learner.startswith(("tcp://", "ipc://")):
-        return learner
-    path = pathlib.Path(learner) if learner else cfg.run.path / "learner.json"
-    if path.is_dir():
-        path = path / "learner.json"
-    try:
-        return json.loads(path.read_text())["control_addr"]
-    except (OSError, ValueError, KeyError) as e:
-        raise ConfigError(
-            f"--learner {learner or '(empty)'}: no learner address at {path} ({e}); give "
-            "tcp://HOST:PORT or the run folder of a running learner"
-        ) from None
-
-
-def register(client: ControlClient, node_id: str, backend: str, device: str, timeout_s: float) -> Welcome:
-    where = here(device)  # the learner picks the weights' path from it (its own GPU: CUDA IPC)
-    welcome = client.request(
-        Register(
-            node_id=node_id,
-            host=where.host,
-            device=device,
-            backend=backend,
-            boot_id=where.boot_id,
-            gpu_uuid=where.gpu_uuid,
-        ),  # fmt: skip
-        timeout_s=timeout_s,
-        expect=(Welcome, Stop),
-    )
-    if isinstance(welcome, Stop):
-        raise TransportError(f"the learner refused node {node_id}: {welcome.reason}")
-    return welcome
-
-
-def check_reachable(addr: str, timeout_s: float) -> None:
-    """A TCP connection to the learner's control address, before the model is loaded: a wrong
-    address fails in seconds, naming it, instead of after the engine's start."""
-    host, _, port = addr.removeprefix("tcp://").rpartition(":")
-    if not addr.startswith("tcp://") or not port.isdigit():
-        return  # ipc:// and friends: the registration's own deadline applies
-    try:
-        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
-    except OSError as e:
-        raise TransportError(
-            f"no learner at {addr} within {timeout_s:g}s ({e.strerror or e}): is the learner running "
-            "and the address right? (`streamrl rollout --learner RUN_FOLDER` reads it from the run folder)"
-        ) from None
 
 
 class _Inputs:
@@ -267,16 +152,6 @@ async def serve(cfg: Config, learner_addr: str, node_id: str, max_groups: int | 
     return 0
 
 
-def _ledger_url(cfg: Config, welcome: Welcome) -> str:
-    """The ledger's URL: from the Welcome (only sent over CURVE), else this node's own `ledger.url`."""
-    if welcome.redis_url or cfg.ledger.url:
-        return welcome.redis_url or cfg.ledger.url
-    raise TransportError(
-        "the learner runs without transport.curve, so its Welcome carries no ledger credentials: set "
-        "ledger.url on this node (RUN/config.toml has it), or turn transport.curve on on both sides"
-    )
-
-
 async def _session(
     cfg: Config, learner_addr: str, node_id: str, engine, device: str, inputs: _Inputs, prompts, signalled: _StopSignal,
     max_groups: int | None,
@@ -297,7 +172,7 @@ async def _session(
         welcome = register(client, node_id, cfg.rollout.backend, device, cfg.transport.recv_timeout_s)
         events.emit("phase", phase="registered")
         log.info("phase: registered as %s at policy version %d", node_id, welcome.policy_version)
-        ledger = Ledger(connect(_ledger_url(cfg, welcome), cfg.ledger.connect_retries), welcome.run_name, cfg.ledger)
+        ledger = Ledger(connect(ledger_url(cfg, welcome), cfg.ledger.connect_retries), welcome.run_name, cfg.ledger)
         ledger.heartbeat(node_id)
         beat = LedgerHeartbeat(ledger, node_id, ledger.learner().get("incarnation", ""))
         beat.start()

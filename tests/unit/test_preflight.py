@@ -236,7 +236,7 @@ def test_a_shared_gpu_that_fits_says_its_split(one_gpu):
 def test_auto_mode_takes_sync_with_the_vllm_node_asleep_only_where_async_cannot_fit_and_the_run_gets_it(one_gpu):
     # learner 50.6 GiB, of which 8.3 stays between steps (weights, AdamW, push buffers, context); vLLM node: 5.1
     # async (480 sequences), 4.4 sync (240), 2.0 asleep: async needs 55.7, sync max(50.6 + 2.0, 8.3 + 4.4) = 52.6
-    import streamrl.cli as cli
+    import streamrl.ops.cli_args as cli
 
     vllm = ("rollout.backend='vllm'", "learner.groups_per_step=60")
     roomy = one_gpu(80.0, *vllm)
@@ -257,8 +257,8 @@ def test_auto_mode_takes_sync_with_the_vllm_node_asleep_only_where_async_cannot_
     # an hf node never sleeps: sync needs what async does
     assert "run.mode = 'sync' and 'async' both keep the learner" in only_error(one_gpu(52.0, "run.mode='sync'"), "gpu")
     # `streamrl run` hands the chosen mode on (its config.toml is what the learner and the nodes read)
-    assert cli._preflight(one_gpu.config(54.0, *vllm), ["learner", "rollout"], debug=False).run.mode == "sync"
-    assert cli._preflight(one_gpu.config(80.0, *vllm), ["learner", "rollout"], debug=False).run.mode == "async"
+    assert cli.preflight_or_exit(one_gpu.config(54.0, *vllm), ["learner", "rollout"], debug=False).run.mode == "sync"
+    assert cli.preflight_or_exit(one_gpu.config(80.0, *vllm), ["learner", "rollout"], debug=False).run.mode == "async"
 
 
 def test_cuda_on_a_host_without_one_is_refused_by_preflight(tiny_model, monkeypatch):
