@@ -86,32 +86,15 @@ def _name(path: str) -> str:
 
 
 async def evaluate_source(cfg: Config, source: EvalSource, engine, tokenizer, scorer, version: int) -> Evaluation:
-    """One source at `version`: every prompt's `eval.n` samples generated together, scored in one call."""
+    """One source at `version`: every prompt's `eval.n` samples generated together, scored in one call (as a
+    node scores a chunk: rollout/evaluation.generate_and_score)."""
+    from streamrl.rollout.evaluation import generate_and_score
     from streamrl.rollout.evaluation_prompts import eval_prompts
-    from streamrl.rollout.sources import prompt_text
 
-    data, rollout = source_data(source, cfg.data), sampling(cfg.eval, cfg.rollout)
     prompts = eval_prompts(source, cfg, tokenizer)
-    groups = await asyncio.gather(*(engine.generate(p.prompt_ids, rollout.group_size, rollout.max_tokens)
-                                    for p in prompts))  # fmt: skip
-    flat = [(p, c) for p, group in zip(prompts, groups, strict=True) for c in group]
-    texts = [tokenizer.decode(c.token_ids, skip_special_tokens=True) for _, c in flat]
-    asked = [prompt_text(p, data) for p, _ in flat]
-    rewards = await asyncio.to_thread(
-        scorer.score, asked, texts, [c.token_ids for _, c in flat], [p.row for p, _ in flat]
-    )
-    samples = [
-        Sample(
-            row=p.row_number,
-            prompt=a,
-            completion=t,
-            reward=r,
-            version=version,
-            tokens=len(c.token_ids),
-            finish_reason=c.finish_reason,
-        )  # fmt: skip
-        for (p, c), a, t, r in zip(flat, asked, texts, rewards, strict=True)
-    ]
+    records = await generate_and_score(engine, tokenizer, scorer, prompts, source_data(source, cfg.data),
+                                       sampling(cfg.eval, cfg.rollout))  # fmt: skip
+    samples = [Sample.of(r, version, "local") for r in records]
     return Evaluation(source=source.name, version=version, n=cfg.eval.n, asked=len(prompts),
                       threshold=cfg.eval.pass_threshold, samples=samples)  # fmt: skip
 

@@ -99,19 +99,10 @@ class EvalWorker:
 
     async def _chunk(self, chunk: EvalChunk) -> None:
         prompts = self.prompts[chunk.source][chunk.start : chunk.stop]
-        s = self.sampling
+        source = next(x for x in self.cfg.eval.sources if x.name == chunk.source)
         started = time.monotonic()
-        groups = await asyncio.gather(
-            *(self.engine.generate(p.prompt_ids, s.group_size, s.max_tokens, sampling=s) for p in prompts)
-        )
-        data = source_data(next(x for x in self.cfg.eval.sources if x.name == chunk.source), self.cfg.data)
-        flat = [(p, c) for p, group in zip(prompts, groups, strict=True) for c in group]
-        texts = [self.tokenizer.decode(c.token_ids, skip_special_tokens=True) for _, c in flat]
-        asked = [prompt_text(p, data) for p, _ in flat]
-        scorer = self.scorers[chunk.source]
-        rewards = await asyncio.to_thread(scorer.score, asked, texts, [c.token_ids for _, c in flat],
-                                          [p.row for p, _ in flat])  # fmt: skip
-        samples = [_record(p, c, a, t, r) for (p, c), a, t, r in zip(flat, asked, texts, rewards, strict=True)]
+        samples = await generate_and_score(self.engine, self.tokenizer, self.scorers[chunk.source], prompts,
+                                           source_data(source, self.cfg.data), self.sampling)  # fmt: skip
         wrong = [x.versions for x in samples if x.versions not in ([chunk.version], [])]  # []: no token made
         if wrong:
             raise VersionMismatchError(f"chunk {chunk.id} of version {chunk.version} generated at {wrong[0]}")
@@ -123,6 +114,21 @@ class EvalWorker:
     def close(self) -> None:
         for scorer in self.scorers.values():
             scorer.close()
+
+
+async def generate_and_score(
+    engine, tokenizer, scorer, prompts: list[Prompt], data, sampling
+) -> list[EvalSampleRecord]:
+    """Each prompt's `sampling.group_size` samples, generated together with `sampling`, decoded and scored in one
+    reward call (the node's chunks and `streamrl eval` alike); `data`: the source's columns."""
+    n, limit = sampling.group_size, sampling.max_tokens
+    groups = await asyncio.gather(*(engine.generate(p.prompt_ids, n, limit, sampling=sampling) for p in prompts))
+    flat = [(p, c) for p, group in zip(prompts, groups, strict=True) for c in group]
+    texts = [tokenizer.decode(c.token_ids, skip_special_tokens=True) for _, c in flat]
+    asked = [prompt_text(p, data) for p, _ in flat]
+    ids, rows = [c.token_ids for _, c in flat], [p.row for p, _ in flat]
+    rewards = await asyncio.to_thread(scorer.score, asked, texts, ids, rows)
+    return [_record(p, c, a, t, r) for (p, c), a, t, r in zip(flat, asked, texts, rewards, strict=True)]
 
 
 def _record(prompt: Prompt, c, asked: str, text: str, reward: float | None) -> EvalSampleRecord:

@@ -81,18 +81,7 @@ class Evaluations:
                 if s.versions not in ([version], []):
                     wrong[result.chunk.source] += 1
                     continue
-                samples[result.chunk.source].append(
-                    Sample(
-                        row=s.row,
-                        prompt=s.prompt,
-                        completion=s.completion,
-                        reward=s.reward,
-                        version=version,
-                        tokens=s.tokens,
-                        finish_reason=s.finish_reason,
-                        node=result.node,
-                    )  # fmt: skip
-                )
+                samples[result.chunk.source].append(Sample.of(s, version, result.node))
         evaluations, metrics = [], {}
         for name, found in samples.items():
             asked = progress.asked.get(name, 0)

@@ -12,6 +12,7 @@ import json
 import math
 import pathlib
 
+from streamrl.engine.ledger.eval_jobs import EvalSampleRecord
 from streamrl.learner.evaluation.metrics import Scored, summarize
 
 PREFIX = "eval"
@@ -29,6 +30,12 @@ class Sample:
     tokens: int
     finish_reason: str
     node: str = "local"
+
+    @classmethod
+    def of(cls, record: EvalSampleRecord, version: int, node: str) -> Sample:
+        """A sample as a node (or `streamrl eval`) handed it in, generated at `version`."""
+        return cls(row=record.row, prompt=record.prompt, completion=record.completion, reward=record.reward,
+                   version=version, tokens=record.tokens, finish_reason=record.finish_reason, node=node)  # fmt: skip
 
     def scored(self) -> Scored:
         return Scored(prompt=self.row, reward=self.reward, tokens=self.tokens, truncated=self.finish_reason == "length")
