@@ -68,8 +68,9 @@ class Shaper:
         self._sums = {}
         if self.model is not None:
             for mb, v, r in zip(shaped, old, returns):
-                for key, value in VL.value_stats(v, r, mb.loss_mask).items():
-                    self._sums[key] = _combine(key, self._sums.get(key), value)
+                for prefix, mask in (("", mb.loss_mask), ("last/", _turn_ends(mb))):
+                    for key, value in VL.value_stats(v, r, mask).items():
+                        self._sums[prefix + key] = _combine(prefix + key, self._sums.get(prefix + key), value)
         out, at, self._targets = [], 0, []
         for mini in minis:
             out.append(shaped[at : at + len(mini)])
@@ -98,6 +99,9 @@ class Shaper:
         local = {k: float(v) for k, v in self._sums.items()}
         reduced = parallel.reduce_metrics(local, self.device)
         metrics = {f"critic/{k}": v for k, v in VL.summarize(reduced).items()}
+        last = VL.summarize({k.removeprefix("last/"): v for k, v in reduced.items() if k.startswith("last/")})
+        if "vf_explained_var" in last:  # the critic where the completion is known but its last token
+            metrics["critic/vf_explained_var_last"] = last["vf_explained_var"]
         finite = [n for n in norms if n == n and n != float("inf")]
         metrics["critic/grad_norm"] = max(finite) if finite else float("nan")
         metrics["critic/lr"] = self.cfg.lr
@@ -137,6 +141,14 @@ def _combine(key: str, old, new):
     if key.endswith("_min"):
         return torch.minimum(torch.as_tensor(old), torch.as_tensor(new))
     return old + new
+
+
+def _turn_ends(mb: MicroBatch) -> Tensor:
+    """[T] bool: the last loss token of each sequence (of each model turn, in a multi-turn episode)."""
+    mask = mb.loss_mask.to(torch.bool)
+    follows = torch.zeros_like(mask)
+    follows[:-1] = mask[1:] & (mb.seq_ids[1:] == mb.seq_ids[:-1])
+    return mask & ~follows
 
 
 def _release(model) -> None:

@@ -86,7 +86,13 @@ def test_a_step_trains_the_critic_toward_the_returns(tiny_model):
     assert losses[-1] < 0.5 * losses[0], losses
     assert t.version == 8 and t.shaper.steps == 8
     metrics = t.step(micro)
-    for key in ("critic/vf_clipfrac", "critic/value_mean", "critic/value_max", "critic/returns_mean"):
+    for key in (
+        "critic/vf_clipfrac",
+        "critic/value_mean",
+        "critic/value_max",
+        "critic/returns_mean",
+        "critic/vf_explained_var_last",
+    ):
         assert key in metrics
 
 
