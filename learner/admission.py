@@ -139,7 +139,8 @@ def claim_run(ledger: Ledger, cfg: Config, resumed_version: int | None, first_st
     if resumed_version is None and ledger_version > 0:
         raise ConfigError(
             f"run {cfg.run.name!r} already trained to version {ledger_version} (its "
-            "ledger says so): pass --resume latest to continue it, or set run.name to start a new run"
+            "ledger says so): pass --resume latest to continue it, set run.name to start a new run, or start "
+            "this one again with `streamrl run --fresh` (its earlier books kept in RUN/earlier/)"
         )
     if resumed_version is not None and resumed_version > ledger_version:
         raise ConfigError(

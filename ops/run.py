@@ -15,9 +15,10 @@ from streamrl.engine.config import Config, ConfigError, presets
 from streamrl.engine.telemetry import MetricsTail
 from streamrl.engine.weights.paths import NAMES, planned
 from streamrl.ops.closing import closing_line, summary  # noqa: F401 (summary: moved there, still imported from here)
+from streamrl.ops.fresh import FreshError, set_aside
 from streamrl.ops.launcher import Launcher
 from streamrl.ops.live import live_table, plain_console
-from streamrl.ops.lock import RunBusyError, RunOwner
+from streamrl.ops.lock import RunBusyError, RunOwner, this_command
 from streamrl.ops.naming import DEMO, TINY, fresh_name, name_after, name_sets  # noqa: F401 (imported from here)
 from streamrl.ops.phases import Board
 from streamrl.ops.progress import live_output
@@ -36,17 +37,23 @@ def run_local(
     console: Console | None = None,
     resume: str = "",
     owner: RunOwner | None = None,
+    fresh: bool = False,
 ) -> int:
     """Run to the configured number of steps (or Ctrl-C); the exit status. `resume` (a checkpoint
-    folder, or "latest") continues the run of that name in its folder. `owner`: the folder's hold, taken by
-    `claim_run` (its config's name is final); else the launcher takes it (refused, exit 2, while another owns it)."""
+    folder, or "latest") continues the run of that name in its folder; `fresh` starts it again, its earlier books
+    set aside (ops/fresh.py). `owner`: the folder's hold, taken by `claim_run` (its config's name is final); else
+    it is taken here, first (refused, exit 2, changing nothing, while another process owns the folder)."""
     console = console or plain_console()
     cfg = cfg if owner is not None else fresh_name(cfg, explicit_name or bool(resume))
     try:
-        launcher = Launcher(cfg, resume=resume, owner=owner)  # owns the folder first: refused, changing nothing
-    except RunBusyError as e:
+        owner = owner or RunOwner.take(cfg.run.path, this_command())
+        aside = set_aside(cfg.run.path, cfg.ledger.url, resume) if fresh else None
+    except (RunBusyError, FreshError) as e:
         console.print(f"[red]error:[/] {escape(str(e))}", soft_wrap=True)
         return 2
+    if aside is not None:
+        console.print(f"--fresh: run {cfg.run.name} starts again from step 1; its earlier books are kept in {aside}")
+    launcher = Launcher(cfg, resume=resume, owner=owner)
     try:
         placement = launcher.plan_gpus(nodes)
     except ConfigError as e:

@@ -21,7 +21,7 @@ from rich.table import Table
 from streamrl.engine.config import LedgerConfig
 from streamrl.engine.ledger import Counts, InFlight, Ledger, LedgerError, LedgerUnavailableError
 from streamrl.engine.redis_server import RedisUnavailableError, connect, redact
-from streamrl.engine.telemetry import read_ending
+from streamrl.engine.telemetry import ending_torn, read_ending
 from streamrl.ops.eval_status import eval_lines
 from streamrl.ops.lock import describe, holder
 
@@ -45,6 +45,8 @@ def status_command(
             console.print(f"[red]no run {run!r} in the ledger at {redact(redis_url)}[/red]")
             return 1
         console.print(_table(ledger, counts, ledger.in_flight(), read_ending(run_dir) if run_dir else None, run_dir))
+        if run_dir is not None and ending_torn(run_dir):
+            console.print(f"[yellow]{run_dir / 'end.json'} is torn: skipped (the ledger says how the run ended)[/]")
         for line in eval_lines(ledger.client, run):  # evaluations: apart from the books (ops/eval_status.py)
             console.print(line)
         errors = ledger.check(deep=deep)
