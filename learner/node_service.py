@@ -84,9 +84,12 @@ class NodeService:
                 log.info("node %s joined (%d nodes)", node_id, self.registry.count)
             else:
                 self.registry.leave(node_id)
+        evicted: set[str] = set()
         for node_id, why in self.publisher.poll():  # a failed transfer, or a version never confirmed live
             self.registry.evict(node_id, why)
-            log.warning("node %s was evicted (%d nodes left)", node_id, self.registry.count)
+            evicted.add(node_id)  # out of the count now: the registry forgets it once its Stop is out
+            left = sum(1 for other in list(self.registry.nodes) if other not in evicted)
+            log.warning("node %s was evicted (%d nodes left)", node_id, left)
         if time.monotonic() - self._last_reap > REAP_EVERY_S:
             self._last_reap = time.monotonic()
             self._reap()
