@@ -147,7 +147,9 @@ def main() -> None:
     parser.add_argument("--set", action="append", default=[], dest="sets")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    curves: dict[str, list[list[float]]] = {}
+    saved = args.out / "staleness_sweep.json"
+    # curves of earlier calls into the same --out are kept and plotted with this call's (one run a call works)
+    curves: dict[str, list[list[float]]] = json.loads(saved.read_text()) if saved.exists() else {}
     started = time.monotonic()
     folder = args.dir or tempfile.mkdtemp(prefix="srl-sweep-")  # kept: the runs' logs explain a line
     pathlib.Path(folder).mkdir(parents=True, exist_ok=True)
@@ -155,8 +157,8 @@ def main() -> None:
         for correction in args.corrections:
             line, curves[f"{staleness}/{correction}"] = measure(staleness, correction, args, folder)
             print(json.dumps(line), flush=True)
-            (args.out / "staleness_sweep.json").write_text(json.dumps(curves))
-    files = [str(args.out / "staleness_sweep.json"), str(plot(curves, args.out))]
+            saved.write_text(json.dumps(curves))
+    files = [str(saved), str(plot(curves, args.out))]
     print(json.dumps({"figure": "staleness_sweep_files", "files": files, "wall_s": round(time.monotonic() - started)}))
 
 
