@@ -81,15 +81,19 @@ def export(
         False
     ),
     base: Annotated[str, typer.Option(help="LoRA: the base model folder (default: the run's model.path).")] = "",
+    critic: Annotated[
+        bool, typer.Option(help="The critic's value model (a one-label sequence classifier), not the actor.")
+    ] = False,
 ) -> None:
     """Write a checkpoint as an HF model folder (sharded safetensors, config, tokenizer) that
-    transformers and vLLM load without streamrl; a LoRA run's as a PEFT adapter folder (or --merge)."""
+    transformers and vLLM load without streamrl; a LoRA run's as a PEFT adapter folder (or --merge);
+    with --critic, a PPO run's value model."""
     from streamrl.learner.checkpoint import CheckpointError
     from streamrl.learner.export import ExportError
     from streamrl.ops.export import export_checkpoint
 
     try:
-        folder = export_checkpoint(checkpoint, out, max_shard_size, overwrite, merge, base)
+        folder = export_checkpoint(checkpoint, out, max_shard_size, overwrite, merge, base, critic=critic)
     except (CheckpointError, ExportError) as e:
         typer.secho(f"error: {e}", fg="red", err=True)
         raise typer.Exit(2) from None
