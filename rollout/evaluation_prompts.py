@@ -117,3 +117,15 @@ def training_texts(cfg: Config, tokenizer, limit: int) -> set[str]:
     except PromptSourceError:
         pass  # the training source's own check reports it
     return texts
+
+
+DEMO_EVAL = [f"eval.sources=[{{name='demo-heldout', path='{DEMO_HELDOUT}'}}]", "eval.pass_threshold=0.5"]
+
+
+def demo_implied(data: dict, cfg: Config) -> tuple[list[str], str]:
+    """The built-in demo task (no data.path, the demo reward) with no [eval] given: its held-out prompts
+    evaluated before and after training, a sample passing at a share of 'a' of at least 0.5 (the overrides,
+    one line saying so); ([], '') otherwise."""
+    if cfg.data.path or cfg.env.name or list(cfg.reward.functions) != ["demo"] or "eval" in data:
+        return [], ""
+    return DEMO_EVAL, "the demo evaluates its held-out prompts before and after training (set [eval] to change it)"

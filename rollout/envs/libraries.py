@@ -67,7 +67,12 @@ def _given(data: dict, dotted: str) -> bool:
 
 def implied(data: dict, cfg: Config) -> tuple[list[str], str]:
     """(`section.field=value` overrides, one line naming them) for what `cfg.data.path` implies and `data`
-    (the raw config, overrides applied) does not give; ([], '') for any other source."""
+    (the raw config, overrides applied) does not give; ([], '') for any other source. The built-in demo implies
+    its held-out evaluation (rollout/evaluation_prompts.demo_implied)."""
+    if not cfg.data.path:
+        from streamrl.rollout.evaluation_prompts import demo_implied
+
+        return demo_implied(data, cfg)
     name = library(cfg)
     if not name:
         return [], ""
