@@ -9,7 +9,9 @@ from streamrl.engine.redis_server import connect
 from streamrl.rollout.service import LedgerCredits, LedgerSink
 
 
-class _Sender:
+class FakeSender:
+    """Stands in for the node's `TrajectorySender` (the ZMQ socket to the learner): keeps the ids sent."""
+
     def __init__(self):
         self.sent = []
 
@@ -36,7 +38,7 @@ def test_credits_admit_and_a_sample_no_longer_ours_is_not_sent(redis_url, ledger
     ledger = Ledger(connect(redis_url), ledger_run)
     ledger.init_run(groups_per_step=1)
     ledger.heartbeat("n0")
-    credits, sender = LedgerCredits(ledger, "n0"), _Sender()
+    credits, sender = LedgerCredits(ledger, "n0"), FakeSender()
     ids = sample_ids("n0-abc123-g0", 2)
     assert asyncio.run(credits.acquire("n0-abc123-g0", ids))
     sink = LedgerSink(ledger, sender)

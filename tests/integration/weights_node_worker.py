@@ -48,7 +48,11 @@ def make_engine(model: str):
     return AsyncLLM.from_engine_args(args)
 
 
-class Node:
+class FakeNode:
+    """Stands in for `RolloutNode` (rollout/node.py): an AsyncLLM with the product's weight receiver, driven over
+    the test's socketpair (generate, stage-and-swap a version, logprobs) instead of the ledger and the learner's
+    sockets."""
+
     def __init__(self, engine, node_id: str):
         self.engine, self.node_id, self.version = engine, node_id, -1  # -1: no learner weights yet
         self.long_tokens: list[int] = []  # the streaming request of start_long, as it grows
@@ -134,7 +138,7 @@ def main() -> None:
     async def start():
         return make_engine(opts.model)
 
-    node = Node(asyncio.run_coroutine_threadsafe(start(), loop).result(), opts.node_id)
+    node = FakeNode(asyncio.run_coroutine_threadsafe(start(), loop).result(), opts.node_id)
     conn.send_bytes(messages.encode(Register(node_id=opts.node_id, host="127.0.0.1")))
     while True:
         req = msgspec.msgpack.decode(conn.recv_bytes())

@@ -12,18 +12,21 @@ from streamrl.rollout.backends.protocol import Completion
 from streamrl.rollout.scoring import GroupScorer
 from streamrl.rollout.sources import Prompt
 
-BAD = 999  # a token id the tokenizer below cannot decode
+BAD = 999  # a token id FakeTokenizer cannot decode
 
 
-class Tokenizer:
+class FakeTokenizer:
+    """Stands in for the model's HF tokenizer: a completion decodes to its ids as text, BAD to an error."""
+
     def decode(self, ids, skip_special_tokens=True):
         if BAD in ids:
             raise ValueError(f"cannot decode {BAD}")
         return " ".join(map(str, ids))
 
 
-class Scorer:
-    """Each sample's reward: its prompt's number x 10 + its completion's first token; records each call's size."""
+class FakeScorer:
+    """Stands in for rewards/scorer.py `Scorer` (the reward pool): each sample's reward is its prompt's number x 10
+    + its completion's first token; records each call's size."""
 
     def __init__(self):
         self.calls: list[int] = []
@@ -42,8 +45,8 @@ def _group(n: int, tokens: list[int]) -> tuple[Prompt, list[Completion]]:
 
 
 def test_groups_finishing_together_share_a_call_and_each_gets_its_own_rewards():
-    scorer = Scorer()
-    groups = GroupScorer(scorer, Tokenizer(), DataConfig())
+    scorer = FakeScorer()
+    groups = GroupScorer(scorer, FakeTokenizer(), DataConfig())
 
     async def go():
         return await asyncio.gather(*(groups.score(*_group(n, [n, n + 1, n + 2])) for n in range(12)))
@@ -54,8 +57,8 @@ def test_groups_finishing_together_share_a_call_and_each_gets_its_own_rewards():
 
 
 def test_a_group_that_cannot_be_decoded_fails_alone_and_a_raising_scorer_fails_its_batch():
-    scorer = Scorer()
-    groups = GroupScorer(scorer, Tokenizer(), DataConfig())
+    scorer = FakeScorer()
+    groups = GroupScorer(scorer, FakeTokenizer(), DataConfig())
 
     async def go(tokens_of):
         return await asyncio.gather(*(groups.score(*_group(n, tokens_of(n))) for n in range(4)), return_exceptions=True)
@@ -69,8 +72,8 @@ def test_a_group_that_cannot_be_decoded_fails_alone_and_a_raising_scorer_fails_i
 
 
 def test_a_group_cancelled_while_queued_is_skipped():
-    scorer = Scorer()
-    groups = GroupScorer(scorer, Tokenizer(), DataConfig())
+    scorer = FakeScorer()
+    groups = GroupScorer(scorer, FakeTokenizer(), DataConfig())
 
     async def go():
         first = asyncio.ensure_future(groups.score(*_group(0, [1])))

@@ -4,7 +4,6 @@ TTL). The launcher's children and the roster are stood in for; tests/integration
 drives the real processes."""
 
 import pathlib
-import time
 
 import pytest
 
@@ -41,31 +40,29 @@ class FakeBoard:
 
 
 def test_a_node_in_the_roster_keeps_the_run_going_after_the_launchers_own_died():
-    watch = _NodeWatch(FakeBoard(own_alive=False, roster={"vm-1234"}), wait_s=0.05)
-    watch.check()
-    time.sleep(0.1)
-    watch.check()  # no error: a replacement started by hand is live
+    watch = _NodeWatch(FakeBoard(own_alive=False, roster={"vm-1234"}), wait_s=5.0)
+    watch.check(now=0.0)
+    watch.check(now=100.0)  # no error, long past the wait: a replacement started by hand is live
 
 
 def test_no_node_anywhere_for_the_wait_ends_the_run_saying_so():
     board = FakeBoard(own_alive=False, roster=set())
-    watch = _NodeWatch(board, wait_s=0.2)
-    watch.check()  # the wait starts
-    watch.check()
-    time.sleep(0.25)
-    said = r"every rollout node exited; node-0 killed by signal 9: .*no rollout node has been live for 0.2 s"
+    watch = _NodeWatch(board, wait_s=5.0)
+    watch.check(now=10.0)  # the wait starts
+    watch.check(now=14.9)  # 4.9 s < 5 s: not yet
+    said = r"every rollout node exited; node-0 killed by signal 9: .*no rollout node has been live for 5 s"
     with pytest.raises(RuntimeError, match=said):
-        watch.check()
+        watch.check(now=15.0)
 
 
 def test_a_node_joining_within_the_wait_starts_it_again():
     board = FakeBoard(own_alive=False, roster=set())
-    watch = _NodeWatch(board, wait_s=0.2)
-    watch.check()
-    time.sleep(0.15)
+    watch = _NodeWatch(board, wait_s=5.0)
+    watch.check(now=0.0)
     board.learner.registered = {"vm-1234"}
-    watch.check()
+    watch.check(now=4.0)
     board.learner.registered = set()
-    watch.check()  # empty again: a new wait, not the old one's remainder
-    time.sleep(0.1)
-    watch.check()
+    watch.check(now=4.5)  # empty again: a new wait from here, not the old one's remainder (0.5 s left)
+    watch.check(now=9.4)  # 4.9 s into the new wait
+    with pytest.raises(RuntimeError, match="no rollout node has been live for 5 s"):
+        watch.check(now=9.5)

@@ -12,7 +12,9 @@ from streamrl.engine.messages import Trajectory
 from streamrl.learner.intake import LearnerStalledError, RewardFailingError, RewardWatch, StallAlarm
 
 
-class _Books:
+class FakeBooks:
+    """Stands in for the ledger's `counts()` (the run's books in Redis): the counts the test sets."""
+
     def __init__(self):
         self.counts = Counts(total=10, trained=8, dropped=2, dropped_by_reason={"stale": 2})
 
@@ -21,7 +23,7 @@ class _Books:
 
 
 def test_the_alarm_names_the_drops_since_the_last_trained_step_and_stops_past_its_bound(caplog):
-    books = _Books()
+    books = FakeBooks()
     alarm = StallAlarm(warn_s=0.05, stop_s=0.3, counts=books)
     # since the baseline: 30 - 10 = 20 admitted; reward_error 15 new, stale 2 -> 4 is 2 new; 3 received
     books.counts = Counts(total=30, trained=8, dropped=19, received=3,
@@ -43,7 +45,7 @@ def test_the_alarm_names_the_drops_since_the_last_trained_step_and_stops_past_it
 
 
 def test_a_trained_step_resets_the_clock_and_the_baseline():
-    books = _Books()
+    books = FakeBooks()
     alarm = StallAlarm(warn_s=0.05, stop_s=0.1, counts=books)
     time.sleep(0.08)
     books.counts = Counts(total=14, trained=12, dropped=2, dropped_by_reason={"stale": 2})
@@ -54,7 +56,7 @@ def test_a_trained_step_resets_the_clock_and_the_baseline():
 
 
 def test_stop_zero_never_stops():
-    alarm = StallAlarm(warn_s=0.01, stop_s=0.0, counts=_Books())
+    alarm = StallAlarm(warn_s=0.01, stop_s=0.0, counts=FakeBooks())
     time.sleep(0.03)
     alarm.check(lambda: "")
 
