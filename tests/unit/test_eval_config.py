@@ -53,3 +53,15 @@ def test_reward_functions_default_to_the_runs():
 def test_bad_values_name_the_field(section, named):
     with pytest.raises(ConfigError, match=named.replace("[", r"\[").replace("]", r"\]")):
         build({"eval": section})
+
+
+def test_the_demo_implies_its_held_out_evaluation():
+    from streamrl.rollout.evaluation_prompts import DEMO_EVAL, demo_implied
+
+    assert demo_implied({}, build({}))[0] == DEMO_EVAL
+    demo = build({}, DEMO_EVAL).eval
+    assert [s.path for s in demo.sources] == ["demo:heldout"] and demo.pass_threshold == 0.5
+    given = {"eval": {"sources": []}}  # an [eval] of the user's own, even an empty one, is kept
+    assert demo_implied(given, build(given)) == ([], "")
+    for other in ({"data": {"path": "x.jsonl"}}, {"reward": {"functions": ["copy"]}}):
+        assert demo_implied(other, build(other)) == ([], "")
