@@ -62,7 +62,7 @@ def run_learner(cfg: Config, resume: str = "") -> str:
         model, adapter = lora.apply(model, cfg.lora, compute)
     sampling = dict(temperature=cfg.rollout.temperature, top_k=cfg.rollout.top_k, top_p=cfg.rollout.top_p)
     policy = parallel.wrap_model(model, cfg.learner, device, compute_dtype=compute, **sampling)
-    reference = build_reference(cfg, device, compute, policy)  # None unless loss.kl_coef > 0
+    reference = build_reference(cfg, device, compute, policy)  # None unless a KL needs it
     trainer = _trainer(cfg, policy, device, reference, compute)
     keeper = checkpoint.Keeper(cfg.checkpoint, cfg.run.path, policy.lm, trainer, model_path, cfg.run.steps, adapter)
     first = keeper.resume(resume, cfg.run.path).step + 1 if resume else 1  # steps continue from the checkpoint
@@ -141,7 +141,7 @@ def _trainer(cfg: Config, policy, device: torch.device, reference, compute: torc
         from streamrl.learner.simulate import SimulatedTrainer
 
         return SimulatedTrainer(policy, cfg.loss, cfg.learner, device, simulate=cfg.simulate, seed=cfg.run.seed)
-    shaper = build_shaper(cfg, device, compute)  # GAE's critic, REINFORCE++: per-token advantages (learner/critic/)
+    shaper = build_shaper(cfg, device, compute, reference)  # GAE's critic, REINFORCE++ (learner/critic/)
     return Trainer(policy, cfg.loss, cfg.learner, device, ref_model=reference, gather_ahead=True, shaper=shaper)
 
 

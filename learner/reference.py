@@ -31,11 +31,14 @@ def reference_source(cfg: Config) -> tuple[str, str]:
 def build_reference(
     cfg: Config, device: torch.device, compute_dtype: torch.dtype, policy: PolicyModel
 ) -> PolicyModel | None:
-    """The reference policy for `loss.kl_coef > 0` (None when it is 0); ConfigError when it cannot be built."""
-    if cfg.loss.kl_coef == 0:
+    """The reference policy for `loss.kl_coef > 0` or `critic.kl_in_reward > 0` (None when both are 0);
+    ConfigError when it cannot be built."""
+    if cfg.loss.kl_coef == 0 and cfg.critic.kl_in_reward == 0:
         return None
     path, field = reference_source(cfg)
-    why = f"loss.kl_coef = {cfg.loss.kl_coef} needs a reference model, but {field} = {path!r}"
+    kl = cfg.loss.kl_coef or cfg.critic.kl_in_reward
+    need = f"{'loss.kl_coef' if cfg.loss.kl_coef else 'critic.kl_in_reward'} = {kl}"
+    why = f"{need} needs a reference model, but {field} = {path!r}"
     fix = "set loss.reference_path to a model folder with the policy's vocabulary, or loss.kl_coef = 0"
     try:
         lm = load_model(path, "float32", "cpu", cfg.model.trust_remote_code)

@@ -58,6 +58,16 @@ class CriticConfig(_Section):
         float,
         _doc("GAE lambda of the critic's targets (the lambda-returns); 1.0: the Monte-Carlo return.", ge=0.0, le=1.0),
     ] = 1.0
+    kl_in_reward: Annotated[
+        float,
+        _doc(
+            "Per-token KL penalty in the reward of the per-token estimators (gae, reinforce_pp*): "
+            "kl_in_reward x (log mu - log pi_ref) subtracted at every loss token (verl algorithm.use_kl_in_reward "
+            "with a fixed kl_ctrl.kl_coef, OpenRLHF init_kl_coef); builds the reference model "
+            "(loss.reference_path); 0: off.",
+            ge=0.0,
+        ),
+    ] = 0.0
     whiten_advantages: Annotated[
         bool, _doc("Whiten the actor's GAE advantages over the step's loss tokens on every rank (verl does).")
     ] = True

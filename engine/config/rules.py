@@ -118,7 +118,7 @@ def _learner(cfg: Config) -> list[Finding]:
             f"loss.surrogate = {loss.surrogate!r} with one update per step: the ratio is exactly 1 there, so the "
             "gradient is PPO-clip's; it differs from a step's second update on: raise learner.mini_batches or epochs"
         )
-    if loss.reference_path and loss.kl_coef == 0:
+    if loss.reference_path and loss.kl_coef == 0 and cfg.critic.kl_in_reward == 0:
         warnings.append(
             f"loss.reference_path = {loss.reference_path!r} but loss.kl_coef = 0: no reference model is built; "
             "set loss.kl_coef > 0 to use it, or leave loss.reference_path empty"
@@ -143,6 +143,11 @@ def _critic(cfg: Config) -> list[Finding]:
         errors.append(
             f"rollout.group_size = 1 with loss.advantage = {advantage!r}: a group of one is its own baseline, so "
             "every advantage is 0; use loss.preset = 'ppo' (a critic) or loss.advantage = 'reinforce_pp'"
+        )
+    if cfg.critic.kl_in_reward and advantage not in ("gae", "reinforce_pp", "reinforce_pp_baseline"):
+        errors.append(
+            f"critic.kl_in_reward = {cfg.critic.kl_in_reward} with loss.advantage = {advantage!r}: only the per-token "
+            "estimators (gae, reinforce_pp, reinforce_pp_baseline) take a KL in the reward; use loss.kl_coef instead"
         )
     if cfg.rollout.group_size == 1 and cfg.loss.dynamic_sampling:
         errors.append(

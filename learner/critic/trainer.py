@@ -16,7 +16,7 @@ skipped on the device (the fused AdamW's found_inf, as the actor's) and counted.
 from __future__ import annotations
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from streamrl.engine.config import LossConfig
 from streamrl.engine.config.critic import CriticConfig
@@ -31,8 +31,17 @@ from streamrl.learner.losses import token_weights
 class Shaper:
     """Per-token advantages for the actor; with a value model, the critic's optimizer and updates."""
 
-    def __init__(self, model: ValueModel | None, cfg: CriticConfig, loss_cfg: LossConfig, device: torch.device) -> None:
+    def __init__(
+        self,
+        model: ValueModel | None,
+        cfg: CriticConfig,
+        loss_cfg: LossConfig,
+        device: torch.device,
+        reference: nn.Module | None = None,
+    ) -> None:
+        """reference: the frozen reference policy of critic.kl_in_reward (None when it is 0)."""
         self.model, self.cfg, self.loss_cfg, self.device = model, cfg, loss_cfg, device
+        self.reference = reference
         self.optimizer = None
         if model is not None:
             params = [p for p in model.parameters() if p.requires_grad]
@@ -63,7 +72,9 @@ class Shaper:
         if self.model is not None:
             values = [self.values(mb) for mb in flat]
             _release(self.model)
-        shaped, returns = token_advantages(flat, values, self.loss_cfg.advantage, self.cfg, self._reduce)
+        shaped, returns = token_advantages(
+            flat, values, self.loss_cfg.advantage, self.cfg, self._reduce, self._kl(flat)
+        )
         old = values or returns
         self._sums = {}
         if self.model is not None:
@@ -76,6 +87,19 @@ class Shaper:
             out.append(shaped[at : at + len(mini)])
             self._targets.append(list(zip(old[at : at + len(mini)], returns[at : at + len(mini)])))
             at += len(mini)
+        return out
+
+    @torch.no_grad()
+    def _kl(self, micro_batches: list[MicroBatch]) -> list[Tensor] | None:
+        """Per-token log mu - log pi_ref of every micro-batch (the k1 estimate of KL(mu || ref) at the sampled
+        token, verl's default `kl_penalty`), for critic.kl_in_reward; None when it is off."""
+        if self.reference is None or not self.cfg.kl_in_reward:
+            return None
+        out = [
+            torch.where(mb.loss_mask, mb.behavior_logprobs - self.reference(*_inputs(mb))[0], 0.0)
+            for mb in micro_batches
+        ]
+        _release(self.reference)
         return out
 
     def _reduce(self, moments: Tensor) -> Tensor:
@@ -143,6 +167,10 @@ def _combine(key: str, old, new):
     return old + new
 
 
+def _inputs(mb: MicroBatch) -> tuple:
+    return mb.input_ids, mb.position_ids, mb.targets, mb.cu_seqlens, mb.max_seqlen
+
+
 def _turn_ends(mb: MicroBatch) -> Tensor:
     """[T] bool: the last loss token of each sequence (of each model turn, in a multi-turn episode)."""
     mask = mb.loss_mask.to(torch.bool)
@@ -157,9 +185,10 @@ def _release(model) -> None:
     release(model)
 
 
-def build_shaper(cfg, device: torch.device, compute_dtype: torch.dtype) -> Shaper | None:
+def build_shaper(cfg, device: torch.device, compute_dtype: torch.dtype, reference=None) -> Shaper | None:
     """The step's per-token advantages for loss.advantage gae / reinforce_pp(_baseline), with the critic where
-    it is on (critic.path, else model.path); None for the group estimators. ConfigError if it cannot load."""
+    it is on (critic.path, else model.path); None for the group estimators. ConfigError if it cannot load.
+    reference: the frozen reference policy (learner/reference.py), for critic.kl_in_reward."""
     from streamrl.engine.config import ConfigError
     from streamrl.engine.config.critic import critic_on
     from streamrl.engine.models import default_tiny_model
@@ -180,7 +209,7 @@ def build_shaper(cfg, device: torch.device, compute_dtype: torch.dtype) -> Shape
                 "with the actor's tokenizer"
             )
         model = wrap_value_model(net, cfg.learner, device, compute_dtype)
-    return Shaper(model, cfg.critic, cfg.loss, device)
+    return Shaper(model, cfg.critic, cfg.loss, device, reference if cfg.critic.kl_in_reward else None)
 
 
 def _vocab(path: str) -> int:

@@ -15,7 +15,7 @@ from streamrl.engine.messages import Trajectory
 from streamrl.learner import checkpoint, parallel
 from streamrl.learner.batching import pack
 from streamrl.learner.critic.model import load_value_net, wrap_value_model
-from streamrl.learner.critic.trainer import Shaper, build_shaper
+from streamrl.learner.critic.trainer import Shaper, _inputs, build_shaper
 from streamrl.learner.train_step import Trainer
 from streamrl.ops.export import export_checkpoint
 
@@ -198,3 +198,21 @@ def test_export_critic_writes_a_value_model_transformers_loads(saved, tmp_path):
         exported = net.score(hidden).squeeze(-1)
     assert torch.allclose(exported, values, atol=1e-5)
     assert torch.count_nonzero(exported) > 0  # trained away from the zero head it started with
+
+
+def test_a_kl_in_the_reward_lowers_each_return_by_the_kl_ahead_of_it(tiny_model):
+    t = trainer(tiny_model, critic=CriticConfig(kl_in_reward=0.5))
+    t.shaper.reference = t.model  # the actor as the reference: KL_t = log mu - log pi_ref(a_t), mu's logprob -6
+    mb = pack(samples(), [0.0, 1.0, 0.0, 1.0], token_budget=64)[0]
+    t.shaper.advantages([[mb]])
+    _, returns = t.shaper._targets[0][0]
+    with torch.no_grad():
+        kl = torch.where(mb.loss_mask, mb.behavior_logprobs - t.model(*_inputs(mb))[0], 0.0)
+    # V = 0 (a new head), gamma = lambda_critic = 1: G_t = R - 0.5 x (KL_t + KL_t+1 + ... to its sequence's end)
+    expected = torch.zeros_like(returns)
+    for s in range(int(mb.seq_ids.max()) + 1):
+        at = (mb.seq_ids == s) & mb.loss_mask
+        ahead = kl[at].flip(0).cumsum(0).flip(0)
+        expected[at] = mb.advantages[at] - 0.5 * ahead
+    assert torch.allclose(returns, expected, atol=1e-5)
+    assert not torch.allclose(returns, mb.advantages * mb.loss_mask)  # the KL moved them (positive control)
