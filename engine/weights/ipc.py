@@ -34,6 +34,7 @@ from streamrl.engine.weights.layout import BufferPool, PackedBuckets, torch_dtyp
 from streamrl.engine.weights.paths import WeightTransferError
 
 COPIED, GAVE_UP = "copied", "learner gave up"
+STORES_KEPT = 64  # learners' stores a node process keeps open: one per node it runs (a simulation runs many)
 POLL_S = (0.0002, 0.01)  # waits poll from 0.2 ms (a copy is ~1 ms on a GPU), doubling up to 10 ms (a dead peer)
 
 # ---- learner side -----------------------------------------------------------------------------
@@ -235,7 +236,10 @@ class _Opened:
         key = (ready.store_host, ready.store_port)
         with self.lock:
             if key not in self.stores:
-                self.stores.clear()  # one learner at a time
+                # one store per node this process serves (the learner opens one per node; a process may run
+                # several simulated nodes, bench/scale_out.py): the oldest goes, as a restarted learner's do
+                while len(self.stores) >= STORES_KEPT:
+                    self.stores.pop(next(iter(self.stores)))
                 timeout = datetime.timedelta(seconds=ready.timeout_s)
                 self.stores[key] = dist.TCPStore(ready.store_host, ready.store_port, is_master=False, timeout=timeout)
             return self.stores[key]

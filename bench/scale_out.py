@@ -1,0 +1,350 @@
+"""How far one learner scales out: N simulated rollout nodes against one learner, one Redis, one push.
+
+    python -m streamrl.bench.scale_out [--nodes 1 8 32 128] [--steps 12] [--group-s 2.0] [--group-size 4]
+        [--tokens 1024] [--per-worker 32] [--train-s 0.2] [--out docs] [--set section.field=value ...]
+
+Per N, one `streamrl run`'s learner (the built-in tiny model on CPU; its step a `simulate.train_s` sleep,
+its weights pushed for real) and an embedded Redis, started by the product's `Launcher`, and N rollout
+nodes with `rollout.backend`'s sleeping engine (rollout/backends/sim.py), `--per-worker` of them in one
+process: each node is the product's own `serve` (its id, control and trajectory sockets, ledger
+connection, credits and weight receiver are its own). Each node generates one group at a time
+(`max_concurrent_groups = 1`), `--group-s` seconds a group of `--group-size` samples of `--tokens`
+completion tokens. The learner takes `N / 2` groups a step (at least 4) with `max_staleness = 2`, so
+the credits (3 steps' groups) never leave a node idle and the offered load is N x group-size /
+group-s samples/s.
+
+One JSON line per N (`figure: scale_out`), over `--steps` steps from the first step begun once every
+node registered (the learner is then stopped with SIGTERM, as a person stops it):
+intake (samples/s and bytes/s the learner's intake took), Redis (commands/s, round trips per group,
+its CPU share from INFO cpu, calls by command), the push (`push_all_s`: from the learner's publish to
+the last node's version live, median over versions, from RUN/events.jsonl), the learner's wait share,
+the learner's own CPU share, drops by reason, registration (first to last node joined) and the books
+(`streamrl status`). A plot (intake vs offered; push time vs N) goes to `--out`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import concurrent.futures
+import functools
+import json
+import logging
+import os
+import pathlib
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+from streamrl.engine.config import build, load
+from streamrl.engine.ledger import Ledger
+from streamrl.engine.messages import Trajectory, encode
+from streamrl.engine.redis_server import connect
+from streamrl.engine.telemetry import read_metrics
+from streamrl.ops.launcher import Launcher, child_env
+
+HEARTBEAT_S = 0.5  # rollout/control.py's period: a node's control heartbeat to the learner
+
+
+def run_sets(n: int, args, folder: str) -> list[str]:
+    groups = max(4, n // 2)
+    gen_s = args.group_s * groups  # sim.py: each group takes gen_s / groups_per_step
+    sets = [f"run.dir='{folder}'", f"run.name='n{n}'", "run.steps=100000", "run.device='cpu'"]  # stopped by us
+    sets += [f"learner.groups_per_step={groups}", "ledger.max_staleness=2", "rollout.max_concurrent_groups=1"]
+    sets += [f"rollout.group_size={args.group_size}", f"rollout.max_tokens={args.tokens}", "reward.workers=0"]
+    sets += [f"simulate.gen_s={gen_s}", f"simulate.train_s={args.train_s}", "telemetry.tensorboard=false"]
+    sets += ["checkpoint.budget=0", "learner.stall_warn_s=60", "learner.stall_stop_s=0"]
+    return sets + args.sets
+
+
+def start_workers(launcher: Launcher, n: int, per_worker: int) -> list[subprocess.Popen]:
+    """`n` nodes in processes of `per_worker` nodes each (node-0 ... node-{n-1})."""
+    addr = launcher.learner_address()["control_addr"]
+    env = child_env(launcher.cfg, launcher.tmp)
+    workers = []
+    for first in range(0, n, per_worker):
+        count = min(per_worker, n - first)
+        log_path = launcher.run_dir / "logs" / f"workers-{first}.out"
+        command = [sys.executable, "-m", "streamrl.bench.scale_out", "worker", str(launcher.config_path), addr]
+        with log_path.open("ab") as out:
+            workers.append(subprocess.Popen([*command, str(first), str(count)], stdout=out, stderr=subprocess.STDOUT,
+                                            stdin=subprocess.DEVNULL, env=env, start_new_session=True))  # fmt: skip
+    return workers
+
+
+def _ended(process: subprocess.Popen, deadline: float) -> int | None:
+    """The exit status of a node process the learner stopped, or None: still running at `deadline`, killed."""
+    try:
+        return process.wait(timeout=max(0.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+        return None
+
+
+def worker(config_path: str, learner_addr: str, first: int, count: int) -> int:
+    """Nodes `first` ... `first + count - 1` in this process, each the product's `serve`, until the
+    learner stops them. They share one tokenizer (read only: it decodes completions for the reward)."""
+    from streamrl.engine import models
+    from streamrl.rollout.service import serve
+
+    models.load_tokenizer = functools.cache(models.load_tokenizer)  # loaded once a process: 32 loads took minutes
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    cfg = load(config_path, [])
+
+    async def all_nodes() -> list:
+        # asyncio.to_thread's pool, as many threads a node as a node's own process has (min(32, cores + 4))
+        asyncio.get_running_loop().set_default_executor(concurrent.futures.ThreadPoolExecutor(6 * count))
+        ids = [f"node-{i}" for i in range(first, first + count)]
+        return await asyncio.gather(*(serve(cfg, learner_addr, node_id) for node_id in ids), return_exceptions=True)
+
+    failed = [r for r in asyncio.run(all_nodes()) if isinstance(r, BaseException)]
+    for error in failed:
+        print(f"node failed: {type(error).__name__}: {error}", flush=True)
+    return 1 if failed else 0
+
+
+class RedisMeter:
+    """INFO snapshots: commands by name, CPU seconds (user + sys), all commands processed."""
+
+    def __init__(self, url: str):
+        self.client = connect(url)
+
+    def snapshot(self) -> dict:
+        stats = self.client.info("commandstats")
+        cpu = self.client.info("cpu")
+        return {
+            "calls": {k.removeprefix("cmdstat_"): v["calls"] for k, v in stats.items()},
+            "cpu_s": cpu["used_cpu_user"] + cpu["used_cpu_sys"],
+            "commands": self.client.info("stats")["total_commands_processed"],
+            "t": time.time(),
+        }
+
+
+def process_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of process `pid` (its threads included)."""
+    fields = pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(learner, workers: list[subprocess.Popen]) -> tuple[float, float]:
+    """CPU seconds so far of the learner and of every node process together."""
+    return process_cpu_s(learner.pid), sum(process_cpu_s(w.pid) for w in workers)
+
+
+def sample_bytes(group_size: int, tokens: int) -> int:
+    """One trajectory's frame as the node sends it (sim.py's tokens and logprobs, a 16-token prompt)."""
+    traj = Trajectory(sample_id="node-0-abcdef-g0:0", group_id="node-0-abcdef-g0", node_id="node-0", seq=0,
+                      prompt_ids=[1] * 16, completion_ids=[7] * tokens, behavior_logprobs=[-1.0] * tokens,
+                      reward=1.0, policy_version=1, group_size=group_size)  # fmt: skip
+    return len(encode(traj))
+
+
+def wait_for_step(run_dir: pathlib.Path, step: int, learner, timeout_s: float) -> list[dict]:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        records = read_metrics(run_dir / "metrics.jsonl") if (run_dir / "metrics.jsonl").exists() else []
+        if records and records[-1]["step"] >= step:
+            return records
+        if not learner.alive:
+            raise RuntimeError(f"the learner exited before step {step}:\n{learner.log_tail()}")
+        time.sleep(0.2)
+    raise RuntimeError(f"step {step} not reached within {timeout_s:.0f} s:\n{learner.log_tail()}")
+
+
+def read_events(run_dir: pathlib.Path) -> list[dict]:
+    path = run_dir / "events.jsonl"
+    lines = path.read_text().splitlines() if path.exists() else []
+    return [json.loads(line) for line in lines if line.strip()]
+
+
+def push_all_s(events: list[dict], records: list[dict], n: int) -> tuple[float, int]:
+    """Median over versions of the time from the learner's publish to the last of the `n` nodes with that
+    version live, and how many versions reached every node. The publish ends a step's `push_s` lap, just
+    before its checkpoint lap and its `step` event (learner/main.py), so its time is the event's less
+    the checkpoint lap."""
+    checkpoint_s = {r["step"]: r.get("time/checkpoint_s", 0.0) for r in records}
+    published = {e["version"]: e["t"] - checkpoint_s.get(e["step"], 0.0) for e in events if e["event"] == "step"}
+    live: dict[int, list[float]] = {}
+    for e in events:
+        if e["event"] == "live":
+            live.setdefault(e["version"], []).append(e["t"])
+    spans = [max(live[v]) - t for v, t in published.items() if len(live.get(v, ())) >= n]
+    return (statistics.median(spans) if spans else float("nan")), len(spans)
+
+
+def registration(events: list[dict]) -> dict:
+    """Distinct nodes that joined, and the seconds from the first join to the last."""
+    joined = [e for e in events if e["event"] == "node_joined"]
+    times = sorted(e["t"] for e in joined)
+    span = round(times[-1] - times[0], 3) if times else None
+    return {"registered": len({e["node"] for e in joined}), "register_all_s": span}
+
+
+def window(records: list[dict], key: str) -> tuple[float, float]:
+    """`key`'s growth and the seconds from the end of the first record (the step before the window) to the last."""
+    return records[-1].get(key, 0) - records[0].get(key, 0), records[-1]["time"] - records[0]["time"]
+
+
+def books(launcher: Launcher) -> str:
+    """`streamrl status` of the run (its last line: whether the books balance)."""
+    command = [sys.executable, "-m", "streamrl", "status", "--run", launcher.cfg.run.name, "--runs-dir",
+               str(launcher.run_dir.parent)]  # fmt: skip
+    out = subprocess.run(command, capture_output=True, text=True, timeout=120, env={**os.environ, "COLUMNS": "200"})
+    lines = [line.strip() for line in out.stdout.splitlines() if line.strip()]
+    return lines[-1] if lines else out.stderr.strip()[-300:]
+
+
+def trained_by_node(ledger: Ledger) -> dict[str, int]:
+    """Samples trained per node, from the ledger's per-version sets (a group id is `<node>-<incarnation>-g<k>`)."""
+    out: dict[str, int] = {}
+    for key in ledger.client.scan_iter(match=ledger.prefix + "tv:*", count=1000):
+        for sample_id in ledger.client.smembers(key):
+            node = sample_id.rsplit("-", 2)[0]
+            out[node] = out.get(node, 0) + 1
+    return out
+
+
+def measure(n: int, args, folder: str) -> dict:
+    """One run of N nodes: its figure line (and the ledger's trained samples per node, for the test).
+    The window is `args.steps` steps from the first step begun once every node registered; then the
+    learner is stopped (SIGTERM: it stops the nodes and resolves what it holds)."""
+    launcher = Launcher(build({}, run_sets(n, args, folder)))
+    workers: list[subprocess.Popen] = []
+    try:
+        launcher.start(0)
+        meter = RedisMeter(launcher.ledger_url)
+        started = time.monotonic()
+        workers = start_workers(launcher, n, args.per_worker)
+        first = wait_registered(launcher.run_dir, n, launcher.learner, args.timeout_s) + 1
+        wait_for_step(launcher.run_dir, first, launcher.learner, args.timeout_s)
+        before, cpu_before = meter.snapshot(), cpu_seconds(launcher.learner.process, workers)
+        records = wait_for_step(launcher.run_dir, first + args.steps, launcher.learner, args.timeout_s)
+        after, cpu_after = meter.snapshot(), cpu_seconds(launcher.learner.process, workers)
+        launcher.learner.process.send_signal(signal.SIGTERM)
+        launcher.learner.process.wait(timeout=120)
+        killed = sum(_ended(w, deadline=time.monotonic() + 120) is None for w in workers)
+        ledger = Ledger(connect(launcher.ledger_url), launcher.cfg.run.name, launcher.cfg.ledger)
+        counts, per_node = ledger.counts(), trained_by_node(ledger)
+        wall_s = time.monotonic() - started
+    finally:
+        for w in workers:
+            if w.poll() is None:
+                w.kill()
+        launcher.stop_all()
+    cpu = [b - a for a, b in zip(cpu_before, cpu_after, strict=True)]
+    steady = [r for r in records if first < r["step"] <= first + args.steps]
+    start = next(r for r in records if r["step"] == first)
+    line = figures(n, args, [start, *steady], read_events(launcher.run_dir), before, after, cpu)
+    line["drops"] = {r: round(k / max(counts.total, 1), 4) for r, k in counts.dropped_by_reason.items()}
+    line.update(nodes_trained=len(per_node), workers_killed=killed, wall_s=round(wall_s, 1), books=books(launcher))
+    return {"line": line, "trained_by_node": per_node}
+
+
+def wait_registered(run_dir: pathlib.Path, n: int, learner, timeout_s: float) -> int:
+    """Wait until `n` distinct nodes joined (RUN/events.jsonl); the learner's last finished step then."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if registration(read_events(run_dir))["registered"] >= n:
+            metrics = run_dir / "metrics.jsonl"
+            records = read_metrics(metrics) if metrics.exists() else []
+            return records[-1]["step"] if records else 0
+        if not learner.alive:
+            raise RuntimeError(f"the learner exited before {n} nodes registered:\n{learner.log_tail()}")
+        time.sleep(0.2)
+    raise RuntimeError(f"{n} nodes did not register within {timeout_s:.0f} s")
+
+
+def figures(n: int, args, records: list[dict], events: list[dict], before: dict, after: dict, cpu: list[float]):
+    """The figure line of one N from the metrics, the events and the Redis snapshots of the window."""
+    received, seconds = window(records, "samples_received")
+    groups = received / args.group_size
+    steady = records[1:]
+    busy = sum(r.get("time/wait_s", 0) + r.get("time/train_s", 0) + r.get("time/commit_s", 0)
+               + r.get("time/push_s", 0) + r.get("time/checkpoint_s", 0) for r in steady)  # fmt: skip
+    redis_s = after["t"] - before["t"]
+    calls = {k: v - before["calls"].get(k, 0) for k, v in after["calls"].items()}
+    push_s, versions = push_all_s(events, records, n)
+    intake = received / seconds
+    return {
+        "figure": "scale_out",
+        "nodes": n,
+        "offered_samples_s": round(n * args.group_size / args.group_s, 2),
+        "intake_samples_s": round(intake, 2),
+        "intake_bytes_s": round(intake * sample_bytes(args.group_size, args.tokens)),
+        "push_all_s": round(push_s, 4),
+        "push_versions": versions,
+        "weights_s_max": round(max(r.get("weights_s", 0.0) for r in steady), 4),
+        "ledger_ops_s": round((after["commands"] - before["commands"]) / redis_s, 1),
+        "ledger_calls_per_group": round(sum(calls.values()) / max(groups, 1), 2),
+        "calls_per_group": {
+            k: round(v / max(groups, 1), 2)
+            for k, v in sorted(calls.items(), key=lambda kv: -kv[1])
+            if v / max(groups, 1) >= 0.05
+        },  # fmt: skip
+        "redis_cpu_share": round((after["cpu_s"] - before["cpu_s"]) / redis_s, 4),
+        "learner_cpu_share": round(cpu[0] / redis_s, 4),  # of one core
+        "nodes_cpu_share": round(cpu[1] / redis_s, 4),  # every node process together
+        "learner_wait_share": round(sum(r.get("time/wait_s", 0) for r in steady) / max(busy, 1e-9), 4),
+        "step_s": round(seconds / len(steady), 3),
+        "heartbeats_s": round(n / HEARTBEAT_S, 1),
+        **registration(events),
+        "groups_per_step": max(4, n // 2),
+        "group_size": args.group_size,
+        "tokens": args.tokens,
+        "load": os.getloadavg()[0],
+    }
+
+
+def plot(lines: list[dict], out: pathlib.Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out.mkdir(parents=True, exist_ok=True)
+    nodes = [r["nodes"] for r in lines]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    left.plot([r["offered_samples_s"] for r in lines], [r["intake_samples_s"] for r in lines], "o-", label="intake")
+    top = max(r["offered_samples_s"] for r in lines)
+    left.plot([0, top], [0, top], "--", color="grey", label="intake = offered")
+    for r in lines:
+        left.annotate(f"N={r['nodes']}", (r["offered_samples_s"], r["intake_samples_s"]), fontsize=8)
+    left.set(xlabel="offered samples/s", ylabel="learner intake samples/s", title="intake vs offered load")
+    left.legend()
+    right.plot(nodes, [r["push_all_s"] for r in lines], "o-")
+    right.set(xscale="log", xlabel="nodes", ylabel="publish -> live on every node (s)", title="push time vs N")
+    fig.tight_layout()
+    fig.savefig(out / "scale_out.png", dpi=120)
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "worker":
+        raise SystemExit(worker(sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5])))
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--nodes", type=int, nargs="+", default=[1, 8, 32, 128])
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--group-s", type=float, default=2.0, help="seconds one node takes per group")
+    parser.add_argument("--group-size", type=int, default=4)
+    parser.add_argument("--tokens", type=int, default=1024, help="completion tokens per sample")
+    parser.add_argument("--per-worker", type=int, default=32, help="simulated nodes per process")
+    parser.add_argument("--train-s", type=float, default=0.2, help="the learner's step (a sleep)")
+    parser.add_argument("--timeout-s", type=float, default=600.0, help="longest wait for a step")
+    parser.add_argument("--dir", default="", help="keep the run folders here (a temporary folder when empty)")
+    parser.add_argument("--out", default="", help="folder for scale_out.png (none when empty)")
+    parser.add_argument("--set", dest="sets", action="append", default=[], help="section.field=value")
+    args = parser.parse_args()
+    lines = []
+    for n in args.nodes:
+        with tempfile.TemporaryDirectory(prefix="scale-out-") as folder:
+            lines.append(measure(n, args, args.dir or folder)["line"])
+        print(json.dumps(lines[-1]), flush=True)
+    if args.out:
+        plot(lines, pathlib.Path(args.out))
+
+
+if __name__ == "__main__":
+    main()
