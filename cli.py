@@ -115,8 +115,9 @@ def run(
     data: Annotated[
         str,
         typer.Option(
-            help="Prompts: a .jsonl/.parquet file or a saved dataset folder, reasoning_gym:TASK[:SIZE[:SEED]] or "
-            "verifiers:TASKSET_ID (the library's own scoring is then the reward); default: the demo task."
+            help="Prompts: a .jsonl/.parquet file or a saved dataset folder, reasoning_gym:TASK (optionally :SIZE and "
+            ":SEED after it) or verifiers:TASKSET_ID (the library's own scoring is then the reward); default: the demo "
+            "task."
         ),
     ] = "",
     reward: Annotated[
@@ -126,8 +127,12 @@ def run(
             "(TRL's reward signature works unchanged)."
         ),
     ] = None,
-    steps: Annotated[int | None, typer.Option(min=1, help="Optimizer steps.")] = None,
-    device: Annotated[str | None, typer.Option(help="auto, cpu or cuda.")] = None,
+    steps: Annotated[
+        int | None, typer.Option(min=1, help="Optimizer steps (default: run.steps, 20; the demo's 30).")
+    ] = None,
+    device: Annotated[
+        str | None, typer.Option(help="auto, cpu or cuda (default: run.device, auto: cuda where there is one).")
+    ] = None,
     resume: ResumeOpt = "",
     fresh: Annotated[
         bool,

@@ -15,8 +15,8 @@ from streamrl.ops.run import name_after, name_sets
 BENCH = pathlib.Path(streamrl.__file__).parent / "bench"
 
 
-def invoke(*args: str) -> str:
-    result = CliRunner().invoke(app, list(args), env={"COLUMNS": "300"})
+def invoke(*args: str, columns: int = 300) -> str:
+    result = CliRunner().invoke(app, list(args), env={"COLUMNS": str(columns)})
     assert result.exit_code == 0, result.output
     return result.output
 
@@ -35,7 +35,17 @@ def test_bench_alone_lists_every_benchmark_with_what_it_measures():
 
 def test_run_help_names_the_library_sources():
     help_text = " ".join(invoke("run", "--help").split())
-    assert "reasoning_gym:TASK[:SIZE[:SEED]]" in help_text and "verifiers:TASKSET_ID" in help_text
+    assert "reasoning_gym:TASK (optionally :SIZE and :SEED after it)" in help_text
+    assert "verifiers:TASKSET_ID" in help_text
+
+
+def test_run_help_at_80_columns_cuts_no_cell_and_names_the_defaults():
+    # issue 53: the --data cell read `reasoning_gym:TASK[:SIZE[:SEED…` (a word wider than its column)
+    narrow = invoke("run", "--help", columns=80)
+    assert "…" not in narrow and max(map(len, narrow.splitlines())) <= 80
+    help_text = " ".join(narrow.replace("│", " ").split())
+    assert "Optimizer steps (default: run.steps, 20; the demo's 30)." in help_text
+    assert "auto, cpu or cuda (default: run.device, auto: cuda where there is one)." in help_text
 
 
 def test_a_run_is_named_after_its_config_else_its_data():
