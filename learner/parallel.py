@@ -98,32 +98,15 @@ def wrap_model(
     top_k: int = 0,
     top_p: float = 1.0,
 ) -> PolicyModel:
-    """Shard a HF causal LM with FSDP2 over all ranks: decoder layers in units of `cfg.fsdp_unit_params`
-    parameters, the rest (or, for a model under one unit, everything) at the root.
-
-    Master weights and gradient reductions in fp32; compute in `compute_dtype` (default: bf16 on
-    CUDA, fp32 elsewhere; the learner passes `model.dtype`). On CUDA, varlen attention for packed
-    sequences. Optional activation checkpointing; per-layer torch.compile when `cfg.compile` is true,
-    or "auto" on CUDA. Fewer, larger
-    units mean fewer hooks and collectives per micro-batch: a 0.5B model on H200s stepped at 34.4%
-    MFU as one unit vs 32.8% as 24 layer units (1 GPU), 35.0% vs 25.3% per GPU (2 GPUs); layer
-    units pay off when the gathered model would not fit (bench/RESULTS.md). temperature, top_k, top_p:
-    the rollout engines' sampling, whose distribution the policy's logprobs are of (engine/sampling.py).
-    """
+    """A HF causal LM as the policy (`PolicyModel`), sharded over all ranks by `shard`; on CUDA, varlen
+    attention for packed sequences. temperature, top_k, top_p: the rollout engines' sampling, whose
+    distribution the policy's logprobs are of (engine/sampling.py); compute_dtype: the learner passes
+    `model.dtype`."""
     init_distributed()
     if device.type == "cuda" and attention.register_varlen_attention():
         model.config._attn_implementation = "streamrl_varlen"
     frozen = any(not p.requires_grad for p in model.parameters())  # LoRA: the base keeps its dtype (lora.py)
     model = (model.to(device) if frozen else model.to(device=device, dtype=torch.float32)).train()
-    layers = model.model.layers
-    if cfg.activation_checkpointing:
-        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-
-        for i, layer in enumerate(layers):
-            layers[i] = checkpoint_wrapper(layer, preserve_rng_state=False)
-    if compiles(cfg, device):
-        for layer in layers:
-            layer.compile()  # static shapes first; torch marks T dynamic if it varies
     policy = PolicyModel(
         model,
         chunk=chunk,
@@ -132,14 +115,30 @@ def wrap_model(
         top_k=top_k,
         top_p=top_p,
     )
-    return shard(policy, layers, cfg, device, compute_dtype)
+    return shard(policy, model.model.layers, cfg, device, compute_dtype)
 
 
 def shard(root: nn.Module, layers: nn.ModuleList, cfg: LearnerConfig, device: torch.device, compute_dtype=None):
-    """FSDP2 over all ranks: `layers` in units of `cfg.fsdp_unit_params`, the rest at `root` (the policy, or the
-    critic's value model); gradients summed across ranks, compute in `compute_dtype` (default bf16 on CUDA)."""
+    """FSDP2 over all ranks: the decoder `layers` in units of `cfg.fsdp_unit_params` parameters, the rest (or,
+    for a model under one unit, everything) at `root` (the policy, or the critic's value model). Optional
+    activation checkpointing; per-layer torch.compile when `cfg.compile` is true, or "auto" on CUDA.
+
+    Master weights and gradient reductions in fp32, gradients summed across ranks; compute in `compute_dtype`
+    (default: bf16 on CUDA, fp32 elsewhere). Fewer, larger units mean fewer hooks and collectives per
+    micro-batch: a 0.5B model on H200s stepped at 34.4% MFU as one unit vs 32.8% as 24 layer units (1 GPU),
+    35.0% vs 25.3% per GPU (2 GPUs); layer units pay off when the gathered model would not fit
+    (bench/RESULTS.md)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+    if cfg.activation_checkpointing:
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+        for i, layer in enumerate(layers):
+            layers[i] = checkpoint_wrapper(layer, preserve_rng_state=False)
+    if compiles(cfg, device):
+        for layer in layers:
+            layer.compile()  # static shapes first; torch marks T dynamic if it varies
 
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     if compute_dtype is None:

@@ -38,7 +38,8 @@ class ValueModel(nn.Module):
             cu = cu_seqlens.to(torch.int32)
             extra = dict(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=max_seqlen, max_length_k=max_seqlen)
         out = self.body(input_ids=input_ids[None], position_ids=position_ids[None], use_cache=False, **extra)
-        return self.net.score(out.last_hidden_state[0]).squeeze(-1).float()
+        # a copy, not a view: FSDP2 warns of a view returned from a wrapped module (T floats, nothing to save)
+        return self.net.score(out.last_hidden_state[0]).squeeze(-1).to(torch.float32, copy=True)
 
 
 def load_value_net(path: str, trust_remote_code: bool = False) -> nn.Module:
@@ -77,10 +78,4 @@ def wrap_value_model(
     if device.type == "cuda" and attention.register_varlen_attention():
         net.config._attn_implementation = "streamrl_varlen"
     net = net.to(device=device, dtype=torch.float32).train()
-    layers = getattr(net, net.base_model_prefix).layers
-    if cfg.activation_checkpointing:
-        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-
-        for i, layer in enumerate(layers):
-            layers[i] = checkpoint_wrapper(layer, preserve_rng_state=False)
-    return parallel.shard(ValueModel(net), layers, cfg, device, compute_dtype)
+    return parallel.shard(ValueModel(net), getattr(net, net.base_model_prefix).layers, cfg, device, compute_dtype)
