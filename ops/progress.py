@@ -24,7 +24,8 @@ LAPS = ("time/wait_s", "time/train_s", "time/commit_s", "time/push_s", "time/che
 @dataclasses.dataclass(frozen=True)
 class Rate:
     """Trained tokens/s: the completion tokens of the steps that updated the model, divided by the learner's time
-    over all the steps (skipped ones included: their time was spent, their tokens trained nothing)."""
+    over all the steps (skipped ones included: their time was spent, their tokens trained nothing), less the first
+    step's wait (the nodes' start and their first batch, minutes on a loaded machine: the wall time says it)."""
 
     tokens: int  # completion tokens of the steps that took an update
     seconds: float  # the learner's steps' time (the sum of their laps: waiting, training, commit, push, checkpoint)
@@ -46,7 +47,15 @@ def trained_rate(records: list[dict[str, Any]]) -> Rate:
     """The `Rate` of a run's metrics records (metrics.jsonl, one per step; a resumed run's too)."""
     tokens = sum(int(r.get("completion_tokens", 0)) for r in records if not r.get("skipped"))
     seconds = sum(float(r.get(lap, 0.0)) for r in records for lap in LAPS)
+    first = [r for i, r in enumerate(records) if i == 0 or _first_of_launch(records[i - 1], r)]
+    seconds -= sum(float(r.get("time/wait_s", 0.0)) for r in first)
     return Rate(tokens, seconds, len(records), sum(1 for r in records if r.get("skipped")))
+
+
+def _first_of_launch(before: dict[str, Any], record: dict[str, Any]) -> bool:
+    """A resumed run's first step (its records follow the earlier launch's in metrics.jsonl): not the step after."""
+    step, previous = record.get("step"), before.get("step")
+    return isinstance(step, int) and isinstance(previous, int) and step != previous + 1
 
 
 def step_line(record: dict[str, Any], records: list[dict[str, Any]], steps: int, elapsed_s: float) -> str:

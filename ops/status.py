@@ -21,9 +21,10 @@ from rich.table import Table
 from streamrl.engine.config import LedgerConfig
 from streamrl.engine.ledger import Counts, InFlight, Ledger, LedgerError, LedgerUnavailableError
 from streamrl.engine.redis_server import RedisUnavailableError, connect, redact
-from streamrl.engine.telemetry import ending_torn, read_ending
+from streamrl.engine.telemetry import ending_torn, read_ending, read_metrics
 from streamrl.ops.eval_status import eval_lines
 from streamrl.ops.lock import describe, holder
+from streamrl.ops.progress import trained_rate
 
 RETRY_S = 5.0  # a person waits for this command: a Redis that went away mid-read fails it soon
 
@@ -231,6 +232,8 @@ def _table(
     rows += [(f"  dropped:{reason}", n) for reason, n in counts.dropped_by_reason.items()]
     histogram = ledger.staleness_histogram()
     rows += [("staleness at training", " ".join(f"{lag}:{n}" for lag, n in histogram.items()) or "-")]
+    if run_dir is not None and (run_dir / "metrics.jsonl").exists():  # as the live row and the closing line give it
+        rows += [("tokens/s (trained)", str(trained_rate(read_metrics(run_dir / "metrics.jsonl"))))]
     rows += [(f"rolled back to v{r['from']}", f"{r['samples']} samples (from v{r['to']})") for r in ledger.rollbacks()]
     for name, value in rows:
         table.add_row(name, str(value))
