@@ -9,7 +9,6 @@ not trained yet) and, in readmit mode, groups waiting for a node. On a run that 
 from __future__ import annotations
 
 import contextlib
-import os
 import pathlib
 import shutil
 import tempfile
@@ -25,6 +24,7 @@ from streamrl.engine.telemetry import ending_torn, read_ending, read_metrics
 from streamrl.ops.eval_status import eval_lines
 from streamrl.ops.lock import describe, holder
 from streamrl.ops.progress import trained_rate
+from streamrl.rollout.learner_gone import process_gone as _process_gone  # its test reads it here
 
 RETRY_S = 5.0  # a person waits for this command: a Redis that went away mid-read fails it soon
 
@@ -174,31 +174,6 @@ def _state(ledger: Ledger, ending: dict | None, run_dir: pathlib.Path | None = N
     if gone:  # its heartbeat may not have lapsed yet (ledger.heartbeat_ttl_s): the process says more, sooner
         return f"stopped without an ending: {gone}; its last heartbeat {beat}"
     return f"stopped without an ending: no learner heartbeat since {beat}"
-
-
-def _process_gone(learner: dict, run_dir: pathlib.Path | None) -> str:
-    """'the learner process PID is gone' when RUN/learner.json names the ledger's learner as a process of this
-    machine that no longer runs; '' when it runs, ran elsewhere, or nothing says (then the heartbeat decides)."""
-    import json
-
-    from streamrl.engine.weights.paths import Location, here
-
-    try:
-        said = json.loads((run_dir / "learner.json").read_text()) if run_dir is not None else {}
-    except (OSError, ValueError):
-        return ""
-    pid = said.get("pid")
-    if not learner or said.get("incarnation") != learner.get("incarnation") or not isinstance(pid, int):
-        return ""
-    if not here("cpu").same_machine(Location(str(said.get("host")), str(said.get("boot_id")), "cpu")):
-        return ""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return f"the learner process {pid} is gone"
-    except PermissionError:
-        pass  # another user's process holds that pid now, or still: it is not ours to judge
-    return ""
 
 
 def _when(t: float) -> str:

@@ -37,6 +37,7 @@ from streamrl.engine.messages import Goodbye, Welcome
 from streamrl.engine.telemetry import EventLog
 from streamrl.engine.transport import TrajectorySender, TransportError
 from streamrl.rollout.control import ControlLoop, LedgerHeartbeat
+from streamrl.rollout.learner_gone import learner_gone
 from streamrl.rollout.ledger_link import LedgerCredits, LedgerSink
 from streamrl.rollout.registration import check_reachable, ledger_url, register, resolve_learner
 
@@ -88,8 +89,18 @@ class _StopSignal:
             self.node.stop(name)
             self.control.first_weights.set()
         if first:
+            _later(0.0, self._abandon_if_learner_gone)
             _later(STOP_GRACE_S, lambda: self.sink is not None and self.sink.cancel())
             _later(stop_bound_s(self.cfg), self._exit)
+
+    def _abandon_if_learner_gone(self) -> None:
+        """No grace for groups whose learner is gone (rollout/learner_gone.py): abandoned now, and resolved."""
+        control = self.control
+        gone = learner_gone(control.watch.ledger, control.watch.incarnation, self.cfg.run.path) if control else ""
+        if gone:
+            log.warning("node %s stops without the grace: the learner it serves is gone (%s)", self.node_id, gone)
+            control.loop.call_soon_threadsafe(self.node.abandon, f"the learner is gone: {gone}")
+            self.sink.cancel()
 
     def _exit(self) -> None:
         log.error(
