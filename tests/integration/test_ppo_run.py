@@ -1,0 +1,110 @@
+"""One short PPO run read by every test below: the demo on the tiny model with `loss.preset = "ppo"` (a critic,
+GAE), one completion per prompt (`rollout.group_size = 1`), one hf node, the critic warming up alone for
+its first step; the learner is killed with -9 after its step-2 checkpoint and resumed with `--resume latest`.
+
+- every step reports the critic's figures; the warm-up step trains the critic alone (no version, its samples
+  dropped as no_gradient), the others both;
+- the resumed learner goes on from the checkpoint's critic (its step count continues: the critic's state was
+  restored, not started again; learner/critic's unit tests assert its weights and AdamW state bit-exact);
+- the last checkpoint holds the critic, and `export --critic` writes a value model transformers loads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import pathlib
+import signal
+import time
+
+import pytest
+
+from streamrl.engine.config import build
+from streamrl.engine.ledger import Ledger
+from streamrl.engine.redis_server import connect
+from streamrl.engine.telemetry import read_metrics
+from streamrl.learner import checkpoint
+from streamrl.ops.launcher import Launcher
+from streamrl.ops.naming import TINY
+
+pytestmark = [pytest.mark.slow]
+STEPS = 4
+
+
+@dataclasses.dataclass
+class Run:
+    records: list[dict]
+    folder: pathlib.Path
+    counts: object
+    killed: float
+
+
+def _wait(launcher: Launcher, done, what: str, timeout_s: float):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if done():
+            return
+        assert launcher.learner.alive, f"learner died:\n{launcher.learner.log_tail(40)}"
+        time.sleep(0.5)
+    raise AssertionError(f"{what} not reached in {timeout_s} s; learner log:\n{launcher.learner.log_tail(40)}")
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory) -> Run:
+    folder = tmp_path_factory.mktemp("ppo")
+    settings = [*TINY, f"run.dir='{folder}'", "run.name='ppo'", f"run.steps={STEPS}", "run.device='cpu'"]
+    settings += ["loss.preset='ppo'", "rollout.group_size=1", "learner.groups_per_step=8", "rollout.backend='hf'"]
+    settings += ["critic.lr=2e-3", "critic.warmup_steps=1", "checkpoint.every=2", "telemetry.tensorboard=false"]
+    launcher = Launcher(build({}, settings))
+    try:
+        launcher.start(nodes=1)
+        metrics, root = launcher.run_dir / "metrics.jsonl", checkpoint.checkpoints_dir(launcher.run_dir)
+        _wait(launcher, lambda: checkpoint.list_checkpoints(root), "the step-2 checkpoint", 600)
+        killed = time.time()
+        os.kill(launcher.learner.process.pid, signal.SIGKILL)
+        launcher.learner.process.wait(timeout=30)
+        for name in list(launcher.nodes):
+            launcher.stop_node(name, timeout_s=60)
+        launcher.restart_learner("latest")
+        launcher.add_node()
+        launcher.learner.process.wait(timeout=600)
+        assert launcher.learner.process.returncode == 0, launcher.learner.log_tail(40)
+        counts = Ledger(connect(launcher.ledger_url), launcher.cfg.run.name).counts()
+        return Run(read_metrics(metrics), launcher.run_dir, counts, killed)
+    finally:
+        launcher.stop_all()
+
+
+def test_every_step_reports_the_critic_and_the_warm_up_trains_it_alone(run):
+    by_step = {r["step"]: r for r in run.records}
+    assert sorted(by_step) == list(range(1, STEPS + 1)), run.records
+    for record in run.records:
+        for key in ("critic/vf_loss", "critic/value_mean", "critic/returns_mean", "critic/grad_norm"):
+            assert key in record, (key, record)
+    assert by_step[1]["skipped"] == 1.0 and by_step[1]["version"] == 0  # the actor waited
+    assert all(by_step[s]["skipped"] == 0.0 for s in range(3, STEPS + 1))
+    assert by_step[STEPS]["version"] == STEPS - 1
+    assert run.counts.in_flight == 0 and run.counts.dropped_by_reason.get("no_gradient", 0) >= 8
+
+
+def test_the_resumed_learner_goes_on_from_the_checkpoints_critic(run):
+    after = [r for r in run.records if r["time"] > run.killed]
+    assert after and after[0]["step"] == 3, run.records
+    meta = checkpoint.read_meta(checkpoint.checkpoints_dir(run.folder) / f"step_{STEPS}")
+    assert meta.state.critic_steps == STEPS  # 2 before the kill, restored, then 2 more
+    assert any(name.endswith("score.weight") for name in meta.critic)
+
+
+def test_export_critic_of_the_last_checkpoint(run, tmp_path):
+    import subprocess
+    import sys
+
+    import torch
+    from transformers import AutoModelForSequenceClassification
+
+    out = tmp_path / "critic"
+    done = subprocess.run([sys.executable, "-m", "streamrl", "export", str(run.folder), str(out), "--critic"],
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    net = AutoModelForSequenceClassification.from_pretrained(out, dtype=torch.float32)
+    assert net.config.num_labels == 1 and torch.count_nonzero(net.score.weight) > 0  # trained from a zero head
