@@ -88,7 +88,7 @@ def export(
     """Write a checkpoint as an HF model folder (sharded safetensors, config, tokenizer) that
     transformers and vLLM load without streamrl; a LoRA run's as a PEFT adapter folder (or --merge);
     with --critic, a PPO run's value model."""
-    from streamrl.learner.checkpoint import CheckpointError
+    from streamrl.learner.checkpoint import CheckpointError, resolve
     from streamrl.learner.export import ExportError
     from streamrl.ops.export import export_checkpoint
 
@@ -97,7 +97,8 @@ def export(
     except (CheckpointError, ExportError) as e:
         typer.secho(f"error: {e}", fg="red", err=True)
         raise typer.Exit(2) from None
-    typer.echo(f"exported to {folder}")
+    step = resolve(checkpoint)  # a run or checkpoints folder gives its newest: say which step that was
+    typer.echo(f"exported to {folder}: {step.name.replace('_', ' ')} ({step})")
 
 
 def _bench_help() -> str:

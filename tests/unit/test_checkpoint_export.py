@@ -101,3 +101,15 @@ def test_export_of_weights_that_do_not_fit_names_them(trained, tmp_path):
     partial = {k: v for k, v in full.items() if not k.startswith("model.norm")}
     with pytest.raises(ExportError, match=r"missing \['model.norm.weight'\]"):
         export_state(partial, path / "hf", tmp_path / "out")
+
+
+def test_the_export_command_says_which_step_it_exported(trained, tmp_path):
+    # issue 53: given a run's checkpoints folder, export takes the newest and now says which it was
+    from typer.testing import CliRunner
+
+    from streamrl.cli import app
+
+    path, full = trained
+    result = CliRunner().invoke(app, ["export", str(path.parent), str(tmp_path / "out")], env={"COLUMNS": "300"})
+    assert result.exit_code == 0, result.output
+    assert f"exported to {tmp_path / 'out'}: step 2 ({path})" in result.output
