@@ -1,7 +1,7 @@
 """The `streamrl` command line: each command parses its config and calls one role's main().
 
-The roles (learner, rollout, run) are here; the commands around them are ops/commands.py's, what every
-command shares ops/cli_args.py's. `COMMANDS` lists them in --help's order."""
+The roles (learner, rollout, run) are here; the commands around them are ops/commands.py's (and
+ops/eval_cli.py's), what every command shares ops/cli_args.py's. `COMMANDS` lists them in --help's order."""
 
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ from streamrl.ops.cli_args import (
     use_gpus,
     write_run_config,
 )
+from streamrl.ops.eval_cli import eval_command
 
 app = typer.Typer(
     add_completion=False,
@@ -180,6 +181,7 @@ COMMANDS = {
     "status": commands.status,
     "run": run,
     "export": commands.export,
+    "eval": eval_command,  # ops/eval_cli.py
     "bench": commands.bench,
     "reasoning-gym": commands.reasoning_gym,
     "keys": commands.keys,

@@ -170,6 +170,7 @@ async def _session(
     """One learner's service: register, take its weights, generate until stopped. The next learner's
     control address when another learner took the run over meanwhile, else ''."""
     from streamrl.engine.redis_server import connect
+    from streamrl.rollout.evaluation import evaluating
     from streamrl.rollout.node import RolloutNode, sleeps_on
 
     t = cfg.transport
@@ -204,7 +205,8 @@ async def _session(
                 node.sleeps = sleeps_on(cfg, welcome.weights_path, engine)
                 control = ControlLoop(client, node, asyncio.get_running_loop(), beat, sink)
                 signalled.attach(node, control, sink)
-                await _generate(cfg, client, ledger, node, welcome, control, signalled, max_groups)
+                async with evaluating(cfg, node_id, engine, tokenizer, ledger):  # [eval]: rollout/evaluation.py
+                    await _generate(cfg, client, ledger, node, welcome, control, signalled, max_groups)
                 return control.moved_to
         finally:
             beat.stopping.set()
