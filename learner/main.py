@@ -48,6 +48,8 @@ def run_learner(cfg: Config, resume: str = "") -> str:
     if rank0:
         (cfg.run.path / ENDING).unlink(missing_ok=True)  # running again (a resume): not ended
         keep_reserve(cfg.run.path)  # room for the last words on a disk that fills up
+        where = cfg.run.path  # with no terminal (a log, nohup, Slurm) a step is one line; these hold the rest
+        log.info("run %s: folder %s, metrics %s, logs %s", cfg.run.name, where, where / "metrics.jsonl", where / "logs")
     if rank0:
         log.info("%s", presets.describe(cfg))  # every field a recipe set, and which an explicit setting overrode
     torch.manual_seed(cfg.run.seed)

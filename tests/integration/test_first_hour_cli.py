@@ -280,3 +280,24 @@ def test_a_learner_writes_the_config_its_nodes_join_with(tmp_path, tiny_model):
     written = load(path)
     assert (written.learner.lr, written.model.path, written.run.name) == (0.003, tiny_model, "solo")
     assert dump(written) == path.read_text()
+
+
+def test_a_learner_alone_says_where_its_metrics_and_logs_are(tmp_path):
+    """Issue 53: with its output in a file, a learner started by hand prints a line per step (its console log)
+    and, first, where metrics.jsonl and the logs are."""
+    import select
+
+    args = ["--set", f"run.dir='{tmp_path}'", "--set", "run.name='solo'"]  # the built-in tiny model
+    learner = subprocess.Popen(
+        [sys.executable, "-m", "streamrl", "learner", *args], cwd=tmp_path, stderr=subprocess.PIPE, text=True
+    )
+    said, deadline = "", time.monotonic() + 120
+    try:
+        while "metrics" not in said and time.monotonic() < deadline and learner.poll() is None:
+            if select.select([learner.stderr], [], [], 1.0)[0]:
+                said = learner.stderr.readline()
+    finally:
+        learner.send_signal(signal.SIGTERM)
+        learner.wait(timeout=60)
+    run = tmp_path / "solo"
+    assert said.rstrip().endswith(f"run solo: folder {run}, metrics {run}/metrics.jsonl, logs {run}/logs"), said
