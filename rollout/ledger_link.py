@@ -11,6 +11,7 @@ import time
 from streamrl.engine.ledger import Ledger, LedgerError
 from streamrl.engine.messages import Trajectory
 from streamrl.engine.transport import SendTimeoutError, TrajectorySender, TransportError
+from streamrl.rollout.credit_backoff import CreditBackoff
 
 log = logging.getLogger("streamrl.rollout")
 
@@ -22,6 +23,7 @@ class LedgerCredits:
         """version_of: the policy version the node would generate with now (the ledger's admission
         weighs it against max_staleness, or, in sync mode, against the learner's newest)."""
         self.ledger, self.node_id, self.version_of = ledger, node_id, version_of
+        self.backoff = CreditBackoff()  # a refused node asks again less and less often (credit_backoff.py)
 
     async def acquire(self, group_id: str, sample_ids: list[str]) -> bool:
         n, version = len(sample_ids), self.version_of()
@@ -35,6 +37,10 @@ class LedgerCredits:
             log.info("the ledger lost this node's heartbeat (a restarted Redis?); beating again")
             await asyncio.to_thread(self.ledger.heartbeat, self.node_id)
             taken = await asyncio.to_thread(self.ledger.take_credit, self.node_id, group_id, n, node_version=version)
+        if taken is None:
+            await asyncio.sleep(self.backoff.refused(version))
+        else:
+            self.backoff.granted()
         return taken is not None
 
     async def release(self, group_id: str, sample_ids: list[str], reason: str) -> None:
