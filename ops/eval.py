@@ -85,13 +85,13 @@ def _name(path: str) -> str:
     return "".join(c if c.isalnum() or c in "_.-" else "-" for c in stem) or "data"
 
 
-async def evaluate_source(cfg: Config, source: EvalSource, engine, tokenizer, scorer, version: int) -> Evaluation:
+async def evaluate_source(
+    cfg: Config, source: EvalSource, prompts: list, engine, tokenizer, scorer, version: int
+) -> Evaluation:
     """One source at `version`: every prompt's `eval.n` samples generated together, scored in one call (as a
     node scores a chunk: rollout/evaluation.generate_and_score)."""
     from streamrl.rollout.evaluation import generate_and_score
-    from streamrl.rollout.evaluation_prompts import eval_prompts
 
-    prompts = eval_prompts(source, cfg, tokenizer)
     records = await generate_and_score(engine, tokenizer, scorer, prompts, source_data(source, cfg.data),
                                        sampling(cfg.eval, cfg.rollout))  # fmt: skip
     samples = [Sample.of(r, version, "local") for r in records]
@@ -104,11 +104,13 @@ async def _evaluate(cfg: Config, model_path: str, version: int, out: pathlib.Pat
     from streamrl.engine.telemetry import MetricsSink
     from streamrl.rewards import build_scorer
     from streamrl.rollout.backends import build_backend, resolve_device
+    from streamrl.rollout.evaluation_prompts import eval_prompts
 
     device = resolve_device(cfg.run.device)
     run_cfg = msgspec.structs.replace(cfg, model=msgspec.structs.replace(cfg.model, path=model_path),
                                       rollout=sampling(cfg.eval, cfg.rollout))  # fmt: skip
     tokenizer = load_tokenizer(model_path, cfg.model.trust_remote_code)
+    prompts = {s.name: eval_prompts(s, cfg, tokenizer) for s in cfg.eval.sources}  # a bad source: before the engine
     scorers = {
         s.name: build_scorer(reward_config(cfg.eval, cfg.reward), source_data(s, cfg.data).answer_column)
         for s in cfg.eval.sources
@@ -118,7 +120,9 @@ async def _evaluate(cfg: Config, model_path: str, version: int, out: pathlib.Pat
     done = []
     try:
         for source in cfg.eval.sources:
-            ev = await evaluate_source(cfg, source, engine, tokenizer, scorers[source.name], version)
+            ev = await evaluate_source(
+                cfg, source, prompts[source.name], engine, tokenizer, scorers[source.name], version
+            )
             ev.write_samples(out)
             sink.log(version, ev.metrics())
             print(line(ev), flush=True)

@@ -40,7 +40,10 @@ def source_rows(source: EvalSource, seed: int = 0) -> list:
 def eval_prompts(source: EvalSource, cfg: Config, tokenizer) -> list[Prompt]:
     """The prompts an evaluation of `source` asks for; PromptSourceError naming the source when none is usable."""
     data = source_data(source, cfg.data)
-    rows = source_rows(source, cfg.run.seed)
+    try:
+        rows = source_rows(source, cfg.run.seed)
+    except PromptSourceError as e:
+        raise PromptSourceError(f"eval source {source.name!r}: {e}") from None
     limit = cfg.eval.max_prompts or len(rows)
     prompts, why = [], {}
     for i, row in enumerate(rows):
