@@ -158,36 +158,30 @@ def always_raises(completions, **kwargs):
 """
 
 
-def test_a_reward_of_the_wrong_length_stops_the_run_in_preflight(tmp_path, tiny_model):
-    """Issue 53: it trained 20 steps at 'reward 83.5' and exited 0 (a batch of one got the batch's one value)."""
-    (tmp_path / "broken.py").write_text(BROKEN_REWARDS)
-    proc, wall, cpu = streamrl(tmp_path, "run", "--model", tiny_model, "--reward", "broken.py:batch_mean")
-    assert_refused(
-        proc,
-        wall,
-        cpu,
-        "error: reward: reward 'broken.py:batch_mean' failed a trial call on 4 samples (the first prompts of the demo "
-        "task, dummy completions): streamrl.rewards.call.RewardValueError: reward batch_mean returned 1 values for 4 "
-        "completions; a reward returns a list with one float (or None) per completion, in the order given (a score "
-        "of the whole batch, such as its mean, is given to each: `[score] * len(completions)`); a reward whose trial "
-        "is not meaningful opts out with `fn.streamrl_trial = False`",
-        tmp_path,
-    )
+WRONG_LENGTH = (
+    "streamrl.rewards.call.RewardValueError: reward batch_mean returned 1 values for 4 completions; a reward returns "
+    "a list with one float (or None) per completion, in the order given (a score of the whole batch, such as its "
+    "mean, is given to each: `[score] * len(completions)`)"
+)
 
 
-def test_a_reward_raising_on_every_call_stops_the_run_in_preflight(tmp_path, tiny_model):
-    """Issue 53: exit 3 after 26.9 s, with Redis, the learner and two nodes started and the run folder left."""
+@pytest.mark.parametrize(
+    ("fn", "why"),
+    [
+        # issue 53: it trained 20 steps at 'reward 83.5' and exited 0 (a batch of one got the batch's one value)
+        ("batch_mean", WRONG_LENGTH),
+        # issue 53: exit 3 after 26.9 s, with Redis, the learner and two nodes started and the run folder left
+        ("always_raises", "RuntimeError: this reward raises on every call; each sample alone: all failed"),
+    ],
+    ids=["wrong_length", "raises_always"],
+)
+def test_a_reward_that_breaks_its_trial_call_stops_the_run_in_preflight(tmp_path, tiny_model, fn, why):
     (tmp_path / "broken.py").write_text(BROKEN_REWARDS)
-    proc, wall, cpu = streamrl(tmp_path, "run", "--model", tiny_model, "--reward", "broken.py:always_raises")
-    assert_refused(
-        proc,
-        wall,
-        cpu,
-        "error: reward: reward 'broken.py:always_raises' failed a trial call on 4 samples (the first prompts of the "
-        "demo task, dummy completions): RuntimeError: this reward raises on every call; each sample alone: all "
-        "failed; a reward whose trial is not meaningful opts out with `fn.streamrl_trial = False`",
-        tmp_path,
-    )
+    proc, wall, cpu = streamrl(tmp_path, "run", "--model", tiny_model, "--reward", f"broken.py:{fn}")
+    trial = "a trial call on 4 samples (the first prompts of the demo task, dummy completions)"
+    opt_out = "a reward whose trial is not meaningful opts out with `fn.streamrl_trial = False`"
+    line = f"error: reward: reward 'broken.py:{fn}' failed {trial}: {why}; {opt_out}"
+    assert_refused(proc, wall, cpu, line, tmp_path)  # exit 2, this one line, no run folder, in seconds
 
 
 def test_an_environment_name_that_does_not_exist(tmp_path, tiny_model):
