@@ -65,8 +65,10 @@ class GroupMaker:
         finished = time.time()
         rewards = await self._scoring.score(prompt, completions)
         timings = Timings(submitted=submitted, finished=finished, rewarded=time.time())
+        self.stats.rewards_none += sum(r is None for r in rewards)
+        size = self.cfg.rollout.group_size
         return [
-            self._trajectory(sid, group_id, prompt, c, r, timings)
+            self._trajectory(sid, group_id, prompt.prompt_ids, c, r, size, timings)
             for sid, c, r in zip(sample_ids, completions, rewards, strict=True)
         ]
 
@@ -79,49 +81,48 @@ class GroupMaker:
         return [self._episode_trajectory(s, group_id, e, len(survivors)) for s, e in survivors]
 
     def _episode_trajectory(self, sample_id: str, group_id: str, ep: Episode, group_size: int) -> Trajectory:
-        version, token_versions = stamp(ep.versions, self.engine.policy_version)
-        return Trajectory(
-            sample_id=sample_id,
-            group_id=group_id,
-            node_id=self.node_id,
-            seq=0,
-            prompt_ids=ep.prompt_ids,
-            completion_ids=ep.completion_ids,
-            behavior_logprobs=ep.logprobs,
-            reward=ep.reward,
-            reward_error=self._reward_error() if ep.reward is None else "",
-            policy_version=version,
-            token_versions=token_versions,
-            finish_reason=ep.finish_reason,
-            group_size=group_size,
-            timings=Timings(submitted=ep.started, finished=ep.generated, rewarded=time.time()),
+        """An episode's tokens as one sample (environment tokens masked out of the loss)."""
+        sampled = Completion(token_ids=ep.completion_ids, logprobs=ep.logprobs, finish_reason=ep.finish_reason,
+                             token_versions=ep.versions)  # fmt: skip
+        timings = Timings(submitted=ep.started, finished=ep.generated, rewarded=time.time())
+        episode = dict(
             loss_mask=ep.mask if 0 in ep.mask else [],
             turns=ep.turns,
             tool_calls=ep.tools.get("calls", 0),
             tool_failed=ep.tools.get("failed", 0),
             tool_timeouts=ep.tools.get("timed_out", 0),
         )
+        return self._trajectory(sample_id, group_id, ep.prompt_ids, sampled, ep.reward, group_size, timings, **episode)
 
     def _trajectory(
-        self, sample_id: str, group_id: str, prompt: Prompt, c: Completion, reward: float | None, timings: Timings
+        self,
+        sample_id: str,
+        group_id: str,
+        prompt_ids: list[int],
+        sampled: Completion,
+        reward: float | None,
+        group_size: int,
+        timings: Timings,
+        **episode,
     ) -> Trajectory:
-        version, token_versions = stamp(c.token_versions, self.engine.policy_version)
-        self.stats.rewards_none += reward is None
+        """The one place a sample becomes a `Trajectory`: its versions stamped, a missing reward explained."""
+        version, token_versions = stamp(sampled.token_versions, self.engine.policy_version)
         return Trajectory(
             sample_id=sample_id,
             group_id=group_id,
             node_id=self.node_id,
             seq=0,
-            prompt_ids=prompt.prompt_ids,
-            completion_ids=c.token_ids,
-            behavior_logprobs=c.logprobs,
+            prompt_ids=prompt_ids,
+            completion_ids=sampled.token_ids,
+            behavior_logprobs=sampled.logprobs,
             reward=reward,
+            reward_error=self._reward_error() if reward is None else "",
             policy_version=version,
             token_versions=token_versions,
-            finish_reason=c.finish_reason,
-            group_size=self.cfg.rollout.group_size,
+            finish_reason=sampled.finish_reason,
+            group_size=group_size,
             timings=timings,
-            reward_error=self._reward_error() if reward is None else "",
+            **episode,
         )
 
     def _reward_error(self) -> str:
