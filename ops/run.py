@@ -249,13 +249,15 @@ class _NodeWatch:
 
 
 def _books(launcher: Launcher, board: Board, cfg: Config, console: Console) -> int:
-    """The ledger's table; non-zero when the books do not balance. A learner that never came up
-    never opened the run's books, and that is what is said."""
+    """The ledger's table; non-zero when the books do not balance. A learner that never came up never opened
+    the run's books, and that is what is said; a resumed run's books were opened by an earlier launch: shown."""
     if launcher.ledger_url is None:
         return 0
-    if not board.learner_up:
+    if not board.learner_up and not launcher.resume:
         console.print("no books to show: the learner never came up, so the run never started in the ledger")
         return 0
+    if not board.learner_up:
+        console.print("the resumed learner never came up; the run's books as earlier launches left them:")
     from streamrl.ops.status import status_command
 
     return status_command(cfg.run.name, launcher.ledger_url, console=console, run_dir=launcher.run_dir)
