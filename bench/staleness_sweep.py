@@ -14,7 +14,8 @@ updates a step (2 by default): with one update the PPO ratio is 1 and CISPO's gr
 One JSON line per run (`figure: staleness_sweep`): the mean reward of the last 10 steps, the first step (and
 second) whose mean reward reached 0.9, the staleness the learner trained at, the behaviour KL, the share of
 tokens rejected or clipped. `--out` gets the curves (staleness_sweep.json) and a plot of reward against
-steps and against wall time (staleness_sweep.png).
+steps and against wall time (staleness_sweep.png). `--summarize RUN_FOLDER ...` re-reads finished runs by
+the version that generated each step's samples (`by_version`: against steps a run at staleness S lags by S).
 """
 
 from __future__ import annotations
@@ -106,13 +107,47 @@ def _figures(records: list[dict], curve: list[list[float]], histogram: dict[int,
     }
 
 
-def plot(curves: dict[str, list[list[float]]], out: pathlib.Path) -> pathlib.Path:
+def by_version(records: list[dict]) -> dict:
+    """The curve re-read by the policy version that generated each step's samples (step - its mean staleness):
+    at max_staleness S the reward of step k is that of a policy about S versions older, so against steps a
+    stale run lags by S whatever it learns; against the generating version only how it learns shows."""
+    # step i + 1 trains at version i, on samples staleness_mean versions older
+    points = [(i - r.get("staleness_mean", 0.0), r["reward/mean"]) for i, r in enumerate(records)]
+    reached = next((v for v, reward in points if reward >= TARGET), None)
+    return {
+        "last_version": round(points[-1][0], 2),
+        "reward_last3": round(statistics.fmean(reward for _, reward in points[-3:]), 4),
+        "version_to_0.9": None if reached is None else round(reached, 2),
+        "reward_by_version": [[round(v, 2), round(reward, 4)] for v, reward in points],
+    }
+
+
+def summarize(folders: list[pathlib.Path], out: pathlib.Path) -> None:
+    """`by_version` of finished runs (folders named s<S>-<correction> by `measure`), one line each, and the plot
+    of them all with a third panel, reward against the generating version."""
+    curves, versions = {}, {}
+    for folder in sorted(folders, key=lambda f: (int(f.name[1:].split("-", 1)[0]), f.name)):
+        staleness, correction = folder.name[1:].split("-", 1)
+        records = read_metrics(folder / "metrics.jsonl")
+        found = by_version(records)
+        curves[f"{staleness}/{correction}"], versions[f"{staleness}/{correction}"] = (
+            _curve(records),
+            found["reward_by_version"],
+        )
+        line = {"figure": "staleness_sweep_by_version", "max_staleness": int(staleness), "correction": correction}
+        print(json.dumps({**line, **{k: v for k, v in found.items() if k != "reward_by_version"}}), flush=True)
+    print(json.dumps({"figure": "staleness_sweep_files", "files": [str(plot(curves, out, versions))]}))
+
+
+def plot(curves: dict[str, list[list[float]]], out: pathlib.Path, versions: dict | None = None) -> pathlib.Path:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (by_step, by_time) = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
+    panels = 3 if versions else 2
+    fig, axes = plt.subplots(1, panels, figsize=(6 * panels, 4.5), sharey=True)
+    by_step, by_time = axes[0], axes[1]
     colors = {"default": "tab:blue", "reject": "tab:orange", "cispo": "tab:green"}
     styles = {1: ":", 4: "--", 8: "-"}
     for key, curve in curves.items():
@@ -121,9 +156,13 @@ def plot(curves: dict[str, list[list[float]]], out: pathlib.Path) -> pathlib.Pat
         label = f"staleness {staleness}, {correction}"
         by_step.plot([r[0] for r in curve], [r[2] for r in curve], label=label, **kw)
         by_time.plot([r[1] for r in curve], [r[2] for r in curve], label=label, **kw)
+        if versions:
+            axes[2].plot([v for v, _ in versions[key]], [r for _, r in versions[key]], label=label, **kw)
     by_step.set(xlabel="learner step", ylabel="mean reward", title="reward against steps")
     by_time.set(xlabel="seconds since the first step began", title="reward against wall time")
-    for ax in (by_step, by_time):
+    if versions:
+        axes[2].set(xlabel="policy version that generated the step's samples", title="reward against that version")
+    for ax in axes:
         ax.axhline(TARGET, color="grey", linewidth=0.5)
         ax.grid(alpha=0.3)
     by_time.legend(fontsize=7, loc="lower right")
@@ -145,7 +184,10 @@ def main() -> None:
     parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("."), help="folder for the curves and plot")
     parser.add_argument("--dir", default="", help="the runs' folders (logs, metrics); default: a new temp folder")
     parser.add_argument("--set", action="append", default=[], dest="sets")
+    parser.add_argument("--summarize", type=pathlib.Path, nargs="+", default=[], help="finished runs' folders")
     args = parser.parse_args()
+    if args.summarize:
+        return summarize(args.summarize, args.out)
     args.out.mkdir(parents=True, exist_ok=True)
     saved = args.out / "staleness_sweep.json"
     # curves of earlier calls into the same --out are kept and plotted with this call's (one run a call works)

@@ -37,3 +37,14 @@ def test_each_correction_is_a_valid_config_and_the_plot_is_written(tmp_path):
         build({}, sets)  # a misspelt field or bad band fails here, not an hour into the sweep
     curves = {"1/default": _curve(records([0.1, 0.9])), "8/cispo": _curve(records([0.2, 0.3]))}
     assert plot(curves, tmp_path).stat().st_size > 10_000
+
+
+def test_by_version_reads_the_curve_by_the_generating_version():
+    from streamrl.bench.staleness_sweep import by_version
+
+    # step k trains at version k - 1 on samples `staleness_mean` versions older
+    recs = [{"reward/mean": r, "staleness_mean": s} for r, s in [(0.1, 0.0), (0.5, 1.0), (0.95, 1.0), (0.97, 1.0)]]
+    out = by_version(recs)
+    assert [v for v, _ in out["reward_by_version"]] == [0.0, 0.0, 1.0, 2.0]
+    assert out["version_to_0.9"] == 1.0 and out["last_version"] == 2.0
+    assert out["reward_last3"] == pytest.approx((0.5 + 0.95 + 0.97) / 3, abs=1e-4)
