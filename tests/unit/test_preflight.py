@@ -44,6 +44,7 @@ def test_a_good_setup_passes_and_counts_its_rows(tiny_model, tmp_path):
         f"info: data: data.path = {data}: 20 of 20 rows usable"
     ]
     checks = {"config", "model", "engine", "lora", "data", "reward", "env", "eval", "telemetry", "disk", "gpu"}
+    checks |= {"reward trial"}  # each reward called once (rewards/trial.py)
     assert set(report.seconds) == checks
     learner_only = run_preflight(tiny_model, f"data.path={data!r}", roles=["learner"])
     assert set(learner_only.seconds) == {"config", "model", "lora", "telemetry", "disk", "gpu"}  # no data read
