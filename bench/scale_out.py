@@ -25,11 +25,7 @@ the learner's own CPU share, drops by reason, registration (first to last node j
 from __future__ import annotations
 
 import argparse
-import asyncio
-import concurrent.futures
-import functools
 import json
-import logging
 import os
 import pathlib
 import signal
@@ -39,12 +35,13 @@ import sys
 import tempfile
 import time
 
-from streamrl.engine.config import build, load
+from streamrl.bench._scale_out_nodes import cpu_seconds, ended, start_workers
+from streamrl.engine.config import build
 from streamrl.engine.ledger import Ledger
 from streamrl.engine.messages import Trajectory, encode
 from streamrl.engine.redis_server import connect
 from streamrl.engine.telemetry import read_metrics
-from streamrl.ops.launcher import Launcher, child_env
+from streamrl.ops.launcher import Launcher
 
 HEARTBEAT_S = 0.5  # rollout/control.py's period: a node's control heartbeat to the learner
 
@@ -58,53 +55,6 @@ def run_sets(n: int, args, folder: str) -> list[str]:
     sets += [f"simulate.gen_s={gen_s}", f"simulate.train_s={args.train_s}", "telemetry.tensorboard=false"]
     sets += ["checkpoint.budget=0", "learner.stall_warn_s=60", "learner.stall_stop_s=0"]
     return sets + args.sets
-
-
-def start_workers(launcher: Launcher, n: int, per_worker: int) -> list[subprocess.Popen]:
-    """`n` nodes in processes of `per_worker` nodes each (node-0 ... node-{n-1})."""
-    addr = launcher.learner_address()["control_addr"]
-    env = child_env(launcher.cfg, launcher.tmp)
-    workers = []
-    for first in range(0, n, per_worker):
-        count = min(per_worker, n - first)
-        log_path = launcher.run_dir / "logs" / f"workers-{first}.out"
-        command = [sys.executable, "-m", "streamrl.bench.scale_out", "worker", str(launcher.config_path), addr]
-        with log_path.open("ab") as out:
-            workers.append(subprocess.Popen([*command, str(first), str(count)], stdout=out, stderr=subprocess.STDOUT,
-                                            stdin=subprocess.DEVNULL, env=env, start_new_session=True))  # fmt: skip
-    return workers
-
-
-def _ended(process: subprocess.Popen, deadline: float) -> int | None:
-    """The exit status of a node process the learner stopped, or None: still running at `deadline`, killed."""
-    try:
-        return process.wait(timeout=max(0.0, deadline - time.monotonic()))
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait()
-        return None
-
-
-def worker(config_path: str, learner_addr: str, first: int, count: int) -> int:
-    """Nodes `first` ... `first + count - 1` in this process, each the product's `serve`, until the
-    learner stops them. They share one tokenizer (read only: it decodes completions for the reward)."""
-    from streamrl.engine import models
-    from streamrl.rollout.service import serve
-
-    models.load_tokenizer = functools.cache(models.load_tokenizer)  # loaded once a process: 32 loads took minutes
-    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    cfg = load(config_path, [])
-
-    async def all_nodes() -> list:
-        # asyncio.to_thread's pool, as many threads a node as a node's own process has (min(32, cores + 4))
-        asyncio.get_running_loop().set_default_executor(concurrent.futures.ThreadPoolExecutor(6 * count))
-        ids = [f"node-{i}" for i in range(first, first + count)]
-        return await asyncio.gather(*(serve(cfg, learner_addr, node_id) for node_id in ids), return_exceptions=True)
-
-    failed = [r for r in asyncio.run(all_nodes()) if isinstance(r, BaseException)]
-    for error in failed:
-        print(f"node failed: {type(error).__name__}: {error}", flush=True)
-    return 1 if failed else 0
 
 
 class RedisMeter:
@@ -122,17 +72,6 @@ class RedisMeter:
             "commands": self.client.info("stats")["total_commands_processed"],
             "t": time.time(),
         }
-
-
-def process_cpu_s(pid: int) -> float:
-    """User + system CPU seconds of process `pid` (its threads included)."""
-    fields = pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def cpu_seconds(learner, workers: list[subprocess.Popen]) -> tuple[float, float]:
-    """CPU seconds so far of the learner and of every node process together."""
-    return process_cpu_s(learner.pid), sum(process_cpu_s(w.pid) for w in workers)
 
 
 def sample_bytes(group_size: int, tokens: int) -> int:
@@ -221,13 +160,17 @@ def measure(n: int, args, folder: str) -> dict:
         workers = start_workers(launcher, n, args.per_worker)
         first = wait_registered(launcher.run_dir, n, launcher.learner, args.timeout_s) + 1
         wait_for_step(launcher.run_dir, first, launcher.learner, args.timeout_s)
-        before, cpu_before = meter.snapshot(), cpu_seconds(launcher.learner.process, workers)
+        ledger = Ledger(connect(launcher.ledger_url), launcher.cfg.run.name, launcher.cfg.ledger)
+
+        def take() -> tuple:
+            return meter.snapshot(), cpu_seconds(launcher.learner.process, workers), ledger.counts()
+
+        before, cpu_before, books_before = take()
         records = wait_for_step(launcher.run_dir, first + args.steps, launcher.learner, args.timeout_s)
-        after, cpu_after = meter.snapshot(), cpu_seconds(launcher.learner.process, workers)
+        after, cpu_after, books_after = take()
         launcher.learner.process.send_signal(signal.SIGTERM)
         launcher.learner.process.wait(timeout=120)
-        killed = sum(_ended(w, deadline=time.monotonic() + 120) is None for w in workers)
-        ledger = Ledger(connect(launcher.ledger_url), launcher.cfg.run.name, launcher.cfg.ledger)
+        killed = sum(ended(w, deadline=time.monotonic() + 120) is None for w in workers)
         counts, per_node = ledger.counts(), trained_by_node(ledger)
         wall_s = time.monotonic() - started
     finally:
@@ -239,9 +182,20 @@ def measure(n: int, args, folder: str) -> dict:
     steady = [r for r in records if first < r["step"] <= first + args.steps]
     start = next(r for r in records if r["step"] == first)
     line = figures(n, args, [start, *steady], read_events(launcher.run_dir), before, after, cpu)
-    line["drops"] = {r: round(k / max(counts.total, 1), 4) for r, k in counts.dropped_by_reason.items()}
+    line["drops"] = drop_shares(books_before, books_after)  # within the window
+    line["drops_at_stop"] = {
+        r: k - books_after.dropped_by_reason.get(r, 0) for r, k in counts.dropped_by_reason.items()
+    }
     line.update(nodes_trained=len(per_node), workers_killed=killed, wall_s=round(wall_s, 1), books=books(launcher))
     return {"line": line, "trained_by_node": per_node}
+
+
+def drop_shares(before, after) -> dict[str, float]:
+    """Samples dropped in the window by reason, as shares of the samples admitted in it."""
+    admitted = max(after.total - before.total, 1)
+    reasons = after.dropped_by_reason
+    return {r: round((n - before.dropped_by_reason.get(r, 0)) / admitted, 4) for r, n in reasons.items()
+            if n > before.dropped_by_reason.get(r, 0)}  # fmt: skip
 
 
 def wait_registered(run_dir: pathlib.Path, n: int, learner, timeout_s: float) -> int:
@@ -322,8 +276,6 @@ def plot(lines: list[dict], out: pathlib.Path) -> None:
 
 
 def main() -> None:
-    if len(sys.argv) > 1 and sys.argv[1] == "worker":
-        raise SystemExit(worker(sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5])))
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--nodes", type=int, nargs="+", default=[1, 8, 32, 128])
     parser.add_argument("--steps", type=int, default=12)

@@ -47,4 +47,4 @@ def test_books_balance(run):
 def test_every_version_reached_every_node(run):
     line = run["line"]
     assert line["push_versions"] >= 3, line  # at least the measured steps' versions: each live on all 64 nodes
-    assert line["workers_killed"] == 0 and line["drops"].get("node_lost", 0) == 0, line
+    assert line["workers_killed"] == 0 and not line["drops"], line  # nothing dropped before the stop
