@@ -191,9 +191,12 @@ class Board:
 
     def take_warnings(self) -> list[tuple[str, str]]:
         """(role, warning) for each WARNING line the learner and the nodes this launcher started logged since the
-        last call (read by `poll`)."""
+        last call (read by `poll`). Once the learner has exited, the nodes' are left out: they are about its end
+        (a node finding its learner gone at the end of every run), which the view says itself."""
         watches = [self.learner] if self.learner is not None else []
-        return [(w.state.name, text) for w in [*watches, *self.nodes.values()] for text in w.take_warnings()]
+        if self.learner is None or self.learner.state.alive:
+            watches += self.nodes.values()
+        return [(w.state.name, text) for w in watches for text in w.take_warnings()]
 
     def poll(self, steps_done: int = 0) -> Snapshot:
         launcher = self.launcher

@@ -322,3 +322,8 @@ def test_a_nodes_warnings_reach_the_view_each_kind_once_across_nodes(tmp_path):
     printed = console.export_text()
     assert printed.count(" warning: ") == 1 and f"node-0 warning: {fell_back.format(8)}" in printed
     assert "Traceback" not in printed  # the first line only; the node's log has the rest
+    launcher.learner.process.returncode = 0  # the run ended: a node's word on its learner's end is not shown
+    gone = "node node-0 stops without the grace: the learner it serves is gone"  # rollout/service.py
+    launcher.nodes["node-0"].write(f"16:37:00 WARNING: {gone}")
+    board.poll()
+    assert board.take_warnings() == []
