@@ -80,8 +80,8 @@ def node(sharp_model):
     backend = VLLMBackend(sharp_model, MODEL, RolloutConfig(kv_at_swap="keep"), seed=0)
     params = backend.sampling_params
 
-    def no_early_stop(n: int, max_tokens: int):  # every request runs its max_tokens: the swap lands mid-way
-        got = params(n, max_tokens)
+    def no_early_stop(n: int, max_tokens: int, sampling=None):  # every request runs its max_tokens: swapped mid-way
+        got = params(n, max_tokens, sampling)
         got.ignore_eos = True
         return got
 
