@@ -186,9 +186,9 @@ def main() -> None:
     parser.add_argument("--set", action="append", default=[], dest="sets")
     parser.add_argument("--summarize", type=pathlib.Path, nargs="+", default=[], help="finished runs' folders")
     args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
     if args.summarize:
         return summarize(args.summarize, args.out)
-    args.out.mkdir(parents=True, exist_ok=True)
     saved = args.out / "staleness_sweep.json"
     # curves of earlier calls into the same --out are kept and plotted with this call's (one run a call works)
     curves: dict[str, list[list[float]]] = json.loads(saved.read_text()) if saved.exists() else {}
