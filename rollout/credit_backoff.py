@@ -17,7 +17,7 @@ import random
 from collections.abc import Callable
 
 FIRST_S = 0.02  # the wait after the second refusal in a row; the first is asked again at once
-CAP_S = 0.25  # the longest wait: 1,000 idle nodes ask at most ~4,000 times a second, not 100,000
+CAP_S = 0.25  # the longest wait: 1,000 idle nodes ask 4,000-8,000 times a second (jittered), not 100,000
 
 
 class CreditBackoff:
