@@ -1,0 +1,70 @@
+"""Can the critic learn a reward it can see? The value model alone, on fresh random completions every step.
+
+    python -m streamrl.bench.critic_fit [--lr 3e-3] [--epochs 2] [--steps 40] [--samples 32] [--every 5]
+
+The tiny model's critic (head at 0) trains on 32 completions of 12 tokens a step, each token the id 7 with
+probability 0.3, else uniform; the reward is the share of 7s. The explained variance is measured, as in a run,
+on each step's new samples before the critic trains on them. A positive control for the demo's figures
+(bench/RESULTS.md, issue 50): there the reward is the share of one letter among a completion's characters.
+One JSON line every `--every` steps (`figure: critic_fit`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+
+import torch
+
+from streamrl.engine.config import LearnerConfig, LossConfig
+from streamrl.engine.config.critic import CriticConfig
+from streamrl.engine.messages import Trajectory
+from streamrl.engine.models import default_tiny_model
+from streamrl.learner import parallel
+from streamrl.learner.batching import pack
+from streamrl.learner.critic.model import load_value_net, wrap_value_model
+from streamrl.learner.critic.trainer import Shaper
+
+TOKEN, SHARE, LENGTH = 7, 0.3, 12
+
+
+def batch(rng: random.Random, n: int):
+    trajectories, scores = [], []
+    for i in range(n):
+        completion = [TOKEN if rng.random() < SHARE else rng.randrange(3, 500) for _ in range(LENGTH)]
+        trajectories.append(
+            Trajectory(sample_id=f"s{i}", group_id=f"g{i}", node_id="n", seq=i,
+                       prompt_ids=[rng.randrange(3, 500) for _ in range(4)], completion_ids=completion,
+                       behavior_logprobs=[-6.0] * LENGTH, reward=0.0, policy_version=0)
+        )  # fmt: skip
+        scores.append(completion.count(TOKEN) / LENGTH)
+    return pack(trajectories, scores, token_budget=1 << 14)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--samples", type=int, default=32)
+    parser.add_argument("--every", type=int, default=5)
+    args = parser.parse_args()
+    device = parallel.init_distributed()
+    torch.manual_seed(0)
+    loss = LossConfig(advantage="gae", aggregation="token")
+    critic = CriticConfig(lr=args.lr, epochs=args.epochs)
+    model = wrap_value_model(load_value_net(str(default_tiny_model())), LearnerConfig(), device)
+    shaper, rng = Shaper(model, critic, loss, device), random.Random(0)
+    for step in range(1, args.steps + 1):
+        micro_batches = batch(rng, args.samples)
+        tokens = float(sum(mb.num_loss_tokens for mb in micro_batches))
+        out = shaper.train(shaper.advantages([micro_batches]), [tokens], 1)
+        if step % args.every == 0:
+            shown = {k.removeprefix("critic/"): round(v, 3) for k, v in out.items() if "explained" in k or "loss" in k}
+            print(json.dumps({"figure": "critic_fit", "step": step, "lr": args.lr, "epochs": args.epochs, **shown}))
+    parallel.shutdown()
+
+
+if __name__ == "__main__":
+    main()
