@@ -70,17 +70,16 @@ def test_sequence_statistics_by_hand(metric, aggregation, value):
 # ---- the peers' rules on random padded batches ----
 
 B, L = 6, 5
+LENGTHS = torch.tensor([5, 3, 5, 5, 1, 5])  # loss tokens of each row: the rest is padding
 
 
 def batch(seed, spread=0.3):
+    """(pi_prox, mu, advantages, mask) of B padded rows: log-probs in (-2.1, -0.1), pi_prox = mu + spread x noise."""
     g = torch.Generator().manual_seed(seed)
-    mu = -torch.rand(B, L, generator=g, dtype=F64) * 2 - 0.1
-    prox = mu + torch.randn(B, L, generator=g, dtype=F64) * spread
-    adv = torch.randn(B, 1, generator=g, dtype=F64).expand(B, L).clone()
-    mask = torch.ones(B, L, dtype=torch.bool)
-    mask[1, 3:] = False
-    mask[4, 1:] = False
-    return prox, mu, adv, mask
+    noise = torch.randn(2, B, L, generator=g, dtype=F64)
+    mu = -2 * torch.sigmoid(noise[0]) - 0.1
+    per_row = torch.randn(B, generator=g, dtype=F64)
+    return mu + spread * noise[1], mu, per_row[:, None].expand(B, L), torch.arange(L) < LENGTHS[:, None]
 
 
 def ours_keep(cfg, prox, mu, adv, mask):
