@@ -3,7 +3,8 @@
     python -m streamrl.bench.eval_cost [--steps 30] [--every 10] [--nodes 2] [--device cpu] [--config FILE]
         [--max-prompts 32] [--n 1] [--set section.field=value ...]
 
-Runs `streamrl run` twice in this call, one after the other, with the same settings: without [eval], then with
+Runs `streamrl run` twice in this call, one after the other, with the same settings: without [eval] (an empty
+one: the demo would evaluate its held-out prompts by default), then with
 the demo's held-out prompts (or `--source PATH`) evaluated at version 0, every `--every` versions and the last.
 Trained tokens/s is ops/progress.trained_rate over each run's steps (the one definition the live view uses); the
 evaluation run's last step includes the wait for the last evaluation, so the figure counts it. Prints one JSON
@@ -61,7 +62,7 @@ def main(argv: list[str] | None = None) -> None:
     evaluation = [f"eval.sources=[{{name='held', path='{args.source}'}}]", f"eval.every={args.every}",
                   f"eval.max_prompts={args.max_prompts}", f"eval.n={args.n}", "eval.pass_threshold=0.5"]  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="eval-cost-") as tmp:
-        without = _run(pathlib.Path(tmp), "without", args, [])
+        without = _run(pathlib.Path(tmp), "without", args, ["eval.sources=[]"])  # the demo evaluates by default
         with_eval = _run(pathlib.Path(tmp), "with", args, evaluation)
     ratio = with_eval["tokens_per_s"] / without["tokens_per_s"] if without["tokens_per_s"] else None
     line = {"figure": "eval_cost", "steps": args.steps, "every": args.every, "nodes": args.nodes,
