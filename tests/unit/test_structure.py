@@ -111,35 +111,53 @@ def node_id_aliases(tree: ast.AST) -> dict[tuple[str, str], frozenset[str]]:
     return out
 
 
-def _container(expr: ast.expr) -> ast.Attribute | None:
-    """The object attribute a store goes into (`self.links` in `self.links[k] = v`), or None for a local."""
-    return expr if isinstance(expr, ast.Attribute) else None
+def _container(expr: ast.expr, module_level: set[str]) -> ast.Attribute | ast.Name | None:
+    """What a store goes into when it outlives the call: an object's attribute (`self.links` in
+    `self.links[k] = v`) or a container the module keeps (`module_level`); None for a local."""
+    if isinstance(expr, ast.Attribute) or isinstance(expr, ast.Name) and expr.id in module_level:
+        return expr
+    return None
+
+
+def _held(expr: ast.Attribute | ast.Name) -> str:
+    return expr.attr if isinstance(expr, ast.Attribute) else expr.id
+
+
+def module_containers(tree: ast.Module) -> set[str]:
+    """The names a module binds to a new container at its top level (`SEEN: set[str] = set()`)."""
+    names = set()
+    for node in tree.body:
+        if isinstance(node, ast.Assign | ast.AnnAssign) and source.builds_container(node.value):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names |= {t.id for t in targets if isinstance(t, ast.Name)}
+    return names
 
 
 def node_rosters(tree: ast.AST, rel: str, registry_fields: set[str]) -> list[str]:
     """Outside NodeRegistry: containers kept on an object and keyed by node ids (a second roster), and any
     change made to one of the registry's own containers (`registry_fields`) from another object."""
     found, aliases = [], node_id_aliases(tree)
+    module_level = module_containers(tree) if isinstance(tree, ast.Module) else set()
     for node, cls, fn in scopes(tree):
         if (rel, cls) == ROSTER:
             continue
-        hit: ast.Attribute | None = None
+        hit: ast.Attribute | ast.Name | None = None
         named = aliases.get((cls, fn), frozenset())
         if isinstance(node, ast.Subscript) and isinstance(node.ctx, ast.Store | ast.Del):
-            held = _container(node.value)
+            held = _container(node.value, module_level)
             keyed = _node_id(node.slice, named)
-            if held is not None and (keyed or held.attr in registry_fields and not _is_self(held)):
+            if held is not None and (keyed or _held(held) in registry_fields and not _is_self(held)):
                 hit = held
         elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in MUTATORS:
-            held = _container(node.func.value)
+            held = _container(node.func.value, module_level)
             keyed = _stores_node_id(node.func.attr, node.args, named)
-            if held is not None and (keyed or held.attr in registry_fields and not _is_self(held)):
+            if held is not None and (keyed or _held(held) in registry_fields and not _is_self(held)):
                 hit = held
         elif isinstance(node, ast.Assign | ast.AnnAssign) and isinstance(node.value, ast.DictComp | ast.SetComp):
             key = node.value.key if isinstance(node.value, ast.DictComp) else node.value.elt
             targets = node.targets if isinstance(node, ast.Assign) else [node.target]
             hit = next((t for t in targets if isinstance(t, ast.Attribute)), None) if _node_id(key, named) else None
-        if hit is not None and (rel, cls, hit.attr) not in NOT_A_ROSTER:
+        if hit is not None and (rel, cls, _held(hit)) not in NOT_A_ROSTER:
             found.append(f"{rel}:{node.lineno} {ast.unparse(node)[:100]}")
     return found
 
@@ -153,8 +171,8 @@ def _stores_node_id(method: str, args: list[ast.expr], aliases: frozenset[str]) 
     return method == "setdefault" and bool(args) and _node_id(args[0], aliases)
 
 
-def _is_self(expr: ast.Attribute) -> bool:
-    return isinstance(expr.value, ast.Name) and expr.value.id == "self"
+def _is_self(expr: ast.Attribute | ast.Name) -> bool:
+    return isinstance(expr, ast.Attribute) and isinstance(expr.value, ast.Name) and expr.value.id == "self"
 
 
 @functools.cache
@@ -320,6 +338,8 @@ def test_the_roster_rule_catches_a_second_roster_and_a_reach_into_the_registry()
     """
     assert _check(owner, "learner/nodes.py") == []  # the positive control: the registry may
     assert _check("def f(node_id):\n    out = {}\n    out[node_id] = 1\n    return out", "ops/x.py") == []
+    kept = "SEEN: set[str] = set()\n\ndef joined(node_id):\n    SEEN.add(node_id)"  # a module's own roster
+    assert _check(kept, "ops/x.py") == ["ops/x.py:4 SEEN.add(node_id)"]
 
 
 def test_the_one_edit_evasions_of_issue_48_are_caught():
