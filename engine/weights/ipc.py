@@ -77,7 +77,7 @@ def export(flat: torch.Tensor) -> SharedBucket:
     with _memfds_lock:
         shared = _memfds.get(flat.data_ptr())
     if shared is None:
-        raise ValueError("a CPU bucket to share must come from ipc.shared_empty (BufferPool(allocate=shared_empty))")
+        raise ValueError("a CPU bucket to share must come from ipc.shared_empty (weights.pack makes such buckets)")
     return shared
 
 
