@@ -62,7 +62,9 @@ def worker(config_path: str, learner_addr: str, first: int, count: int) -> int:
         ids = [f"node-{i}" for i in range(first, first + count)]
         return await asyncio.gather(*(serve(cfg, learner_addr, node_id) for node_id in ids), return_exceptions=True)
 
-    failed = [r for r in asyncio.run(all_nodes()) if isinstance(r, BaseException)]
+    # not asyncio.run: its end waits for every pool thread, and a node whose receive of a last version met the
+    # stopped learner's closed store waits in its connect (weights.timeout_s, twice); the process exits anyway
+    failed = [r for r in asyncio.new_event_loop().run_until_complete(all_nodes()) if isinstance(r, BaseException)]
     for error in failed:
         print(f"node failed: {type(error).__name__}: {error}", flush=True)
     return 1 if failed else 0
@@ -80,4 +82,7 @@ def cpu_seconds(learner, workers: list[subprocess.Popen]) -> tuple[float, float]
 
 
 if __name__ == "__main__":
-    raise SystemExit(worker(sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])))
+    code = worker(sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))
+    logging.shutdown()
+    sys.stdout.flush()
+    os._exit(code)  # without joining the pool's threads (above)

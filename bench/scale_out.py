@@ -231,6 +231,7 @@ def figures(n: int, args, records: list[dict], events: list[dict], before: dict,
         "intake_bytes_s": round(intake * sample_bytes(args.group_size, args.tokens)),
         "push_all_s": round(push_s, 4),
         "push_versions": versions,
+        "nodes_live": len({e["role"] for e in events if e["event"] == "live"}),  # nodes that took a version live
         "weights_s_max": round(max(r.get("weights_s", 0.0) for r in steady), 4),
         "ledger_ops_s": round((after["commands"] - before["commands"]) / redis_s, 1),
         "ledger_calls_per_group": round(sum(calls.values()) / max(groups, 1), 2),
