@@ -15,7 +15,11 @@ def eval_command(
     ],
     data: Annotated[
         list[str] | None,
-        typer.Option("--data", "-d", help="A held-out source (data.path's forms); repeatable. Adds to [eval]."),
+        typer.Option(
+            "--data",
+            "-d",
+            help="A held-out source (data.path's forms); repeatable; added to the config's eval sources.",
+        ),
     ] = None,
     out: Annotated[str, typer.Option(help="Folder for metrics.jsonl and eval/<source>/v<N>.jsonl.")] = "",
     config: Annotated[pathlib.Path | None, typer.Option("--config", "-c", help="TOML config file.")] = None,
