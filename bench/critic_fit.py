@@ -6,7 +6,10 @@ The tiny model's critic (head at 0) trains on 32 completions of 12 tokens a step
 probability 0.3, else uniform; the reward is the share of 7s. The explained variance is measured, as in a run,
 on each step's new samples before the critic trains on them. A positive control for the demo's figures
 (bench/RESULTS.md, issue 50): there the reward is the share of one letter among a completion's characters.
-One JSON line every `--every` steps (`figure: critic_fit`).
+One JSON line every `--every` steps (`figure: critic_fit`), with the ceiling: the explained variance of
+the best value there is, E[reward | the tokens seen] = (7s seen + SHARE' x tokens unseen) / LENGTH (SHARE'
+counts a 7 drawn uniformly too). At the k-th loss token k of 12 tokens are seen, so it explains k/12 of the
+reward's variance: 11/12 at the last token, 5.5/12 = 0.46 over all tokens (the residual is the unseen tokens').
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from streamrl.learner.critic.model import load_value_net, wrap_value_model
 from streamrl.learner.critic.trainer import Shaper
 
 TOKEN, SHARE, LENGTH = 7, 0.3, 12
+P_TOKEN = SHARE + (1 - SHARE) / 497  # a uniform draw from 3..499 is a 7 too
 
 
 def batch(rng: random.Random, n: int):
@@ -40,6 +44,26 @@ def batch(rng: random.Random, n: int):
         )  # fmt: skip
         scores.append(completion.count(TOKEN) / LENGTH)
     return pack(trajectories, scores, token_budget=1 << 14)
+
+
+def ceiling(micro_batches) -> dict[str, float]:
+    """Explained variance of E[reward | prefix] over every loss token and at the last: the best any critic gets."""
+    best, reward, last = [], [], []
+    for mb in micro_batches:
+        cu = mb.cu_seqlens.tolist()
+        for start, end in zip(cu[:-1], cu[1:]):
+            completion = mb.targets[start:end][mb.loss_mask[start:end]].tolist()
+            share = completion.count(TOKEN) / LENGTH
+            for k in range(LENGTH):
+                best.append((completion[:k].count(TOKEN) + (LENGTH - k) * P_TOKEN) / LENGTH)
+                reward.append(share)
+                last.append(k == LENGTH - 1)
+    best, reward, last = torch.tensor(best), torch.tensor(reward), torch.tensor(last)
+
+    def explained(keep):
+        return round(float(1 - (reward[keep] - best[keep]).var() / reward[keep].var()), 3)
+
+    return {"ceiling_explained_var": explained(torch.ones_like(last)), "ceiling_explained_var_last": explained(last)}
 
 
 def main() -> None:
@@ -62,7 +86,8 @@ def main() -> None:
         out = shaper.train(shaper.advantages([micro_batches]), [tokens], 1)
         if step % args.every == 0:
             shown = {k.removeprefix("critic/"): round(v, 3) for k, v in out.items() if "explained" in k or "loss" in k}
-            print(json.dumps({"figure": "critic_fit", "step": step, "lr": args.lr, "epochs": args.epochs, **shown}))
+            line = {"figure": "critic_fit", "step": step, "lr": args.lr, "epochs": args.epochs, **shown}
+            print(json.dumps(line | ceiling(micro_batches)), flush=True)
     parallel.shutdown()
 
 

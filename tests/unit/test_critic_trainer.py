@@ -79,6 +79,31 @@ def test_new_head_values_start_at_zero_and_gae_is_the_reward(tiny_model):
     assert torch.count_nonzero(shaped.advantages[~mb.loss_mask]) == 0
 
 
+def test_a_value_reads_its_own_sequence_up_to_the_token_it_scores(tiny_model):
+    """values[t] is V(prefix through input t), the state targets[t] is sampled in (verl's values[:, :-1]): packed
+    neighbours (CPU sdpa, cut by position_ids) and the token scored at t do not move it; the token read at t does."""
+    torch.manual_seed(0)
+    net = load_value_net(str(tiny_model))
+    with torch.no_grad():
+        net.score.weight.normal_()  # a head that is not 0, so values depend on the tokens
+    model = wrap_value_model(net, LEARNER, CPU)
+    mb = pack(samples(), [0.0, 1.0, 0.0, 1.0], token_budget=64)[0]
+    with torch.no_grad():
+        packed = model(mb.input_ids, mb.position_ids, mb.cu_seqlens, mb.max_seqlen)
+        cu = mb.cu_seqlens.tolist()
+        for start, end in zip(cu[:-1], cu[1:]):
+            ids, positions = mb.input_ids[start:end], mb.position_ids[start:end]
+            alone = model(ids, positions, torch.tensor([0, end - start]), end - start)
+            assert torch.allclose(packed[start:end], alone, atol=1e-4)
+        last = end - 1  # the last sequence's last position (it scores the last completion token)
+        first_loss = int(mb.loss_mask[start:end].nonzero()[0]) + start  # reads the last prompt token
+        changed = mb.input_ids.clone()
+        changed[first_loss + 1] = (changed[first_loss + 1] + 1) % 500  # the token scored at first_loss
+        moved = model(changed, mb.position_ids, mb.cu_seqlens, mb.max_seqlen)
+    assert torch.equal(moved[: first_loss + 1], packed[: first_loss + 1])
+    assert not torch.allclose(moved[first_loss + 1 : last + 1], packed[first_loss + 1 : last + 1])
+
+
 def test_a_step_trains_the_critic_toward_the_returns(tiny_model):
     t = trainer(tiny_model)
     micro = pack(samples(), [0.0, 1.0, 0.0, 1.0], token_budget=64)
