@@ -23,7 +23,7 @@ from streamrl.engine.ledger import LedgerUnavailableError, LedgerUnwritableError
 from streamrl.engine.messages import AdapterSpec
 from streamrl.engine.models import default_tiny_model, load_model
 from streamrl.engine.telemetry import ENDING, keep_reserve, setup_logging, write_ending
-from streamrl.learner import checkpoint, evaluation, lora, parallel
+from streamrl.learner import checkpoint, evaluation, lora, parallel, step_scatter
 from streamrl.learner.clean_stop import CleanStop
 from streamrl.learner.critic.trainer import build_shaper
 from streamrl.learner.intake import LearnerStalledError, RewardFailingError
@@ -87,7 +87,7 @@ def run_learner(cfg: Config, resume: str = "") -> str:
             clock = _Laps()
             per_rank = orchestrator.next_batch(parallel.world_size(), step) if rank0 else None  # receive → admit
             clock.lap("wait_s")
-            batch = parallel.scatter_step(per_rank, device)
+            batch = step_scatter.scatter_step(per_rank, device)
             stop.hold()  # a signal waits for the update and its commit: a clean stop saves a state that agrees
             metrics = trainer.step(batch.micro_batches, batch.loss_tokens)  # step
             if release:

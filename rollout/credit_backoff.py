@@ -28,13 +28,13 @@ class CreditBackoff:
             raise ValueError(f"first_s = {first_s:g}, cap_s = {cap_s:g}: need 0 < first_s <= cap_s")
         self.first_s, self.cap_s = first_s, cap_s
         self.jitter = jitter or (lambda: 0.5 + random.random() / 2)
-        self.refusals = 0  # in a row, at `version`
-        self.version: int | None = None
+        self.refusals = 0  # in a row, at `seen`
+        self.seen: int | None = None  # the node's version at the last refusal (the node's own, read here)
 
     def refused(self, version: int) -> float:
         """A credit asked with the node at `version` was refused: the seconds to wait before the next ask."""
-        if version != self.version:  # new weights: credits were just freed, or (sync mode) are now ours
-            self.refusals, self.version = 0, version
+        if version != self.seen:  # new weights: credits were just freed, or (sync mode) are now ours
+            self.refusals, self.seen = 0, version
         self.refusals += 1
         if self.refusals == 1:
             return 0.0

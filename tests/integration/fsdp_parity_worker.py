@@ -2,7 +2,7 @@
 
 usage: torchrun --nproc_per_node N fsdp_parity_worker.py MODEL_DIR OUT_FILE [FSDP_UNIT_PARAMS]
 Rank 0 splits the batch between the ranks by tokens and sends each its micro-batches as tensors
-(`parallel.scatter_step`), as the learner loop does; a rank with fewer micro-batches runs fillers.
+(`step_scatter.scatter_step`), as the learner loop does; a rank with fewer micro-batches runs fillers.
 """
 
 import random
@@ -12,7 +12,7 @@ import torch
 
 from streamrl.engine.config import LearnerConfig, LossConfig
 from streamrl.engine.messages import Trajectory
-from streamrl.learner import parallel
+from streamrl.learner import parallel, step_scatter
 from streamrl.learner.batching import StepBatch, pack, pack_for_ranks, sequence_cost
 from streamrl.learner.train_step import Trainer
 
@@ -56,7 +56,7 @@ def main(model_dir: str, out_file: str, unit_params: str = "") -> None:
             shares = pack_for_ranks(trajs, advantages, parallel.world_size(), token_budget=32)
             loss_tokens = sum(len(t.completion_ids) for t in trajs)
             per_rank = [StepBatch(mbs, 0, loss_tokens) for mbs in shares]
-        batch = parallel.scatter_step(per_rank, device)
+        batch = step_scatter.scatter_step(per_rank, device)
         mine = batch.micro_batches
         metrics = [trainer.step(mine), trainer.step(mine)]
         positions = parallel.gather_objects(sum(mb.num_tokens for mb in mine))

@@ -5,7 +5,7 @@ launch for all the counts: a torchrun start is most of a test's time).
 usage: torchrun --nproc_per_node 2 minibatch_ranks_worker.py MODEL_DIR OUT_FILE UPDATES
 The batch is fsdp_parity_worker's, shared unequally on purpose: rank 0 gets its first 6 samples (two
 micro-batches of 32 positions), rank 1 the last 2 (one micro-batch), sent as the learner loop sends them
-(`parallel.scatter_step`). With 2 updates rank 0 deals out whole micro-batches and rank 1 slices its one;
+(`step_scatter.scatter_step`). With 2 updates rank 0 deals out whole micro-batches and rank 1 slices its one;
 with 3, rank 0 slices too and rank 1 has one mini-batch with no sample. The step must still run the same
 collectives on both ranks.
 """
@@ -16,7 +16,7 @@ import torch
 from fsdp_parity_worker import fixed_batch
 
 from streamrl.engine.config import build
-from streamrl.learner import parallel
+from streamrl.learner import parallel, step_scatter
 from streamrl.learner.batching import StepBatch, pack
 from streamrl.learner.reference import build_reference
 from streamrl.learner.train_step import Trainer
@@ -54,7 +54,7 @@ def step(model_dir: str, device: torch.device, updates: int) -> dict:
         shares = [pack(trajs[:6], advantages[:6], 32), pack(trajs[6:], advantages[6:], 32)]
         loss_tokens = sum(len(t.completion_ids) for t in trajs)
         per_rank = [StepBatch(mbs, 0, loss_tokens) for mbs in shares]
-    mine = parallel.scatter_step(per_rank, device).micro_batches
+    mine = step_scatter.scatter_step(per_rank, device).micro_batches
     metrics = trainer.step(mine)
     everyone = parallel.gather_objects({"metrics": metrics, "micro_batches": len(mine)})
     return {"ranks": everyone, "version": trainer.version}
