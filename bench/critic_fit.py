@@ -1,6 +1,7 @@
 """Can the critic learn a reward it can see? The value model alone, on fresh random completions every step.
 
     python -m streamrl.bench.critic_fit [--lr 3e-3] [--epochs 2] [--steps 40] [--samples 32] [--every 5]
+                                        [--lam-critic 1.0]
 
 The tiny model's critic (head at 0) trains on 32 completions of 12 tokens a step, each token the id 7 with
 probability 0.3, else uniform; the reward is the share of 7s. The explained variance is measured, as in a run,
@@ -73,11 +74,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--samples", type=int, default=32)
     parser.add_argument("--every", type=int, default=5)
+    parser.add_argument("--lam-critic", type=float, default=1.0, help="critic.lam_critic (the targets' lambda)")
     args = parser.parse_args()
     device = parallel.init_distributed()
     torch.manual_seed(0)
     loss = LossConfig(advantage="gae", aggregation="token")
-    critic = CriticConfig(lr=args.lr, epochs=args.epochs)
+    critic = CriticConfig(lr=args.lr, epochs=args.epochs, lam_critic=args.lam_critic)
     model = wrap_value_model(load_value_net(str(default_tiny_model())), LearnerConfig(), device)
     shaper, rng = Shaper(model, critic, loss, device), random.Random(0)
     for step in range(1, args.steps + 1):
@@ -86,7 +88,8 @@ def main() -> None:
         out = shaper.train(shaper.advantages([micro_batches]), [tokens], 1)
         if step % args.every == 0:
             shown = {k.removeprefix("critic/"): round(v, 3) for k, v in out.items() if "explained" in k or "loss" in k}
-            line = {"figure": "critic_fit", "step": step, "lr": args.lr, "epochs": args.epochs, **shown}
+            line = {"figure": "critic_fit", "step": step, "lr": args.lr, "epochs": args.epochs}
+            line |= {"lam_critic": args.lam_critic, **shown}
             print(json.dumps(line | ceiling(micro_batches)), flush=True)
     parallel.shutdown()
 
