@@ -261,7 +261,12 @@ def resumed(tmp_path_factory):
             first.wait()
     steps_before = [r["step"] for r in read_jsonl(run_dir / "metrics.jsonl")[0]]
     second = subprocess.run([*args, "--resume", "latest"], capture_output=True, text=True, env=env, timeout=600)
-    return dict(first=(first.returncode, first_said), steps_before=steps_before, second=second, run_dir=run_dir)
+    found = dict(first=(first.returncode, first_said), steps_before=steps_before, second=second, run_dir=run_dir)
+    found["steps_resumed"] = [r["step"] for r in read_jsonl(run_dir / "metrics.jsonl")[0]]
+    again = [*args, "--set", "run.steps=2"]
+    found["rerun"] = subprocess.run(again, capture_output=True, text=True, env=env, timeout=600)  # refused: trained
+    found["fresh"] = subprocess.run([*again, "--fresh"], capture_output=True, text=True, env=env, timeout=600)
+    return found
 
 
 def test_ctrl_c_saves_and_resume_continues_from_the_step_it_stopped_at(resumed):
@@ -271,8 +276,7 @@ def test_ctrl_c_saves_and_resume_continues_from_the_step_it_stopped_at(resumed):
     assert stopped_at >= 3 and resumed["steps_before"] == list(range(1, stopped_at + 1))
     second = resumed["second"]
     assert second.returncode == 0, second.stdout[-3000:]
-    steps = [r["step"] for r in read_jsonl(resumed["run_dir"] / "metrics.jsonl")[0]]
-    assert steps == list(range(1, 9))  # continued from the stopped step: none repeated, none missing
+    assert resumed["steps_resumed"] == list(range(1, 9))  # continued from the stopped step: none repeated or missing
 
 
 def test_the_resumed_closing_line_counts_only_its_own_steps(resumed):
@@ -281,3 +285,14 @@ def test_the_resumed_closing_line_counts_only_its_own_steps(resumed):
     line = rf"resumed at step {stopped_at}; {8 - stopped_at} steps since, in \d+ s; .*; "
     line += rf"earlier launches wrote {stopped_at} steps \(the last: step {stopped_at}\)"
     assert re.search(line, said), said[-2000:]
+
+
+def test_a_trained_run_starts_afresh_only_when_asked_its_books_kept_aside(resumed):
+    rerun, fresh, run_dir = resumed["rerun"], resumed["fresh"], resumed["run_dir"]
+    assert rerun.returncode == 2 and "streamrl run --fresh" in rerun.stdout, rerun.stdout[-2000:]  # never silently
+    assert fresh.returncode == 0, fresh.stdout[-3000:]
+    [aside] = (run_dir / "earlier").iterdir()
+    assert f"its earlier books are kept in {aside}" in fresh.stdout
+    assert [r["step"] for r in read_jsonl(aside / "metrics.jsonl")[0]] == list(range(1, 9))
+    assert [r["step"] for r in read_jsonl(run_dir / "metrics.jsonl")[0]] == [1, 2]
+    assert re.search(r"books balance: (\d+) = \1 trained \+ 0 dropped \+ 0 in flight", fresh.stdout)
