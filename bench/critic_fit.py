@@ -75,11 +75,12 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=32)
     parser.add_argument("--every", type=int, default=5)
     parser.add_argument("--lam-critic", type=float, default=1.0, help="critic.lam_critic (the targets' lambda)")
+    parser.add_argument("--weight-decay", type=float, default=0.0, help="critic.weight_decay")
     args = parser.parse_args()
     device = parallel.init_distributed()
     torch.manual_seed(0)
     loss = LossConfig(advantage="gae", aggregation="token")
-    critic = CriticConfig(lr=args.lr, epochs=args.epochs, lam_critic=args.lam_critic)
+    critic = CriticConfig(lr=args.lr, epochs=args.epochs, lam_critic=args.lam_critic, weight_decay=args.weight_decay)
     model = wrap_value_model(load_value_net(str(default_tiny_model())), LearnerConfig(), device)
     shaper, rng = Shaper(model, critic, loss, device), random.Random(0)
     for step in range(1, args.steps + 1):
@@ -89,7 +90,7 @@ def main() -> None:
         if step % args.every == 0:
             shown = {k.removeprefix("critic/"): round(v, 3) for k, v in out.items() if "explained" in k or "loss" in k}
             line = {"figure": "critic_fit", "step": step, "lr": args.lr, "epochs": args.epochs}
-            line |= {"lam_critic": args.lam_critic, **shown}
+            line |= {"lam_critic": args.lam_critic, "weight_decay": args.weight_decay, **shown}
             print(json.dumps(line | ceiling(micro_batches)), flush=True)
     parallel.shutdown()
 
