@@ -150,14 +150,20 @@ def run(
     from streamrl.ops.naming import DEMO, TINY, name_sets
 
     tiny = config is None and not model  # the built-in tiny model: its settings (the demo's too), then yours
-    sets = (TINY if tiny and data else DEMO if tiny else []) + list(overrides or [])
+    sets = list(overrides or [])
     sets += [f"model.path={model!r}"] if model else []
     sets += [f"data.path={data!r}"] if data else []
     sets += [f"reward.functions={list(reward)!r}"] if reward else []
     sets += [f"run.steps={steps}"] if steps else []
     sets += [f"run.device={device!r}"] if device else []
-    named = name_sets(config, sets)
-    cfg, said = load_role(config, sets + named, debug)
+    found = _resumed(config, sets, debug) if resume else None  # the run's config.toml, yours on top
+    if found is None:
+        sets = (TINY if tiny and data else DEMO if tiny else []) + sets
+        named = name_sets(config, sets)
+        cfg, said = load_role(config, sets + named, debug)
+    else:
+        (cfg, line), named, said = found, [], ""
+        typer.echo(line, err=True)
     # a run named by you keeps its folder; a name made here gets a fresh one when taken. Owned before the
     # preflight: a second launcher on a live run is refused in seconds (ops/lock.py)
     claimed = claim_run(cfg, explicit_name=not named, resume=resume)
@@ -170,6 +176,20 @@ def run(
 
         code = run_local(cfg, rollout_nodes, explicit_name=not named, resume=resume, owner=owner, fresh=fresh)
     raise typer.Exit(code)
+
+
+def _resumed(config, sets: list[str], debug: bool):
+    """ops/resumed.py's config of a resumed run; exit 2 with one line naming the field it refuses."""
+    from streamrl.engine.config import ConfigError
+    from streamrl.ops.resumed import resumed_config
+
+    try:
+        return resumed_config(config, sets)
+    except ConfigError as e:
+        if debug:
+            raise
+        typer.secho(f"error: {e}", fg="red", err=True)
+        raise typer.Exit(2) from None
 
 
 # every command, in --help's order (bench passes its extra arguments to the benchmark)
