@@ -23,14 +23,14 @@ for run in ${RUNS:-1.5b:async 1.5b:sync 7b:auto}; do
   loop=$(python3 -m streamrl.bench.loop_figures "$DIR/$name" --skip 3)
   LOOP="$loop" python3 - "$DIR/$name/metrics.jsonl" "$OUT/smi-$name.txt" "${CONFIG[$size]}" "$mode" >> "$F" <<'PY'
 import json, os, sys
-rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip()] if os.path.exists(sys.argv[1]) else []
+from streamrl.engine.telemetry import read_metrics
+from streamrl.ops.progress import trained_rate
+rows = read_metrics(sys.argv[1]) if os.path.exists(sys.argv[1]) else []
 loop = json.loads(os.environ["LOOP"] or "{}")
 smi = [float(l) for l in open(sys.argv[2]) if l.strip().replace(".", "").isdigit()]
-steady = rows[3:] or rows
-wall = steady[-1]["time"] - steady[0]["time"] if len(steady) > 1 else 0.0
-tokens = sum(r.get("completion_tokens", 0) for r in steady[1:] if not r.get("skipped"))
+rate = trained_rate(rows)  # the run's one definition (live row, closing line, status)
 print(json.dumps({"figure": "one_gpu_size", "config": sys.argv[3], "mode": sys.argv[4], "steps": len(rows),
-    "trained_tok_s": round(tokens / wall, 1) if wall else None, "gpu_peak_gib": round(max(smi, default=0) / 1024, 1),
+    "trained_tok_s": round(rate.per_s, 1), "gpu_peak_gib": round(max(smi, default=0) / 1024, 1),
     "learner_peak_gib": loop.get("learner_peak_gib"), "mfu_in_loop": loop.get("mfu_in_loop"),
     "idle_fraction": loop.get("idle_fraction"), "train_s": loop.get("train_s"), "wait_s": loop.get("wait_s"),
     "skipped_steps": loop.get("skipped_steps"), "evicted": loop.get("evicted"), "reward_first5": loop.get("reward_first5"),

@@ -40,7 +40,7 @@ from streamrl.engine.config import build
 from streamrl.engine.ledger import Ledger
 from streamrl.engine.messages import Trajectory, encode
 from streamrl.engine.redis_server import connect
-from streamrl.engine.telemetry import read_metrics
+from streamrl.engine.telemetry import read_jsonl, read_metrics
 from streamrl.ops.launcher import Launcher
 
 HEARTBEAT_S = 0.5  # rollout/control.py's period: a node's control heartbeat to the learner
@@ -95,9 +95,9 @@ def wait_for_step(run_dir: pathlib.Path, step: int, learner, timeout_s: float) -
 
 
 def read_events(run_dir: pathlib.Path) -> list[dict]:
+    """events.jsonl's records so far (a line a node is still writing is skipped, never fatal)."""
     path = run_dir / "events.jsonl"
-    lines = path.read_text().splitlines() if path.exists() else []
-    return [json.loads(line) for line in lines if line.strip()]
+    return read_jsonl(path)[0] if path.exists() else []
 
 
 def push_all_s(events: list[dict], records: list[dict], n: int) -> tuple[float, int]:

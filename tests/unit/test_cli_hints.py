@@ -22,7 +22,8 @@ def commands() -> dict[str, click.Command]:
 
 
 def options_of(command: click.Command) -> set[str]:
-    return {opt for param in command.params for opt in (*param.opts, *param.secondary_opts)}
+    """The command's options, and the --help that click gives every command."""
+    return {opt for param in command.params for opt in (*param.opts, *param.secondary_opts)} | {"--help"}
 
 
 def mentions() -> list[tuple[str, str, str]]:
