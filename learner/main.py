@@ -44,15 +44,60 @@ def run_learner(cfg: Config, resume: str = "") -> str:
     """Train to `run.steps`; what was trained, in words (RUN/end.json's detail of a finished run)."""
     device = parallel.init_distributed()
     rank0 = parallel.is_rank0()
-    setup_logging(cfg.run.path, f"learner-rank{parallel.rank()}", console=rank0, level=cfg.telemetry.log_level)
-    if rank0:
-        (cfg.run.path / ENDING).unlink(missing_ok=True)  # running again (a resume): not ended
-        keep_reserve(cfg.run.path)  # room for the last words on a disk that fills up
-        where = cfg.run.path  # with no terminal (a log, nohup, Slurm) a step is one line; these hold the rest
-        log.info("run %s: folder %s, metrics %s, logs %s", cfg.run.name, where, where / "metrics.jsonl", where / "logs")
-    if rank0:
-        log.info("%s", presets.describe(cfg))  # every field a recipe set, and which an explicit setting overrode
+    _start_logging(cfg, rank0)
     torch.manual_seed(cfg.run.seed)
+    policy, adapter, compute, model_path = _policy(cfg, device)
+    reference = build_reference(cfg, device, compute, policy)  # None unless a KL needs it
+    trainer = _trainer(cfg, policy, device, reference, compute)
+    keeper = checkpoint.Keeper(cfg.checkpoint, cfg.run.path, policy.lm, trainer, model_path, cfg.run.steps, adapter)
+    first = keeper.resume(resume, cfg.run.path).step + 1 if resume else 1  # steps continue from the checkpoint
+    resumed_version = trainer.version if resume else None  # the ledger is rolled back to it
+    orchestrator = _start_orchestrator(cfg, device, trainer, policy, resumed_version, first, adapter)
+    evaluations = evaluation.start(cfg, orchestrator, trainer.version, first) if rank0 else None  # v0's posted
+    ending = {"reason": "the learner stopped", "finished": False, "ledger_reachable": True}
+    stop = CleanStop(done_step=first - 1)  # Ctrl-C and SIGTERM from here: learner/clean_stop.py
+    stop.install()
+    skips = 0  # steps that took no optimizer update (no gradient, or a non-finite one): they trained nothing
+    try:
+        push_weights = parallel.PushWeights(policy, compute, adapters=adapter is not None)
+        _hand_restored_weights(trainer, orchestrator, push_weights)
+        loop = _Loop(cfg, device, trainer, policy, keeper, orchestrator, evaluations, stop, push_weights)
+        # compiled while the nodes start, except where a node's start must find the GPU's room free (sync mode)
+        if parallel.compiles(cfg.learner, device) and cfg.simulate.train_s <= 0 and not loop.release:
+            log.info("learner compiled ahead of step 1 in %.1f s", trainer.warm_up())
+        for step in range(first, cfg.run.steps + 1):
+            skips += loop.step(step)
+        ending.update(reason="run finished", finished=True)
+    except KeyboardInterrupt:
+        keeper.save_on_stop(stop.done_step)  # resumable from where it stopped (a second signal cuts it short)
+        raise
+    except (LedgerUnavailableError, RewardFailingError, LearnerStalledError) as e:
+        ending.update(_ending_of(e))
+        raise
+    finally:
+        if orchestrator is not None:
+            orchestrator.close(**ending)
+        parallel.shutdown()
+    ran = cfg.run.steps - first + 1
+    return f"{ran} steps: {ran - skips} trained, {skips} skipped (no update)" + (
+        f", from step {first}" if first > 1 else ""
+    )
+
+
+def _start_logging(cfg: Config, rank0: bool) -> None:
+    """Rank 0 logs to the console and says where the run's files are; every rank to its own log file."""
+    setup_logging(cfg.run.path, f"learner-rank{parallel.rank()}", console=rank0, level=cfg.telemetry.log_level)
+    if not rank0:
+        return
+    (cfg.run.path / ENDING).unlink(missing_ok=True)  # running again (a resume): not ended
+    keep_reserve(cfg.run.path)  # room for the last words on a disk that fills up
+    where = cfg.run.path  # with no terminal (a log, nohup, Slurm) a step is one line; these hold the rest
+    log.info("run %s: folder %s, metrics %s, logs %s", cfg.run.name, where, where / "metrics.jsonl", where / "logs")
+    log.info("%s", presets.describe(cfg))  # every field a recipe set, and which an explicit setting overrode
+
+
+def _policy(cfg: Config, device: torch.device):
+    """The policy wrapped for the ranks, LoRA's adapter spec (None without), the compute dtype, the model's folder."""
     model_path = cfg.model.path or str(default_tiny_model())
     compute = getattr(torch, cfg.model.dtype)  # the learner's compute dtype = what the engines serve
     # fp32 master weights; LoRA: a frozen base in the compute dtype (read as such: half the host memory and
@@ -64,76 +109,61 @@ def run_learner(cfg: Config, resume: str = "") -> str:
         model, adapter = lora.apply(model, cfg.lora, compute)
     sampling = dict(temperature=cfg.rollout.temperature, top_k=cfg.rollout.top_k, top_p=cfg.rollout.top_p)
     policy = parallel.wrap_model(model, cfg.learner, device, compute_dtype=compute, **sampling)
-    reference = build_reference(cfg, device, compute, policy)  # None unless a KL needs it
-    trainer = _trainer(cfg, policy, device, reference, compute)
-    keeper = checkpoint.Keeper(cfg.checkpoint, cfg.run.path, policy.lm, trainer, model_path, cfg.run.steps, adapter)
-    first = keeper.resume(resume, cfg.run.path).step + 1 if resume else 1  # steps continue from the checkpoint
-    resumed_version = trainer.version if resume else None  # the ledger is rolled back to it
-    orchestrator = _start_orchestrator(cfg, device, trainer, policy, resumed_version, first, adapter)
-    evaluations = evaluation.start(cfg, orchestrator, trainer.version, first) if rank0 else None  # v0's posted
-    ending = {"reason": "the learner stopped", "finished": False, "ledger_reachable": True}
-    stop, saved_s = CleanStop(done_step=first - 1), 0.0  # Ctrl-C and SIGTERM from here: learner/clean_stop.py
-    stop.install()
-    skips = 0  # steps that took no optimizer update (no gradient, or a non-finite one): they trained nothing
-    # sync mode on a GPU: a step's freed activations go back to the driver, for nodes waking on this GPU
-    release = cfg.run.mode == "sync" and torch.device(device).type == "cuda"
-    try:
-        push_weights = parallel.PushWeights(policy, compute, adapters=adapter is not None)
-        _hand_restored_weights(trainer, orchestrator, push_weights)
-        # compiled while the nodes start, except where a node's start must find the GPU's room free (sync mode)
-        if parallel.compiles(cfg.learner, device) and cfg.simulate.train_s <= 0 and not release:
-            log.info("learner compiled ahead of step 1 in %.1f s", trainer.warm_up())
-        for step in range(first, cfg.run.steps + 1):
-            clock = _Laps()
-            per_rank = orchestrator.next_batch(parallel.world_size(), step) if rank0 else None  # receive → admit
-            clock.lap("wait_s")
-            batch = step_scatter.scatter_step(per_rank, device)
-            stop.hold()  # a signal waits for the update and its commit: a clean stop saves a state that agrees
-            metrics = trainer.step(batch.micro_batches, batch.loss_tokens)  # step
-            if release:
-                torch.cuda.empty_cache()
-            clock.lap("train_s")
-            skipped = bool(metrics["skipped"])
-            skips += skipped
-            if rank0:
-                orchestrator.commit(step, metrics)  # commit
-            stop.release(step)
-            clock.lap("commit_s")
-            weights = push_weights() if not skipped else None  # on the device
-            if rank0:
-                evaluations.before_publish(trainer.version, step, last=step == cfg.run.steps)  # before it goes live
-            if rank0 and weights is not None:
-                orchestrator.publish(weights)  # push: nodes receive it in the background
-            clock.lap("push_s")
-            if rank0:  # report before the checkpoint: a learner killed in the save leaves its step's record
-                metrics = {**metrics, **evaluations.figures(last=step == cfg.run.steps)}  # the last: waited for
-                laps = {**clock.laps, "checkpoint_s": saved_s}  # the previous step's save
-                orchestrator.report(step, batch.version, metrics, laps, clock.started)  # report
-            clock.lap("report_s")
-            keeper.after_step(step, policy)  # checkpoint
-            saved_s = clock.lap("checkpoint_s")
-        ending.update(reason="run finished", finished=True)
-    except KeyboardInterrupt:
-        keeper.save_on_stop(stop.done_step)  # resumable from where it stopped (a second signal cuts it short)
-        raise
-    except LedgerUnavailableError as e:
-        why = "refuses writes" if isinstance(e, LedgerUnwritableError) else "is unreachable"
-        ending.update(reason=f"the ledger (Redis) {why}", ledger_reachable=False)
-        raise
-    except RewardFailingError:
-        ending.update(reason="the reward fails on (nearly) every sample")
-        raise
-    except LearnerStalledError:
-        ending.update(reason="nothing was trained for learner.stall_stop_s")
-        raise
-    finally:
-        if orchestrator is not None:
-            orchestrator.close(**ending)
-        parallel.shutdown()
-    ran = cfg.run.steps - first + 1
-    return f"{ran} steps: {ran - skips} trained, {skips} skipped (no update)" + (
-        f", from step {first}" if first > 1 else ""
-    )
+    return policy, adapter, compute, model_path
+
+
+def _ending_of(error: Exception) -> dict:
+    """How a run that `error` stopped ended (the orchestrator's close settles the books by it)."""
+    if isinstance(error, LedgerUnavailableError):
+        why = "refuses writes" if isinstance(error, LedgerUnwritableError) else "is unreachable"
+        return {"reason": f"the ledger (Redis) {why}", "ledger_reachable": False}
+    if isinstance(error, RewardFailingError):
+        return {"reason": "the reward fails on (nearly) every sample"}
+    return {"reason": "nothing was trained for learner.stall_stop_s"}
+
+
+class _Loop:
+    """One step of the loop on every rank: receive → admit → step → commit → push → report → checkpoint (rank 0
+    does the I/O: its orchestrator and evaluations are None on the other ranks)."""
+
+    def __init__(self, cfg: Config, device, trainer, policy, keeper, orchestrator, evaluations, stop, push_weights):
+        self.cfg, self.device, self.trainer, self.policy, self.keeper = cfg, device, trainer, policy, keeper
+        self.orchestrator, self.evaluations, self.stop = orchestrator, evaluations, stop
+        self.push_weights = push_weights
+        # sync mode on a GPU: a step's freed activations go back to the driver, for nodes waking on this GPU
+        self.release = cfg.run.mode == "sync" and torch.device(device).type == "cuda"
+        self.saved_s = 0.0  # the previous step's checkpoint time (reported with the next step)
+
+    def step(self, step: int) -> bool:
+        """Train step `step`; whether it took no update (skipped)."""
+        clock, rank0, last = _Laps(), self.orchestrator is not None, step == self.cfg.run.steps
+        per_rank = self.orchestrator.next_batch(parallel.world_size(), step) if rank0 else None  # receive → admit
+        clock.lap("wait_s")
+        batch = step_scatter.scatter_step(per_rank, self.device)
+        self.stop.hold()  # a signal waits for the update and its commit: a clean stop saves a state that agrees
+        metrics = self.trainer.step(batch.micro_batches, batch.loss_tokens)  # step
+        if self.release:
+            torch.cuda.empty_cache()
+        clock.lap("train_s")
+        skipped = bool(metrics["skipped"])
+        if rank0:
+            self.orchestrator.commit(step, metrics)  # commit
+        self.stop.release(step)
+        clock.lap("commit_s")
+        weights = self.push_weights() if not skipped else None  # on the device
+        if rank0:
+            self.evaluations.before_publish(self.trainer.version, step, last=last)  # before it goes live
+            if weights is not None:
+                self.orchestrator.publish(weights)  # push: nodes receive it in the background
+        clock.lap("push_s")
+        if rank0:  # report before the checkpoint: a learner killed in the save leaves its step's record
+            metrics = {**metrics, **self.evaluations.figures(last=last)}  # the last: waited for
+            laps = {**clock.laps, "checkpoint_s": self.saved_s}  # the previous step's save
+            self.orchestrator.report(step, batch.version, metrics, laps, clock.started)  # report
+        clock.lap("report_s")
+        self.keeper.after_step(step, self.policy)  # checkpoint
+        self.saved_s = clock.lap("checkpoint_s")
+        return skipped
 
 
 def _trainer(cfg: Config, policy, device: torch.device, reference, compute: torch.dtype) -> Trainer:
