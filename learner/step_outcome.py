@@ -98,7 +98,9 @@ class StepOutcome:
 
     def _console(self, step: int, record: Mapping[str, float]) -> None:
         log.info(
-            "step %d v%d reward %.3f±%.3f loss %.4f tokens/s %.0f mismatch_kl %.2e staleness %.2f nodes %d idle %.0f%%",
+            # the step's own rate (its batch over its wall time), not the run's trained tokens/s (ops/progress.py)
+            "step %d v%d reward %.3f±%.3f loss %.4f step tokens/s %.0f mismatch_kl %.2e staleness %.2f nodes %d "
+            "idle %.0f%%",
             step,
             self.version_of(),
             record.get("reward/mean", math.nan),
