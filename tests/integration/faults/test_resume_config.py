@@ -11,16 +11,19 @@ default outside the first run's folder): it failed every test here.
 
 from __future__ import annotations
 
+import importlib.util
 import os
-import signal
+import pathlib
 import subprocess
 import sys
-import time
 import tomllib
 
 import pytest
 
-from streamrl.engine.telemetry import read_jsonl
+_spec = importlib.util.spec_from_file_location("ctrl_c", pathlib.Path(__file__).with_name("ctrl_c.py"))
+ctrl_c = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(ctrl_c)
+ctrl_c_after, steps_of = ctrl_c.ctrl_c_after, ctrl_c.steps_of
 
 pytestmark = [pytest.mark.faults, pytest.mark.slow]
 
@@ -45,11 +48,6 @@ def _sets(sets: list[str]) -> list[str]:
     return [a for s in sets for a in ("--set", s)]
 
 
-def _steps(run_dir) -> list[int]:
-    path = run_dir / "metrics.jsonl"
-    return [r["step"] for r in read_jsonl(path)[0]] if path.exists() else []
-
-
 @pytest.fixture(scope="module")
 def resumed(tmp_path_factory):
     """The first run stopped by SIGINT after its 2nd step (a clean stop saves a checkpoint); a resume that
@@ -58,20 +56,8 @@ def resumed(tmp_path_factory):
     folder = tmp_path_factory.mktemp("resume-config")
     run_dir = folder / "runs" / NAME
     env = {**os.environ, "COLUMNS": "300"}
-    first = subprocess.Popen(_streamrl(*_sets(FIRST)), cwd=folder, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                             text=True, env=env)  # fmt: skip
-    try:
-        deadline = time.monotonic() + 300
-        while len(_steps(run_dir)) < 2:
-            assert first.poll() is None and time.monotonic() < deadline, first.stdout.read()
-            time.sleep(0.1)
-        first.send_signal(signal.SIGINT)
-        first_said, _ = first.communicate(timeout=300)
-    finally:
-        if first.poll() is None:
-            first.kill()
-            first.wait()
-    found = dict(first=(first.returncode, first_said), run_dir=run_dir, stopped_at=_steps(run_dir)[-1])
+    first = ctrl_c_after(_streamrl(*_sets(FIRST)), run_dir, 2, cwd=folder)
+    found = dict(first=first, run_dir=run_dir, stopped_at=steps_of(run_dir)[-1])
 
     def resume(*sets: str):
         args = _streamrl("--resume", "latest", *_sets([f"run.name='{NAME}'", *sets]))
@@ -79,7 +65,7 @@ def resumed(tmp_path_factory):
 
     found["refused"] = resume("lora.enabled=true")
     found["second"] = resume("learner.lr=0.002")
-    found["steps"] = _steps(run_dir)
+    found["steps"] = steps_of(run_dir)
     return found
 
 

@@ -12,7 +12,9 @@ nodes' cost being beside the point: one run shared by the owner tests, one stopp
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import os
+import pathlib
 import re
 import signal
 import subprocess
@@ -26,6 +28,9 @@ from streamrl.engine.telemetry import read_jsonl
 from streamrl.ops.closing import closing_line
 
 pytestmark = [pytest.mark.faults, pytest.mark.slow]
+_spec = importlib.util.spec_from_file_location("ctrl_c", pathlib.Path(__file__).with_name("ctrl_c.py"))
+_ctrl_c = importlib.util.module_from_spec(_spec)  # Ctrl-C once a run wrote N steps (test_resume_config.py too)
+_spec.loader.exec_module(_ctrl_c)
 
 SIM = [
     "simulate.gen_s=0.5",
@@ -247,21 +252,10 @@ def resumed(tmp_path_factory):
     run_dir = folder / "stopped"
     args = [sys.executable, "-m", "streamrl", *_run_args(folder, "stopped", "run.steps=8", "simulate.gen_s=1.0")]
     env = {**os.environ, "COLUMNS": "300"}
-    first = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-    try:
-        deadline = time.monotonic() + 300
-        while _steps(run_dir) < 3:
-            assert first.poll() is None and time.monotonic() < deadline, first.stdout.read()
-            time.sleep(0.1)
-        first.send_signal(signal.SIGINT)
-        first_said, _ = first.communicate(timeout=300)
-    finally:
-        if first.poll() is None:
-            first.kill()
-            first.wait()
+    first = _ctrl_c.ctrl_c_after(args, run_dir, 3)
     steps_before = [r["step"] for r in read_jsonl(run_dir / "metrics.jsonl")[0]]
     second = subprocess.run([*args, "--resume", "latest"], capture_output=True, text=True, env=env, timeout=600)
-    found = dict(first=(first.returncode, first_said), steps_before=steps_before, second=second, run_dir=run_dir)
+    found = dict(first=first, steps_before=steps_before, second=second, run_dir=run_dir)
     found["steps_resumed"] = [r["step"] for r in read_jsonl(run_dir / "metrics.jsonl")[0]]
     again = [*args, "--set", "run.steps=2"]
     found["rerun"] = subprocess.run(again, capture_output=True, text=True, env=env, timeout=600)  # refused: trained
