@@ -1,5 +1,5 @@
 """A `streamrl run` stopped as a user stops it: Ctrl-C (SIGINT) once its run folder's metrics.jsonl holds a
-number of steps (test_run_owner.py, test_resume_config.py)."""
+number of steps (test_run_owner.py, test_resume_config.py); the simulated settings both run."""
 
 from __future__ import annotations
 
@@ -9,6 +9,15 @@ import subprocess
 import time
 
 from streamrl.engine.telemetry import read_jsonl
+
+# Simulated generation and training (simulate.gen_s / train_s: the tiny model loads, nothing is sampled)
+SIM = [
+    "simulate.gen_s=0.5",
+    "simulate.train_s=0.05",
+    "run.device='cpu'",
+    "telemetry.tensorboard=false",
+    "eval.sources=[]",  # simulated nodes run no evaluation job, and the last step would wait for one
+]
 
 
 def steps_of(run_dir) -> list[int]:

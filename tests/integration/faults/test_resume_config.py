@@ -28,16 +28,7 @@ ctrl_c_after, steps_of = ctrl_c.ctrl_c_after, ctrl_c.steps_of
 pytestmark = [pytest.mark.faults, pytest.mark.slow]
 
 NAME = "configured"
-FIRST = [
-    "simulate.gen_s=0.5",
-    "simulate.train_s=0.05",
-    "run.device='cpu'",
-    "telemetry.tensorboard=false",
-    "eval.sources=[]",  # simulated nodes run no evaluation job, and the last step would wait for one
-    f"run.name='{NAME}'",
-    "run.steps=6",
-    "learner.lr=0.005",
-]
+FIRST = [*ctrl_c.SIM, f"run.name='{NAME}'", "run.steps=6", "learner.lr=0.005"]
 
 
 def _streamrl(*args: str) -> list[str]:

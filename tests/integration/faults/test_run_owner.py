@@ -32,13 +32,7 @@ _spec = importlib.util.spec_from_file_location("ctrl_c", pathlib.Path(__file__).
 _ctrl_c = importlib.util.module_from_spec(_spec)  # Ctrl-C once a run wrote N steps (test_resume_config.py too)
 _spec.loader.exec_module(_ctrl_c)
 
-SIM = [
-    "simulate.gen_s=0.5",
-    "simulate.train_s=0.05",
-    "run.device='cpu'",
-    "telemetry.tensorboard=false",
-    "eval.sources=[]",  # simulated nodes run no evaluation job, and the last step would wait for one
-]
+SIM = _ctrl_c.SIM
 REFUSED_S = 10.0  # the bound on a refused launcher's exit
 # The live run: live through the checks at step 3 whatever they take (each a fresh `python -m streamrl`: 2-4 s on
 # 2 idle cores, a minute for `status` at a load average of 43), then stopped by Ctrl-C
