@@ -9,14 +9,14 @@ step's first update), R the lambda-returns. w and N are the policy loss's token 
 normaliser (learner/losses.py `token_weights`, the step's normaliser), so micro-batches and ranks do not
 change it: token-mean by default, as verl's `loss_agg_mode = token-mean`.
 
-Statistics come back as sums (and max/min) to reduce over micro-batches and ranks; `summarize` turns them
-into vf_loss (an unweighted mean over the loss tokens, as verl logs it: with `loss.aggregation = "sequence"` it
-is not the weighted objective above, which the gradient follows), vf_clipfrac, vf_explained_var (1 - Var(R - V_old) / Var(R), over the step's loss tokens),
-value mean/min/max and returns mean. The trainer also reports vf_explained_var_last, over each completion's
-last token only: with the reward at the end and lambda = 1 every token's target is the outcome, which the
-first tokens cannot know (it is drawn after them), so the all-token figure is bounded by how much of the
-outcome a prefix decides (about a half for an outcome that is a mean over i.i.d. tokens); at the last token
-the whole completion but one token is seen.
+Statistics come back as sums (and max/min) to reduce over micro-batches and ranks; `summarize` turns them into
+vf_loss (an unweighted mean over the loss tokens, as verl logs it: with `loss.aggregation = "sequence"` it is
+not the weighted objective above, which the gradient follows), vf_clipfrac, vf_explained_var (1 - Var(R - V_old)
+/ Var(R), over the step's loss tokens), value mean/min/max and returns mean. The trainer also reports
+vf_explained_var_last, over each completion's last token only: with the reward at the end and lambda = 1 every
+token's target is the outcome, which the first tokens cannot know (it is drawn after them), so the all-token
+figure is bounded by how much of the outcome a prefix decides (about a half for an outcome that is a mean over
+i.i.d. tokens); at the last token the whole completion but one token is seen.
 """
 
 from __future__ import annotations
