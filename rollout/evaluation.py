@@ -3,7 +3,8 @@
 The learner posts an evaluation of version v before v goes live (engine/ledger/eval_jobs.py). A node live at
 v lays the job out if no node did, then takes chunks one at a time, generates each prompt's `eval.n` samples
 with the evaluation's sampling (engine/config/eval.sampling), scores them with the evaluation's rewards and
-hands them in, while its training groups go on beside them.
+hands them in, while its training groups go on beside them. With an [env], a prompt's samples are episodes of
+the run's environment, rewarded by it (rollout/evaluation_episodes.py).
 
 How the version is kept exact: the engine's swap to the next version waits on `before_swap` (after the new
 weights are staged, before the old ones are replaced), which finishes the evaluation of the live version:
@@ -23,6 +24,7 @@ import time
 from streamrl.engine.config import Config
 from streamrl.engine.config.eval import reward_config, sampling, source_data
 from streamrl.engine.ledger.eval_jobs import EvalChunk, EvalChunkResult, EvalJobs, EvalSampleRecord
+from streamrl.rollout.evaluation_episodes import episode_runner, run_episodes
 from streamrl.rollout.evaluation_prompts import eval_prompts
 from streamrl.rollout.sources import Prompt, prompt_text
 
@@ -45,8 +47,14 @@ class EvalWorker:
         self.lease_s = lease_s
         self.sampling = sampling(cfg.eval, cfg.rollout)
         self.prompts: dict[str, list[Prompt]] = {s.name: eval_prompts(s, cfg, tokenizer) for s in cfg.eval.sources}
-        rewards = reward_config(cfg.eval, cfg.reward)
-        self.scorers = {s.name: build_scorer(rewards, source_data(s, cfg.data).answer_column) for s in cfg.eval.sources}
+        self.runner = None  # with [env]: the evaluation's episodes, rewarded by the environment (no scorer)
+        self.scorers = {}
+        if cfg.env.name:
+            self.runner = episode_runner(cfg, engine, tokenizer)
+        else:
+            rewards = reward_config(cfg.eval, cfg.reward)
+            self.scorers = {s.name: build_scorer(rewards, source_data(s, cfg.data).answer_column)
+                            for s in cfg.eval.sources}  # fmt: skip
         self._serving: dict[int, asyncio.Task] = {}
         self._closed = -1  # the version whose evaluation this node finished before swapping away from it
         self.chunks_done = 0
@@ -101,8 +109,12 @@ class EvalWorker:
         prompts = self.prompts[chunk.source][chunk.start : chunk.stop]
         source = next(x for x in self.cfg.eval.sources if x.name == chunk.source)
         started = time.monotonic()
-        samples = await generate_and_score(self.engine, self.tokenizer, self.scorers[chunk.source], prompts,
-                                           source_data(source, self.cfg.data), self.sampling)  # fmt: skip
+        data = source_data(source, self.cfg.data)
+        if self.runner is not None:
+            samples = await run_episodes(self.runner, self.tokenizer, prompts, data, self.cfg.eval.n)
+        else:
+            samples = await generate_and_score(self.engine, self.tokenizer, self.scorers[chunk.source], prompts,
+                                               data, self.sampling)  # fmt: skip
         wrong = [x.versions for x in samples if x.versions not in ([chunk.version], [])]  # []: no token made
         if wrong:
             raise VersionMismatchError(f"chunk {chunk.id} of version {chunk.version} generated at {wrong[0]}")
@@ -114,6 +126,8 @@ class EvalWorker:
     def close(self) -> None:
         for scorer in self.scorers.values():
             scorer.close()
+        if self.runner is not None:
+            self.runner.close()
 
 
 async def generate_and_score(

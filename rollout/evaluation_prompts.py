@@ -66,18 +66,17 @@ def eval_prompts(source: EvalSource, cfg: Config, tokenizer) -> list[Prompt]:
 
 def check(cfg: Config, tokenizer, training_texts: set[str] | None = None) -> list[tuple[str, str]]:
     """What preflight reports of [eval]: (level, message) pairs. Errors: a source that cannot be read or has
-    no usable prompt, an evaluation reward that does not resolve or cannot take the source's columns, [env]
-    runs (their evaluation is not built). Warning: a source whose prompts are among the training rows'
-    (`training_texts`, the training prompts' text)."""
+    no usable prompt, an evaluation reward that does not resolve or cannot take the source's columns (none is
+    called with an [env]: its episodes are the environment's to reward). Warning: a source whose prompts are
+    among the training rows' (`training_texts`, the training prompts' text)."""
     from streamrl.rewards.call import column_names
     from streamrl.rewards.registry import REWARD_MODEL, RewardSpecError, check_signature, resolve
 
     if not cfg.eval.enabled:
         return []
-    if cfg.env.name:
-        return [("error", "[eval] with env.name set: evaluating multi-turn episodes is not built; remove [eval]")]
     out: list[tuple[str, str]] = []
     rewards = reward_config(cfg.eval, cfg.reward)
+    called = [] if cfg.env.name else rewards.functions  # an [env]'s episodes are rewarded by the environment
     for source in cfg.eval.sources:
         data = source_data(source, cfg.data)
         try:
@@ -90,7 +89,7 @@ def check(cfg: Config, tokenizer, training_texts: set[str] | None = None) -> lis
             out.append(("error", f"eval source {source.name!r} ({source.path}) cannot be read: {why}"))
             continue
         columns = column_names(sorted(prompts[0].row), data.answer_column)
-        for spec in rewards.functions:
+        for spec in called:
             try:
                 if spec != REWARD_MODEL:
                     check_signature(resolve(spec, rewards), spec, columns)
@@ -102,7 +101,8 @@ def check(cfg: Config, tokenizer, training_texts: set[str] | None = None) -> lis
             said = f"{len(shared)} of its {len(texts)} prompts are training prompts too (e.g. {min(shared)[:60]!r})"
             out.append(("warning", f"eval source {source.name!r}: {said}: its scores are not held-out"))
         else:
-            out.append(("info", f"eval source {source.name!r}: {len(prompts)} prompts x {cfg.eval.n} samples"))
+            each = "episodes" if cfg.env.name else "samples"
+            out.append(("info", f"eval source {source.name!r}: {len(prompts)} prompts x {cfg.eval.n} {each}"))
     return out
 
 

@@ -65,3 +65,13 @@ def test_prompts_are_the_first_usable_rows_in_file_order(tiny_model, tmp_path):
     cfg = build({}, [f"eval.sources=[{{name='held', path='{path}'}}]", "eval.max_prompts=2"])
     prompts = eval_prompts(cfg.eval.sources[0], cfg, load_tokenizer(tiny_model))
     assert [p.row_number for p in prompts] == [0, 2]  # row 1 has no prompt; max_prompts stops at 2
+
+
+def test_an_env_run_evaluates_episodes_its_environment_rewards(tiny_model):
+    """With [env], [eval] is accepted and no reward function is checked (the environment rewards the episodes);
+    a source that cannot be read is still an error."""
+    env = ["env.name='echo_target'", "eval.n=2", "eval.functions=['no_such_reward']"]
+    found = _eval(tiny_model, *env, "eval.sources=[{name='held', path='demo:heldout'}]")
+    assert [(p.level, p.message) for p in found] == [("info", "eval source 'held': 32 prompts x 2 episodes")]
+    found = _eval(tiny_model, *env, "eval.sources=[{name='gone', path='gone.jsonl'}]")
+    assert [p.level for p in found] == ["error"] and "gone.jsonl does not exist" in found[0].message
