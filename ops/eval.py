@@ -2,7 +2,8 @@
 
 The same evaluation a run makes during training (docs/EVALUATION.md): each source's prompts
 (rollout/evaluation_prompts.py), `eval.n` samples each with the [eval] sampling settings, scored by the
-evaluation's rewards, summarized by learner/evaluation/metrics.py; it prints one line per source and writes
+evaluation's rewards (with an [env]: `eval.n` episodes each of the environment, rewarded by it), summarized
+by learner/evaluation/metrics.py; it prints one line per source and writes
 `OUT/metrics.jsonl` (`eval/<source>/...`, keyed by the version) and `OUT/eval/<source>/v<N>.jsonl`. The
 engine is vLLM where installed, else transformers (`rollout.backend`), on `run.device`.
 
@@ -86,14 +87,19 @@ def _name(path: str) -> str:
 
 
 async def evaluate_source(
-    cfg: Config, source: EvalSource, prompts: list, engine, tokenizer, scorer, version: int
+    cfg: Config, source: EvalSource, prompts: list, engine, tokenizer, scorer, version: int, runner=None
 ) -> Evaluation:
     """One source at `version`: every prompt's `eval.n` samples generated together, scored in one call (as a
-    node scores a chunk: rollout/evaluation.generate_and_score)."""
+    node scores a chunk: rollout/evaluation.generate_and_score); with an [env] (`runner`), each prompt's
+    `eval.n` episodes, rewarded by the environment (rollout/evaluation_episodes.py)."""
     from streamrl.rollout.evaluation import generate_and_score
+    from streamrl.rollout.evaluation_episodes import run_episodes
 
-    records = await generate_and_score(engine, tokenizer, scorer, prompts, source_data(source, cfg.data),
-                                       sampling(cfg.eval, cfg.rollout))  # fmt: skip
+    data = source_data(source, cfg.data)
+    if runner is not None:
+        records = await run_episodes(runner, tokenizer, prompts, data, cfg.eval.n)
+    else:
+        records = await generate_and_score(engine, tokenizer, scorer, prompts, data, sampling(cfg.eval, cfg.rollout))
     samples = [Sample.of(r, version, "local") for r in records]
     return Evaluation(source=source.name, version=version, n=cfg.eval.n, asked=len(prompts),
                       threshold=cfg.eval.pass_threshold, samples=samples)  # fmt: skip
@@ -104,6 +110,7 @@ async def _evaluate(cfg: Config, model_path: str, version: int, out: pathlib.Pat
     from streamrl.engine.telemetry import MetricsSink
     from streamrl.rewards import build_scorer
     from streamrl.rollout.backends import build_backend, resolve_device
+    from streamrl.rollout.evaluation_episodes import episode_runner
     from streamrl.rollout.evaluation_prompts import eval_prompts
 
     device = resolve_device(cfg.run.device)
@@ -114,14 +121,16 @@ async def _evaluate(cfg: Config, model_path: str, version: int, out: pathlib.Pat
     scorers = {
         s.name: build_scorer(reward_config(cfg.eval, cfg.reward), source_data(s, cfg.data).answer_column)
         for s in cfg.eval.sources
-    }  # fmt: skip  (a bad reward fails before the engine loads)
+        if not cfg.env.name
+    }  # fmt: skip  (a bad reward fails before the engine loads; an [env] rewards its episodes itself)
     engine = build_backend(run_cfg, device)
     sink = MetricsSink(out, msgspec.structs.replace(cfg.telemetry, prometheus_port=0))
-    done = []
+    done, runner = [], None
     try:
+        runner = episode_runner(run_cfg, engine, tokenizer) if cfg.env.name else None
         for source in cfg.eval.sources:
             ev = await evaluate_source(
-                cfg, source, prompts[source.name], engine, tokenizer, scorers[source.name], version
+                cfg, source, prompts[source.name], engine, tokenizer, scorers.get(source.name), version, runner
             )
             ev.write_samples(out)
             sink.log(version, ev.metrics())
@@ -132,6 +141,8 @@ async def _evaluate(cfg: Config, model_path: str, version: int, out: pathlib.Pat
         await engine.close()
         for scorer in scorers.values():
             scorer.close()
+        if runner is not None:
+            runner.close()
     return done
 
 
