@@ -52,7 +52,12 @@ def learner(
     if "RANK" not in os.environ and _own_run_folder(cfg) is None:  # torchrun's ranks run under its hold
         raise typer.Exit(2)
     if preflight and "RANK" not in os.environ:  # once, in the process the user started, not per rank
-        preflight_or_exit(cfg, ["learner"], debug, said=said)
+        try:
+            preflight_or_exit(cfg, ["learner"], debug, said=said)
+        except typer.Exit:
+            if _OWNER is not None:
+                _OWNER.abandon()  # a refused preflight leaves no folder behind, as under `streamrl run`
+            raise
     if os.environ.get("RANK", "0") == "0":
         write_run_config(cfg, config)
     if cfg.learner.ranks > 1 and "RANK" not in os.environ:

@@ -169,8 +169,8 @@ def _streamed(backend):
 
     own = type(backend).sampling_params
 
-    def params(n: int, max_tokens: int):
-        got = own(backend, n, max_tokens)
+    def params(n: int, max_tokens: int, sampling=None):
+        got = own(backend, n, max_tokens, sampling)
         got.output_kind = RequestOutputKind.DELTA
         return got
 
