@@ -267,8 +267,7 @@ class VLLMBackend:
         samples = [_Collector() for _ in range(n)]
         self._active += 1  # before waking: no sleep can start under this request
         try:
-            if self.asleep:
-                await self.wake()
+            await self.wake()  # also when a sleep is under way: its lock held until the engine is asleep
             return await self._generate(prompt_ids, n, min(max_tokens, room), samples, sampling)
         finally:
             self._active -= 1
@@ -315,8 +314,7 @@ class VLLMBackend:
 
         self._active += 1  # no sleep during the swap
         try:
-            if self.asleep:  # the weights back in place (and the KV cache) before the load
-                await self.wake()
+            await self.wake()  # the weights back in place (and the KV cache) before the load
             done = await stage_and_swap_async_llm(
                 self._engine, ready, keep_kv=self.keep_kv, before_swap=self.before_swap
             )
@@ -349,7 +347,9 @@ class VLLMBackend:
             return seconds
 
     async def wake(self) -> float:
-        """The weights and the KV cache back on the device; the seconds it took (0 when awake)."""
+        """The weights and the KV cache back on the device; the seconds it took (0 when awake). Called by a
+        request or a swap whatever `asleep` reads: one that came while a sleep was under way (`asleep` still
+        False) waits for it on the lock, then wakes the engine, instead of running on a sleeping one (it hung)."""
         async with self._sleep_lock:
             if not self.asleep:
                 return 0.0

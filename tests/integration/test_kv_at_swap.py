@@ -215,3 +215,28 @@ def test_an_engine_sleeps_only_when_idle_and_wakes_for_a_version_or_a_group(node
     for got in (after_push, woken):  # the new weights serve, whole, after each wake
         assert got.token_versions == [learner.version] * 24
         assert _worst(_scored(learner.lm, got.token_ids), got.logprobs) < FP32_GAP
+
+
+def test_a_group_or_a_version_that_comes_while_the_engine_falls_asleep_wakes_it(node):
+    """The race of a CI hang (run.mode = 'sync'): a node's last group put the engine to sleep while its next group
+    (or a version) arrived; the request found `asleep` not yet set, ran on the sleeping engine and never finished,
+    and the learner waited for it for ever. What comes during the fall waits for it, then wakes the engine."""
+    learner, backend, loop = node
+
+    async def falling_asleep(then):
+        falling = asyncio.ensure_future(backend.sleep())
+        await asyncio.sleep(0)  # the sleep has begun: vLLM's own sleep is awaited, `asleep` not yet set
+        assert not falling.done() and not backend.asleep
+        got = await asyncio.wait_for(then(), 60)
+        assert await falling > 0 and not backend.asleep
+        return got
+
+    async def go():
+        got = await falling_asleep(lambda: backend.generate(PROMPT, 1, 24))
+        learner.next_version(seed=4)
+        await falling_asleep(lambda: learner.push(backend))  # asserts the version went live
+        return got, (await asyncio.wait_for(backend.generate(PROMPT, 1, 24), 60))[0]
+
+    (woken,), pushed = loop.run_until_complete(go())
+    assert len(woken.token_ids) == 24 and pushed.token_versions == [learner.version] * 24
+    assert _worst(_scored(learner.lm, pushed.token_ids), pushed.logprobs) < FP32_GAP
