@@ -81,7 +81,7 @@ class NodeRegistry(threading.Thread):
         self.identities: dict[str, Identity] = {}  # kept after a node leaves: its id stays bound to its key
         self.departed: dict[str, tuple[bytes, str]] = {}  # connection and key of nodes that left
         self.unreachable: dict[str, float] = {}  # node -> when its connection was found closed (not heard since)
-        self._probed: dict[str, float] = {}  # node -> when it was last asked about (monotonic)
+        self._probed: dict[str, float] = {}  # node -> when it was last asked about (monotonic; inf: it left)
         self.events: queue.Queue[tuple[str, str]] = queue.Queue()  # ("joined" | "left", node_id)
         self.applied: dict[str, queue.Queue[WeightsApplied]] = collections.defaultdict(queue.Queue)
         self.outbox: queue.Queue[tuple[str, object, concurrent.futures.Future, bool]] = queue.Queue()
@@ -176,6 +176,7 @@ class NodeRegistry(threading.Thread):
             self.applied[msg.node_id].put(msg)
         elif isinstance(msg, Goodbye):
             log.info("node %s left: %s", msg.node_id, msg.reason)
+            self._probed[msg.node_id] = float("inf")  # its connection closes next, as it should: not a loss
             self.events.put(("left", msg.node_id))
 
     def _register(self, peer: bytes, msg: Register, key: str) -> None:
@@ -193,6 +194,7 @@ class NodeRegistry(threading.Thread):
         with self.lock:
             self.identities[msg.node_id] = identity
             self.unreachable.pop(msg.node_id, None)
+            self._probed.pop(msg.node_id, None)
             where = Location(host=msg.host, boot_id=msg.boot_id, device=msg.device, gpu_uuid=msg.gpu_uuid)
             before = self.nodes.get(msg.node_id)  # a node back under its id: its old process's link ends
             self.nodes[msg.node_id] = NodeInfo(peer, msg.host, now, now, key, where=where)

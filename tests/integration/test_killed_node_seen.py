@@ -18,18 +18,22 @@ from streamrl.engine.control import ControlServer
 from streamrl.engine.messages import Welcome
 from streamrl.learner.nodes import PROBE_AFTER_S, PROBE_EVERY_S, NodeRegistry
 
-# A node as the learner sees it on the control channel: it registers, then beats every 0.5 s until killed.
+# A node as the learner sees it on the control channel: it registers, then beats every 0.5 s until killed (or,
+# given a last argument, for 1 s, then says goodbye and exits, as a stopped node does).
 NODE = """
 import sys, time
 from streamrl.engine import auth
 from streamrl.engine.control import ControlClient
-from streamrl.engine.messages import Heartbeat, Register, Welcome
+from streamrl.engine.messages import Goodbye, Heartbeat, Register, Welcome
 addr, node_id, keys = sys.argv[1:4]
 client = ControlClient(addr, node_id, timeout_s=30, keys=auth.node_keys(keys))
 client.request(Register(node_id=node_id, host="here"), expect=Welcome)
-while True:
+started = time.monotonic()
+while len(sys.argv) == 4 or time.monotonic() - started < 1.0:
     client.send(Heartbeat(node_id=node_id, policy_version=0), timeout_s=1.0)
     time.sleep(0.5)
+client.send(Goodbye(node_id=node_id, reason="stopped"))
+client.close()
 """
 
 
@@ -45,8 +49,8 @@ def registry(tmp_path):
     registry.start()
     nodes: list[subprocess.Popen] = []
 
-    def node(node_id: str) -> subprocess.Popen:
-        nodes.append(subprocess.Popen([sys.executable, "-c", NODE, registry.addr, node_id, str(keys)]))
+    def node(node_id: str, *leaves: str) -> subprocess.Popen:
+        nodes.append(subprocess.Popen([sys.executable, "-c", NODE, registry.addr, node_id, str(keys), *leaves]))
         return nodes[-1]
 
     yield registry, node
@@ -66,8 +70,8 @@ def _wait(done, what: str, timeout_s: float = 60.0):
 
 def test_a_killed_node_is_unreachable_within_a_beat_and_a_frozen_one_never(registry):
     registry, node = registry
-    killed, frozen, _ = node("killed"), node("frozen"), node("alive")
-    _wait(lambda: registry.count == 3, "three nodes registered")
+    killed, frozen, _, leaving = node("killed"), node("frozen"), node("alive"), node("leaving", "goodbye")
+    _wait(lambda: registry.count == 4, "four nodes registered")
     time.sleep(1.0)  # every node beating
     os.kill(frozen.pid, signal.SIGSTOP)
     os.kill(killed.pid, signal.SIGKILL)
@@ -76,7 +80,8 @@ def test_a_killed_node_is_unreachable_within_a_beat_and_a_frozen_one_never(regis
     known_s = time.time() - killed_at
     time.sleep(4.0)  # the frozen node is probed every PROBE_EVERY_S meanwhile; its probes queue up unread
     assert registry.silent_s("frozen") > PROBE_AFTER_S + 3.0  # positive control: it was silent, so probed
-    assert set(registry.unreachable_s()) == {"killed"}  # neither the frozen one nor the live one
+    # neither the frozen one nor the live one, nor the one that said goodbye and exited (not a loss)
+    assert leaving.wait(timeout=30) == 0 and set(registry.unreachable_s()) == {"killed"}
     assert registry.silent_s("alive") < 1.0
     # a beat missed, then a probe; 1 s of slack for a loaded machine (the old way: 2 s of silence at least)
     assert known_s < PROBE_AFTER_S + PROBE_EVERY_S + 1.0, known_s
