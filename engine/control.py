@@ -18,7 +18,7 @@ import zmq
 from streamrl.engine import messages
 from streamrl.engine.auth import CurveGate, NodeKeys, secure_client
 from streamrl.engine.faults import FAULT_LOG_INTERVAL_S, FaultTally
-from streamrl.engine.messages import Control, DecodeError
+from streamrl.engine.messages import Control, DecodeError, Probe
 from streamrl.engine.transport import (
     LOOPBACK_ANY_PORT,
     MAX_FRAME_MB,
@@ -49,7 +49,8 @@ class Incoming(NamedTuple):
 
 class ControlServer:
     """ROUTER side of the control channel (the learner): one socket, every node a peer identity.
-    With a `gate`, only CURVE clients with an allowed key connect, and each message names its key."""
+    With a `gate`, only CURVE clients with an allowed key connect, and each message names its key.
+    `connected` tells whether the socket still has a connection to a peer (a killed node's closed at once)."""
 
     def __init__(
         self,
@@ -109,6 +110,21 @@ class ControlServer:
                 f"control send of {type(msg).__name__} on {self.addr}: node {peer!r} "
                 f"is not connected (it left or never registered)"
             ) from None
+
+    def connected(self, peer: bytes) -> bool:
+        """Whether the socket holds a connection to `peer`, asked by sending it a `Probe`: with ROUTER_MANDATORY
+        a send to a peer whose connection closed (the kernel closes a killed process's) fails at once
+        (EHOSTUNREACH). A peer whose queue is full is connected (never waits for it). No socket monitor tells
+        this: a CURVE gate's already watches the socket (`engine/auth.py`), and a socket has one."""
+        try:
+            self._sock.send_multipart([peer, messages.encode(Probe())], flags=zmq.NOBLOCK)
+        except zmq.Again:
+            return True
+        except zmq.ZMQError as e:
+            if e.errno != zmq.EHOSTUNREACH:
+                raise
+            return False
+        return True
 
     def close(self) -> None:
         self.faults.flush()

@@ -225,7 +225,12 @@ class Goodbye(_Wire, tag="goodbye"):
     reason: str
 
 
-Control = Register | Welcome | Heartbeat | WeightsReady | WeightsApplied | Stop | Goodbye
+class Probe(_Wire, tag="probe"):
+    """Learner -> node: nothing to do. Sent only to learn whether the node's connection is still open: the
+    learner's ROUTER fails a send to a peer whose connection closed (a killed process), at once."""
+
+
+Control = Register | Welcome | Heartbeat | WeightsReady | WeightsApplied | Stop | Goodbye | Probe
 
 
 # ---- codecs ----------------------------------------------------------------------------------

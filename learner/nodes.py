@@ -40,6 +40,11 @@ from streamrl.engine.weights.paths import Location
 
 log = logging.getLogger("streamrl.learner")
 
+# A node beats every 0.5 s (rollout/control.py): one that missed a beat is asked whether its connection is open,
+# so a killed node is known within a beat or so, not after the seconds of silence a frozen one is given.
+PROBE_AFTER_S = 0.6
+PROBE_EVERY_S = 0.2
+
 
 @dataclasses.dataclass
 class NodeInfo:
@@ -75,6 +80,8 @@ class NodeRegistry(threading.Thread):
         self.nodes: dict[str, NodeInfo] = {}
         self.identities: dict[str, Identity] = {}  # kept after a node leaves: its id stays bound to its key
         self.departed: dict[str, tuple[bytes, str]] = {}  # connection and key of nodes that left
+        self.unreachable: dict[str, float] = {}  # node -> when its connection was found closed (not heard since)
+        self._probed: dict[str, float] = {}  # node -> when it was last asked about (monotonic; inf: it left)
         self.events: queue.Queue[tuple[str, str]] = queue.Queue()  # ("joined" | "left", node_id)
         self.applied: dict[str, queue.Queue[WeightsApplied]] = collections.defaultdict(queue.Queue)
         self.outbox: queue.Queue[tuple[str, object, concurrent.futures.Future, bool]] = queue.Queue()
@@ -88,6 +95,7 @@ class NodeRegistry(threading.Thread):
     def run(self) -> None:
         while not self.stopping.is_set():
             self._flush_outbox()
+            self._check_connections()
             got = self.server.recv(0.02)
             if got is None:
                 continue
@@ -110,9 +118,36 @@ class NodeRegistry(threading.Thread):
                 done.set_result(None)
             except TransportError as e:
                 log.warning("control message %s to %s not delivered: %s", type(msg).__name__, node_id, e)
+                self._probe(node_id, info)  # its connection may be gone: known before the node is forgotten
                 done.set_exception(e)
             if then_forget:
                 self.forget(node_id)
+
+    def _check_connections(self) -> None:
+        """Whether the nodes that missed a beat still have a connection: a node killed (kill -9, out of memory)
+        is known within a beat. Only a failed send proves it, so a node alive but slow (frozen, its beats late)
+        is never taken for gone; one whose connection dropped and came back is heard again, which clears it."""
+        now = time.monotonic()
+        for node_id, info in list(self.nodes.items()):
+            if node_id in self.unreachable or self.silent_s(node_id) < PROBE_AFTER_S:
+                continue
+            if now - self._probed.get(node_id, 0.0) < PROBE_EVERY_S:
+                continue
+            self._probed[node_id] = now
+            self._probe(node_id, info)
+
+    def _probe(self, node_id: str, info: NodeInfo | None) -> None:
+        """Mark the node unreachable when the socket has no connection to it."""
+        if info is None or node_id in self.unreachable or self.server.connected(info.peer):
+            return
+        with self.lock:
+            self.unreachable[node_id] = time.time()
+        log.warning("node %s: its control connection closed (last heard %.1f s ago)", node_id, self.silent_s(node_id))
+
+    def unreachable_s(self) -> dict[str, float]:
+        """The nodes whose control connection was found closed and that were not heard from since: seconds since."""
+        with self.lock:
+            return {node_id: time.time() - found for node_id, found in self.unreachable.items()}
 
     def identity(self, node_id: str) -> Identity | None:
         """What the node's frames must prove (its key and secret); None for an id never registered."""
@@ -129,6 +164,9 @@ class NodeRegistry(threading.Thread):
         if not self._speaks_for(peer, key, msg):
             return
         now = time.time()
+        if msg.node_id in self.unreachable:  # heard: its connection is open again
+            with self.lock:
+                self.unreachable.pop(msg.node_id, None)
         if isinstance(msg, Heartbeat):
             info = self.nodes[msg.node_id]
             info.last_seen, info.version, info.tokens_generated = now, msg.policy_version, msg.tokens_generated
@@ -138,6 +176,7 @@ class NodeRegistry(threading.Thread):
             self.applied[msg.node_id].put(msg)
         elif isinstance(msg, Goodbye):
             log.info("node %s left: %s", msg.node_id, msg.reason)
+            self._probed[msg.node_id] = float("inf")  # its connection closes next, as it should: not a loss
             self.events.put(("left", msg.node_id))
 
     def _register(self, peer: bytes, msg: Register, key: str) -> None:
@@ -154,6 +193,8 @@ class NodeRegistry(threading.Thread):
         now, identity = time.time(), Identity(key, new_secret())
         with self.lock:
             self.identities[msg.node_id] = identity
+            self.unreachable.pop(msg.node_id, None)
+            self._probed.pop(msg.node_id, None)
             where = Location(host=msg.host, boot_id=msg.boot_id, device=msg.device, gpu_uuid=msg.gpu_uuid)
             before = self.nodes.get(msg.node_id)  # a node back under its id: its old process's link ends
             self.nodes[msg.node_id] = NodeInfo(peer, msg.host, now, now, key, where=where)

@@ -114,7 +114,8 @@ class Orchestrator:
         # the wait for the oldest admitted groups: a node that died holding one is reaped within a TTL
         patience = min(cfg.ledger.heartbeat_ttl_s * 1.5, 30.0)
         window = 2 * cfg.learner.groups_per_step * cfg.rollout.group_size  # 2 steps' worth of samples
-        rewards, overdue = RewardWatch(window), OverdueGroups(self.ledger, self.registry.silent_s, window)
+        rewards = RewardWatch(window)
+        overdue = OverdueGroups(self.ledger, self.registry.silent_s, window, self.registry.unreachable_s)
         self.intake = Intake(receiver, self.ledger, alarm, patience, rewards, overdue)
         self.intake.events = self.events
         self.publisher = Publisher(cfg, self.registry, device, adapter)

@@ -20,7 +20,8 @@ from streamrl.engine.transport import TransportError
 
 log = logging.getLogger("streamrl.rollout")
 
-HEARTBEAT_S = 0.5  # the learner gives up the groups of a node silent for 2 s (learner/overdue.py)
+HEARTBEAT_S = 0.5  # a node silent past a beat is asked whether its connection is open (learner/nodes.py); the
+# learner gives up the groups of a node whose connection closed, or silent for 2 s (learner/overdue.py)
 
 
 class ControlLoop(threading.Thread):

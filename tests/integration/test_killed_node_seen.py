@@ -1,0 +1,90 @@
+"""A killed node is known to the learner within a beat; a frozen one never taken for gone. Real processes: each
+node is a process that registers over the learner's CURVE-gated control socket (a real `NodeRegistry`) and beats
+every 0.5 s like a rollout node; one is killed with SIGKILL, one frozen with SIGSTOP (alive, reading nothing,
+its TCP connection open) past the probes' queue limit."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from streamrl.engine import auth
+from streamrl.engine.control import ControlServer
+from streamrl.engine.messages import Welcome
+from streamrl.learner.nodes import PROBE_AFTER_S, PROBE_EVERY_S, NodeRegistry
+
+# A node as the learner sees it on the control channel: it registers, then beats every 0.5 s until killed (or,
+# given a last argument, for 1 s, then says goodbye and exits, as a stopped node does).
+NODE = """
+import sys, time
+from streamrl.engine import auth
+from streamrl.engine.control import ControlClient
+from streamrl.engine.messages import Goodbye, Heartbeat, Register, Welcome
+addr, node_id, keys = sys.argv[1:4]
+client = ControlClient(addr, node_id, timeout_s=30, keys=auth.node_keys(keys))
+client.request(Register(node_id=node_id, host="here"), expect=Welcome)
+started = time.monotonic()
+while len(sys.argv) == 4 or time.monotonic() - started < 1.0:
+    client.send(Heartbeat(node_id=node_id, policy_version=0), timeout_s=1.0)
+    time.sleep(0.5)
+client.send(Goodbye(node_id=node_id, reason="stopped"))
+client.close()
+"""
+
+
+def _welcome(node_id: str) -> Welcome:
+    return Welcome(node_id=node_id, trajectory_addr="", redis_url="", run_name="r", policy_version=0)
+
+
+@pytest.fixture
+def registry(tmp_path):
+    keys = auth.make_keys(tmp_path / "keys")
+    gate = auth.CurveGate(auth.server_keys(keys))
+    registry = NodeRegistry(ControlServer(gate=gate), _welcome)
+    registry.start()
+    nodes: list[subprocess.Popen] = []
+
+    def node(node_id: str, *leaves: str) -> subprocess.Popen:
+        nodes.append(subprocess.Popen([sys.executable, "-c", NODE, registry.addr, node_id, str(keys), *leaves]))
+        return nodes[-1]
+
+    yield registry, node
+    for process in nodes:
+        process.kill()  # a frozen one too: SIGKILL needs no SIGCONT
+        process.wait()
+    registry.close()
+    gate.close()
+
+
+def _wait(done, what: str, timeout_s: float = 60.0):
+    deadline = time.monotonic() + timeout_s
+    while not done():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.02)
+
+
+def test_a_killed_node_is_unreachable_within_a_beat_and_a_frozen_one_never(registry):
+    registry, node = registry
+    killed, frozen, _, leaving = node("killed"), node("frozen"), node("alive"), node("leaving", "goodbye")
+    _wait(lambda: registry.count == 4, "four nodes registered")
+    time.sleep(1.0)  # every node beating
+    os.kill(frozen.pid, signal.SIGSTOP)
+    os.kill(killed.pid, signal.SIGKILL)
+    killed_at = time.time()
+    _wait(lambda: "killed" in registry.unreachable_s(), "the killed node found unreachable", 10.0)
+    known_s = time.time() - killed_at
+    time.sleep(4.0)  # the frozen node is probed every PROBE_EVERY_S meanwhile; its probes queue up unread
+    assert registry.silent_s("frozen") > PROBE_AFTER_S + 3.0  # positive control: it was silent, so probed
+    # neither the frozen one nor the live one, nor the one that said goodbye and exited (not a loss)
+    assert leaving.wait(timeout=30) == 0 and set(registry.unreachable_s()) == {"killed"}
+    assert registry.silent_s("alive") < 1.0
+    # a beat missed, then a probe; 1 s of slack for a loaded machine (the old way: 2 s of silence at least)
+    assert known_s < PROBE_AFTER_S + PROBE_EVERY_S + 1.0, known_s
+    os.kill(frozen.pid, signal.SIGCONT)
+    _wait(lambda: registry.silent_s("frozen") < 1.0, "the frozen node beating again")
+    assert set(registry.unreachable_s()) == {"killed"}
