@@ -73,7 +73,10 @@ def run_local(
     if cfg.loss.preset:
         console.print(presets.describe(cfg), markup=False)
     started, since, code, failure = time.monotonic(), time.time(), 1, ""  # since: this launch's records
-    signal.signal(signal.SIGTERM, _interrupt)  # a SIGTERM stops the run as cleanly as Ctrl-C
+    # A SIGTERM stops the run as cleanly as Ctrl-C; SIGINT is set too: a launcher started in the background of a
+    # script (`streamrl run ... &`) inherits SIGINT ignored, and a `kill -INT` then did nothing while it trained on
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, _interrupt)
     previous: dict = {}
     try:
         with live_output(console) as live:  # without a terminal: a plain line per step
