@@ -26,11 +26,21 @@ def steps_of(run_dir) -> list[int]:
     return [r["step"] for r in read_jsonl(path)[0]] if path.exists() else []
 
 
-def ctrl_c_after(args: list[str], run_dir, steps: int, cwd=None, timeout_s: float = 300.0) -> tuple[int, str]:
+def _ignore_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def ctrl_c_after(
+    args: list[str], run_dir, steps: int, cwd=None, timeout_s: float = 300.0, as_background_job: bool = False
+) -> tuple[int, str]:
     """Run `args` (a whole command line) until RUN/metrics.jsonl holds `steps` steps, then SIGINT it; (its exit
-    status, its console output). Killed, whatever happened, before this returns."""
+    status, its console output). Killed, whatever happened, before this returns. `as_background_job`: started
+    with SIGINT ignored, as bash starts a script's `cmd &` (the signal sent is the same)."""
     env = {**os.environ, "COLUMNS": "300"}
-    first = subprocess.Popen(args, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    first = subprocess.Popen(
+        args, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+        preexec_fn=_ignore_sigint if as_background_job else None,
+    )  # fmt: skip
     try:
         deadline = time.monotonic() + timeout_s
         while len(steps_of(run_dir)) < steps:
