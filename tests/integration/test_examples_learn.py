@@ -48,7 +48,9 @@ def test_the_calculator_learns_to_call_its_tool(tmp_path):
 
 
 def test_the_copy_task_learns_and_still_rises_at_the_end(tmp_path):
-    args = ["run", "--reward", "copy", "--steps", "30", "--set", f"run.dir='{tmp_path}'", "--set", "run.name='copy'"]
+    # 40 steps: where the reward takes off varies run to run (step ~17 here; in one CI emulation step ~28, and the
+    # 30-step run's last 8 steps were still at its first 8's level)
+    args = ["run", "--reward", "copy", "--steps", "40", "--set", f"run.dir='{tmp_path}'", "--set", "run.name='copy'"]
     proc = subprocess.run([sys.executable, "-m", "streamrl", *args], cwd=tmp_path, capture_output=True, text=True,
                           timeout=480, env={**os.environ, "COLUMNS": "200"})  # fmt: skip
     out = proc.stdout + proc.stderr
@@ -63,10 +65,12 @@ def test_the_copy_task_learns_and_still_rises_at_the_end(tmp_path):
     # without a gradient; the demo task's rewards on the same run reach 1.0 for every sample
     first, last = sum(rewards[:8]) / 8, sum(rewards[-8:]) / 8
     assert last > first + 0.03 and last > 2 * first, rewards
-    # at first most completions score 0, so a step whose 4 groups all score 0 (no gradient) happens now and then:
-    # 0-3 of the first 12 steps in CI runs (3 of 30 failed a bound of 10% once). A task that saturates has steps
-    # without a gradient too, but at a reward above 0 and late: neither may happen here.
+    # until it takes off most completions score 0, so a step whose 4 groups all score 0 (no gradient) happens now
+    # and then: 0-3 of the first 12 steps in CI runs (3 of 30 failed a bound of 10% once), one at step 27 of a run
+    # that took off at 28. A task that saturates has steps without a gradient too, but at a reward above 0 and
+    # late: neither may happen here.
     flat = [(i, r["reward/mean"]) for i, r in enumerate(records) if r.get("skipped_no_gradient", 0) > 0]
     assert all(mean == 0 for _, mean in flat), flat  # only steps where every completion scored 0
-    assert all(i < len(records) // 2 for i, _ in flat), flat  # none once it has started to learn
+    took_off = next((i for i, reward in enumerate(rewards) if reward >= 0.05), len(rewards))
+    assert all(i < took_off for i, _ in flat), (took_off, flat)  # none once it has started to learn
     assert got["no_gradient_share"] <= 0.2 and max(rewards) < 0.9, got
