@@ -73,10 +73,7 @@ def run_local(
     if cfg.loss.preset:
         console.print(presets.describe(cfg), markup=False)
     started, since, code, failure = time.monotonic(), time.time(), 1, ""  # since: this launch's records
-    # A SIGTERM stops the run as cleanly as Ctrl-C; SIGINT is set too: a launcher started in the background of a
-    # script (`streamrl run ... &`) inherits SIGINT ignored, and a `kill -INT` then did nothing while it trained on
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, _interrupt)
+    _stop_on_signals()
     previous: dict = {}
     try:
         with live_output(console) as live:  # without a terminal: a plain line per step
@@ -141,6 +138,13 @@ def _ledger_unwritable(launcher: Launcher, cfg: Config, ending: dict | None) -> 
         f"process of the run was stopped and its books were left as they were; free space (or mend what Redis "
         f"names), then {resume}"
     )
+
+
+def _stop_on_signals() -> None:
+    """A SIGTERM stops the run as cleanly as Ctrl-C; SIGINT is set too: a launcher started in the background of a
+    script (`streamrl run ... &`) inherits SIGINT ignored, and a `kill -INT` then did nothing while it trained on."""
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, _interrupt)
 
 
 def _interrupt(signum, frame):
