@@ -161,7 +161,8 @@ def test_the_entropy_bonus_raises_the_entropy(tiny_model, device):
 
 @pytest.fixture(scope="module")
 def two_ranks(tiny_model, tmp_path_factory, torchrun) -> dict:
-    """One torchrun of minibatch_ranks_worker on two CPU ranks, a step of 2 and one of 3 updates: {updates: out}."""
+    """One torchrun of minibatch_ranks_worker on two CPU ranks, a step of 2 and one of 3 updates: {updates: out};
+    and a PPO step with an adaptive KL in the reward: {"ppo": every rank's metrics and beta}."""
     import pathlib
 
     worker = pathlib.Path(__file__).with_name("minibatch_ranks_worker.py")
@@ -187,3 +188,15 @@ def test_updates_on_two_ranks_with_unequal_shares(two_ranks, updates):
     assert sum(m[f"update/{u}/normalizer"] for u in range(1, updates + 1)) == m["normalizer"] == m["tokens"] == 47
     assert m["update/1/ppo_kl"] == pytest.approx(0.0, abs=1e-6) and m["update/1/ref_kl"] == pytest.approx(0.0, abs=1e-6)
     assert m[f"update/{updates}/clip_fraction"] > 0.0 and m[f"update/{updates}/ref_kl"] > 0.0
+
+
+@pytest.mark.slow
+def test_the_adaptive_kl_coefficient_is_one_over_both_ranks(two_ranks):
+    """The PPO step of minibatch_ranks_worker (rank 0: 6 completions, rank 1: 2): the KL in the reward is the mean
+    over all 8 completions, reduced once, so both ranks report it alike and move beta the same, by n = 8."""
+    (a, b) = two_ranks["ppo"]
+    assert a["metrics"]["critic/reward_kl"] == b["metrics"]["critic/reward_kl"]
+    assert a["metrics"]["critic/reward_kl_coef"] == b["metrics"]["critic/reward_kl_coef"] == 0.05
+    error = min(max(a["metrics"]["critic/reward_kl"] / 0.01 - 1.0, -0.2), 0.2)
+    assert a["kl_coef"] == b["kl_coef"] == 0.05 * (1.0 + error * 8 / 40)  # not 6 / 40 or 2 / 40: every rank's
+    assert error != 0.0  # it moved (positive control)
