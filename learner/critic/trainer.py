@@ -46,7 +46,7 @@ class Shaper:
         """reference: the frozen reference policy of critic.kl_in_reward (None when it is 0)."""
         self.model, self.cfg, self.loss_cfg, self.device = model, cfg, loss_cfg, device
         self.reference = reference
-        self.kl = KLController(cfg.kl_in_reward, cfg.kl_ctrl == "adaptive", cfg.kl_target, cfg.kl_horizon)
+        self.kl_ctrl = KLController(cfg.kl_in_reward, cfg.kl_ctrl == "adaptive", cfg.kl_target, cfg.kl_horizon)
         self.optimizer = None
         if model is not None:
             params = [p for p in model.parameters() if p.requires_grad]
@@ -62,11 +62,11 @@ class Shaper:
         return self.model is not None and self.steps < self.cfg.warmup_steps
 
     def state_dict(self) -> dict[str, int | float | None]:
-        return {"critic_steps": self.steps, **self.kl.state_dict()}
+        return {"critic_steps": self.steps, **self.kl_ctrl.state_dict()}
 
     def load_state_dict(self, state: dict[str, int | float | None]) -> None:
         self.steps = int(state.get("critic_steps", 0))
-        self.kl.load_state_dict(state)
+        self.kl_ctrl.load_state_dict(state)
 
     @torch.no_grad()
     def values(self, mb: MicroBatch) -> Tensor:
@@ -79,7 +79,7 @@ class Shaper:
         if self.model is not None:
             values = [self.values(mb) for mb in flat]
             _release(self.model)
-        kl, beta = self._kl(flat), self.kl.value
+        kl, beta = self._kl(flat), self.kl_ctrl.value
         shaped, returns = token_advantages(flat, values, self.loss_cfg.advantage, self.cfg, self._reduce, kl, beta)
         self._kl_metrics = self._kl_figures(flat, kl, beta) if kl else {}
         old = values or returns
@@ -116,7 +116,7 @@ class Shaper:
         total, sequences = (float(v) for v in self._reduce(torch.stack(parts).sum(0)))
         current = total / sequences if sequences else 0.0
         if sequences:
-            self.kl.update(current, int(sequences))
+            self.kl_ctrl.update(current, int(sequences))
         return {"critic/reward_kl": current, "critic/reward_kl_coef": beta}
 
     def _reduce(self, moments: Tensor) -> Tensor:

@@ -88,7 +88,7 @@ def ppo_step(model_dir: str, device: torch.device) -> list[dict]:
     shaper = build_shaper(cfg, device, torch.float32, reference)
     trainer = Trainer(policy, cfg.loss, cfg.learner, device, ref_model=reference, shaper=shaper)
     metrics = trainer.step(my_share(device))
-    return parallel.gather_objects({"metrics": metrics, "kl_coef": shaper.kl.value})
+    return parallel.gather_objects({"metrics": metrics, "kl_coef": shaper.kl_ctrl.value})
 
 
 if __name__ == "__main__":

@@ -257,5 +257,5 @@ def test_the_adaptive_coefficient_takes_the_steps_kl_after_its_rewards(tiny_mode
     assert metrics["critic/reward_kl_coef"] == 0.5
     assert metrics["critic/reward_kl"] == pytest.approx(current, rel=1e-5)
     assert current > 0.12  # 0.25 here: KL / target - 1 > 0.2, so the error is clipped to +0.2
-    assert t.shaper.kl.value == 0.5 * (1 + 0.2 * 4 / 8) == t.state_dict()["kl_coef"]
+    assert t.shaper.kl_ctrl.value == 0.5 * (1 + 0.2 * 4 / 8) == t.state_dict()["kl_coef"]
     assert t.step([mb])["critic/reward_kl_coef"] == 0.55  # the next step's rewards take the moved beta
