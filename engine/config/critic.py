@@ -63,8 +63,8 @@ class CriticConfig(_Section):
         _doc(
             "Per-token KL penalty in the reward of the per-token estimators (gae, reinforce_pp*): "
             "kl_in_reward x (log mu - log pi_ref) subtracted at every loss token (verl algorithm.use_kl_in_reward "
-            "with a fixed kl_ctrl.kl_coef, OpenRLHF init_kl_coef); builds the reference model "
-            "(loss.reference_path); 0: off. With kl_ctrl = 'adaptive', the coefficient's start.",
+            "with kl_ctrl.kl_coef, OpenRLHF init_kl_coef); builds the reference model (loss.reference_path); "
+            "0: off. With kl_ctrl = 'adaptive', where the coefficient starts.",
             ge=0.0,
         ),
     ] = 0.0
