@@ -139,6 +139,11 @@ def test_a_reference_that_cannot_be_built_is_refused_naming_the_fields(tiny_mode
     missing = build({"loss": {"kl_coef": 0.1, "reference_path": str(tmp_path / "nope")}})
     with pytest.raises(ConfigError, match=r"loss.kl_coef = 0.1 needs a reference model, but loss.reference_path = "):
         build_reference(missing, device, torch.float32, policy)
+    in_reward = build(
+        {"loss": {"preset": "ppo", "reference_path": str(tmp_path / "nope")}, "critic": {"kl_in_reward": 0.2}}
+    )
+    with pytest.raises(ConfigError, match=r"critic.kl_in_reward = 0.2 needs .* or critic.kl_in_reward = 0$"):
+        build_reference(in_reward, device, torch.float32, policy)  # its own field named, and its own fix
     other = make_tiny_model(tmp_path / "other", vocab_size=300)
     wrong = build({"model": {"path": tiny_model}, "loss": {"kl_coef": 0.1, "reference_path": str(other)}})
     with pytest.raises(ConfigError, match="has a vocabulary of 300 tokens, the policy 512"):
