@@ -123,7 +123,7 @@ def learner(cfg: Config, shape: Shape, tokens: int | None = None) -> Estimate:
         f"activations of learner.micro_batch_tokens = {tokens}": activations / GIB,
         "LM head": (kept + 2 * min(tokens, HEAD_CHUNK) * shape.vocab * 4) / GIB,
     }
-    if cfg.loss.kl_coef > 0:
+    if cfg.loss.kl_coef > 0 or cfg.critic.kl_in_reward > 0:  # learner/reference.py builds it for either
         parts["reference model"] = 2 * p / GIB
     if critic_on(cfg.critic.enabled, cfg.loss.advantage):  # a full value model (no LM head), trained after the actor
         parts["critic: weights, gradients, AdamW"] = (16 * p / lc.ranks + 2 * p) / GIB

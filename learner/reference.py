@@ -37,9 +37,9 @@ def build_reference(
         return None
     path, field = reference_source(cfg)
     kl = cfg.loss.kl_coef or cfg.critic.kl_in_reward
-    need = f"{'loss.kl_coef' if cfg.loss.kl_coef else 'critic.kl_in_reward'} = {kl}"
-    why = f"{need} needs a reference model, but {field} = {path!r}"
-    fix = "set loss.reference_path to a model folder with the policy's vocabulary, or loss.kl_coef = 0"
+    knob = "loss.kl_coef" if cfg.loss.kl_coef else "critic.kl_in_reward"
+    why = f"{knob} = {kl} needs a reference model, but {field} = {path!r}"
+    fix = f"set loss.reference_path to a model folder with the policy's vocabulary, or {knob} = 0"
     try:
         lm = load_model(path, "float32", "cpu", cfg.model.trust_remote_code)
     except (ModelLoadError, OSError, ValueError) as e:

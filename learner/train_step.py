@@ -109,12 +109,12 @@ class Trainer:
         `load_state_dict` set it."""
         self._version = self._version + 1 if to is None else to
 
-    def state_dict(self) -> dict[str, int]:
+    def state_dict(self) -> dict[str, int | float | None]:
         """What a checkpoint keeps of the trainer besides the model, optimizer and schedule."""
         critic = self.shaper.state_dict() if self.shaper is not None else {}
         return {"version": self.version, "skipped_steps": self.skipped_steps, **critic}
 
-    def load_state_dict(self, state: dict[str, int]) -> None:
+    def load_state_dict(self, state: dict[str, int | float | None]) -> None:
         self._advance(to=int(state["version"]))
         self.skipped_steps = int(state["skipped_steps"])
         if self.shaper is not None:

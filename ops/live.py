@@ -82,9 +82,15 @@ def _figures(records: list[dict[str, Any]]) -> list[tuple[str, str]]:
             ("tool calls", f"{fmt('env/tool_calls', '.0f')} ({fmt('env/tool_failed', '.0f')} failed, "
                            f"{fmt('env/tool_timeouts', '.0f')} timed out)"),
         ]  # fmt: skip
+    reward_kl = []
+    if "critic/reward_kl_coef" in last:  # a KL penalty in the reward, its coefficient (learner/critic/kl_control.py)
+        reward_kl = [
+            ("reward KL / its coef", f"{fmt('critic/reward_kl', '.2e')} / {fmt('critic/reward_kl_coef', '.3g')}")
+        ]
     return [
         ("reward", reward),
         *episodes,
+        *reward_kl,
         ("loss", fmt("loss", ".4f")),
         ("policy version", fmt("version", ".0f")),
         ("tokens/s (trained)", str(trained_rate(records))),

@@ -63,11 +63,35 @@ class CriticConfig(_Section):
         _doc(
             "Per-token KL penalty in the reward of the per-token estimators (gae, reinforce_pp*): "
             "kl_in_reward x (log mu - log pi_ref) subtracted at every loss token (verl algorithm.use_kl_in_reward "
-            "with a fixed kl_ctrl.kl_coef, OpenRLHF init_kl_coef); builds the reference model "
-            "(loss.reference_path); 0: off.",
+            "with kl_ctrl.kl_coef, OpenRLHF init_kl_coef); builds the reference model (loss.reference_path); "
+            "0: off. With kl_ctrl = 'adaptive', where the coefficient starts.",
             ge=0.0,
         ),
     ] = 0.0
+    kl_ctrl: Annotated[
+        Literal["fixed", "adaptive"],
+        _doc(
+            "How kl_in_reward's coefficient moves: fixed, or adaptive (Ziegler et al.'s controller: after each "
+            "step beta x= 1 + clip(KL / kl_target - 1, -0.2, 0.2) x completions / kl_horizon; verl "
+            "algorithm.kl_ctrl.type, OpenRLHF kl_target set, TRL adap_kl_ctrl). Kept in checkpoints."
+        ),
+    ] = "fixed"
+    kl_target: Annotated[
+        float,
+        _doc(
+            "The adaptive controller's target: the step's mean over completions of each one's mean KL per loss "
+            "token (verl kl_ctrl.target_kl, OpenRLHF kl_target; TRL's target is per completion, not per token).",
+            gt=0.0,
+        ),
+    ] = 0.1
+    kl_horizon: Annotated[
+        int,
+        _doc(
+            "The adaptive controller's horizon in completions: the larger, the slower beta moves (verl "
+            "kl_ctrl.horizon, OpenRLHF kl_horizon, TRL horizon).",
+            ge=1,
+        ),
+    ] = 10000
     whiten_advantages: Annotated[
         bool, _doc("Whiten the actor's GAE advantages over the step's loss tokens on every rank (verl does).")
     ] = True

@@ -149,9 +149,25 @@ def _critic(cfg: Config) -> list[Finding]:
             f"critic.kl_in_reward = {cfg.critic.kl_in_reward} with loss.advantage = {advantage!r}: only the per-token "
             "estimators (gae, reinforce_pp, reinforce_pp_baseline) take a KL in the reward; use loss.kl_coef instead"
         )
+    if cfg.critic.kl_ctrl == "adaptive" and not cfg.critic.kl_in_reward:
+        errors.append(
+            "critic.kl_ctrl = 'adaptive' with critic.kl_in_reward = 0: the controller moves the coefficient of a KL "
+            "penalty in the reward, and kl_in_reward is where it starts (verl kl_ctrl.kl_coef, OpenRLHF "
+            "init_kl_coef); set critic.kl_in_reward > 0 (e.g. 0.001), or critic.kl_ctrl = 'fixed'"
+        )
     if cfg.rollout.group_size == 1 and cfg.loss.dynamic_sampling:
         errors.append(
             "loss.dynamic_sampling with rollout.group_size = 1: a group of one never has reward variance, so every "
             "group would be dropped; set loss.dynamic_sampling = false (a critic needs no group)"
         )
-    return [Finding("error", m) for m in errors]
+    return [Finding("error", m) for m in errors] + [Finding("warning", m) for m in _kl_ctrl_unread(cfg.critic)]
+
+
+def _kl_ctrl_unread(critic) -> list[str]:
+    """kl_target / kl_horizon moved from their defaults where no adaptive controller reads them."""
+    defaults = type(critic)()
+    moved = [f for f in ("kl_target", "kl_horizon") if getattr(critic, f) != getattr(defaults, f)]
+    if critic.kl_ctrl == "adaptive" or not moved:
+        return []
+    fields = ", ".join(f"critic.{f}" for f in moved)
+    return [f"{fields} set but critic.kl_ctrl = 'fixed': only the adaptive controller reads it; set it 'adaptive'"]

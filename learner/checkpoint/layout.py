@@ -57,10 +57,16 @@ class LearnerState(msgspec.Struct):
     world_size: int = 1
     time: float = 0.0
     critic_steps: int = 0  # steps the critic trained (its warm-up counts them)
+    kl_coef: float | None = None  # the adaptive KL controller's beta (learner/critic/kl_control.py); None: fixed
 
-    def trainer_state(self) -> dict[str, int]:
+    def trainer_state(self) -> dict[str, int | float | None]:
         """What `Trainer.load_state_dict` takes back (`Trainer.state_dict` wrote it)."""
-        return {"version": self.version, "skipped_steps": self.skipped_steps, "critic_steps": self.critic_steps}
+        return {
+            "version": self.version,
+            "skipped_steps": self.skipped_steps,
+            "critic_steps": self.critic_steps,
+            "kl_coef": self.kl_coef,
+        }
 
 
 class Meta(msgspec.Struct):

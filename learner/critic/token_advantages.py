@@ -57,10 +57,12 @@ def token_advantages(
     cfg: CriticConfig,
     reduce: Callable[[Tensor], Tensor],
     kl: list[Tensor] | None = None,
+    kl_coef: float = 0.0,
 ) -> tuple[list[MicroBatch], list[Tensor]]:
     """The micro-batches with per-token advantages in place of their scores, and each one's returns ([T];
     the critic's targets with `values`, else the discounted returns). `reduce` sums `gae.moments` over ranks;
-    `kl`: each micro-batch's per-token KL to the reference, cfg.kl_in_reward x it taken from the rewards."""
+    `kl`: each micro-batch's per-token KL to the reference, kl_coef x it taken from the rewards (the KL
+    controller's beta: critic.kl_in_reward, or where the adaptive controller has moved it)."""
     layouts = [_layout(mb) for mb in micro_batches]
     width = max([w for _, _, w in layouts] + [1])
     rows = [(c, s, w) for c, s, w in layouts]
@@ -72,7 +74,7 @@ def token_advantages(
 
     mask = stacked([mb.loss_mask.to(torch.float32) for mb in micro_batches]) > 0
     scores = (stacked([mb.advantages for mb in micro_batches]) * G.last_token(mask)).sum(-1)
-    rewards = G.token_rewards(scores, mask, stacked(kl) if kl else None, cfg.kl_in_reward)
+    rewards = G.token_rewards(scores, mask, stacked(kl) if kl else None, kl_coef)
     if values is None:
         advantages = returns = G.discounted_returns(rewards, mask, cfg.gamma)
         whiten = True

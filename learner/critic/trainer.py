@@ -6,7 +6,10 @@ version that sampled it; docs/ALGORITHMS.md says why), then GAE and whitening (t
 the whitening's moments reduced over ranks here, once. `Shaper.train` then takes the critic's updates on the
 same mini-batches as the actor (one per mini-batch per epoch), with the policy loss's token weights and
 global normalisers, so micro-batching and ranks do not change the value loss either. For REINFORCE++ there
-is no value model: `advantages` makes the whitened returns and `train` does nothing.
+is no value model: `advantages` makes the whitened returns and `train` only reports.
+
+With critic.kl_in_reward, `advantages` also takes the KL to the reference out of the rewards, with the beta
+of the step's `KLController` (kl_control.py: fixed, or adaptive), and moves it once the step's KL is known.
 
 The critic's optimizer, schedule and step count are its own (critic.lr, max_grad_norm, weight_decay); for
 `critic.warmup_steps` steps the actor waits (`actor_waits`). An update whose gradient norm is not finite is
@@ -23,6 +26,7 @@ from streamrl.engine.config.critic import CriticConfig
 from streamrl.learner import parallel
 from streamrl.learner.batching import MicroBatch
 from streamrl.learner.critic import value_loss as VL
+from streamrl.learner.critic.kl_control import KLController, sequence_kl
 from streamrl.learner.critic.model import ValueModel
 from streamrl.learner.critic.token_advantages import token_advantages
 from streamrl.learner.losses import token_weights
@@ -42,6 +46,7 @@ class Shaper:
         """reference: the frozen reference policy of critic.kl_in_reward (None when it is 0)."""
         self.model, self.cfg, self.loss_cfg, self.device = model, cfg, loss_cfg, device
         self.reference = reference
+        self.kl_ctrl = KLController(cfg.kl_in_reward, cfg.kl_ctrl == "adaptive", cfg.kl_target, cfg.kl_horizon)
         self.optimizer = None
         if model is not None:
             params = [p for p in model.parameters() if p.requires_grad]
@@ -50,16 +55,18 @@ class Shaper:
         self.skipped_updates = 0  # critic updates skipped for a non-finite gradient, since this process started
         self._targets: list[list[tuple[Tensor, Tensor]]] = []  # per mini-batch, per micro-batch: (old values, returns)
         self._sums: dict[str, Tensor | float] = {}
+        self._kl_metrics: dict[str, float] = {}  # the step's KL in the reward and its beta (reduced already)
 
     def actor_waits(self) -> bool:
         """True during critic.warmup_steps: the critic trains alone."""
         return self.model is not None and self.steps < self.cfg.warmup_steps
 
-    def state_dict(self) -> dict[str, int]:
-        return {"critic_steps": self.steps}
+    def state_dict(self) -> dict[str, int | float | None]:
+        return {"critic_steps": self.steps, **self.kl_ctrl.state_dict()}
 
-    def load_state_dict(self, state: dict[str, int]) -> None:
+    def load_state_dict(self, state: dict[str, int | float | None]) -> None:
         self.steps = int(state.get("critic_steps", 0))
+        self.kl_ctrl.load_state_dict(state)
 
     @torch.no_grad()
     def values(self, mb: MicroBatch) -> Tensor:
@@ -72,9 +79,9 @@ class Shaper:
         if self.model is not None:
             values = [self.values(mb) for mb in flat]
             _release(self.model)
-        shaped, returns = token_advantages(
-            flat, values, self.loss_cfg.advantage, self.cfg, self._reduce, self._kl(flat)
-        )
+        kl, beta = self._kl(flat), self.kl_ctrl.value
+        shaped, returns = token_advantages(flat, values, self.loss_cfg.advantage, self.cfg, self._reduce, kl, beta)
+        self._kl_metrics = self._kl_figures(flat, kl, beta) if kl else {}
         old = values or returns
         self._sums = {}
         if self.model is not None:
@@ -102,6 +109,16 @@ class Shaper:
         _release(self.reference)
         return out
 
+    def _kl_figures(self, mbs: list[MicroBatch], kl: list[Tensor], beta: float) -> dict[str, float]:
+        """The step's KL in the reward (mean over its completions, all ranks) and the beta its rewards took;
+        then the controller's update (the same on every rank: it reads the reduced sums)."""
+        parts = [sequence_kl(k, mb.loss_mask, mb.seq_ids, mb.cu_seqlens.numel() - 1) for k, mb in zip(kl, mbs)]
+        total, sequences = (float(v) for v in self._reduce(torch.stack(parts).sum(0)))
+        current = total / sequences if sequences else 0.0
+        if sequences:
+            self.kl_ctrl.update(current, int(sequences))
+        return {"critic/reward_kl": current, "critic/reward_kl_coef": beta}
+
     def _reduce(self, moments: Tensor) -> Tensor:
         if parallel.world_size() == 1:
             return moments
@@ -113,7 +130,7 @@ class Shaper:
         """The critic's updates (one per mini-batch per epoch: critic.epochs, else the actor's `epochs`) and the
         step's critic metrics (reduced)."""
         if self.model is None:
-            return {}
+            return dict(self._kl_metrics)
         norms = [
             self._update(mini, targets, n)
             for _ in range(self.cfg.epochs or epochs)
@@ -130,7 +147,7 @@ class Shaper:
         metrics["critic/grad_norm"] = max(finite) if finite else float("nan")
         metrics["critic/lr"] = self.cfg.lr
         metrics["critic/skipped_updates"] = float(self.skipped_updates)
-        return metrics
+        return {**metrics, **self._kl_metrics}
 
     def _update(self, mini: list[MicroBatch], targets: list[tuple[Tensor, Tensor]], normalizer: float) -> float:
         for i, (mb, (old, returns)) in enumerate(zip(mini, targets)):

@@ -7,7 +7,8 @@ The batch is fsdp_parity_worker's, shared unequally on purpose: rank 0 gets its 
 micro-batches of 32 positions), rank 1 the last 2 (one micro-batch), sent as the learner loop sends them
 (`step_scatter.scatter_step`). With 2 updates rank 0 deals out whole micro-batches and rank 1 slices its one;
 with 3, rank 0 slices too and rank 1 has one mini-batch with no sample. The step must still run the same
-collectives on both ranks.
+collectives on both ranks. Then, under "ppo", one step of `loss.preset = "ppo"` with an adaptive KL in the
+reward on the same shares: the critic's collectives, and the KL coefficient each rank holds after it.
 """
 
 import sys
@@ -18,6 +19,7 @@ from fsdp_parity_worker import fixed_batch
 from streamrl.engine.config import build
 from streamrl.learner import parallel, step_scatter
 from streamrl.learner.batching import StepBatch, pack
+from streamrl.learner.critic.trainer import build_shaper
 from streamrl.learner.reference import build_reference
 from streamrl.learner.train_step import Trainer
 
@@ -26,6 +28,7 @@ def main(model_dir: str, out_file: str, counts: str) -> None:
     device = parallel.init_distributed(timeout_s=120)
     try:
         saved = {int(updates): step(model_dir, device, int(updates)) for updates in counts.split(",")}
+        saved["ppo"] = ppo_step(model_dir, device)
         if parallel.is_rank0():
             torch.save(saved, out_file)
     finally:
@@ -48,16 +51,44 @@ def step(model_dir: str, device: torch.device, updates: int) -> dict:
     policy = parallel.wrap_model(lm, cfg.learner, device)
     reference = build_reference(cfg, device, torch.float32, policy)
     trainer = Trainer(policy, cfg.loss, cfg.learner, device, ref_model=reference)
+    mine = my_share(device)
+    metrics = trainer.step(mine)
+    everyone = parallel.gather_objects({"metrics": metrics, "micro_batches": len(mine)})
+    return {"ranks": everyone, "version": trainer.version}
+
+
+def my_share(device: torch.device) -> list:
+    """This rank's micro-batches of fixed_batch: rank 0 its first 6 samples, rank 1 the last 2."""
     trajs, advantages = fixed_batch()
     per_rank = None
     if parallel.is_rank0():
         shares = [pack(trajs[:6], advantages[:6], 32), pack(trajs[6:], advantages[6:], 32)]
         loss_tokens = sum(len(t.completion_ids) for t in trajs)
         per_rank = [StepBatch(mbs, 0, loss_tokens) for mbs in shares]
-    mine = step_scatter.scatter_step(per_rank, device).micro_batches
-    metrics = trainer.step(mine)
-    everyone = parallel.gather_objects({"metrics": metrics, "micro_batches": len(mine)})
-    return {"ranks": everyone, "version": trainer.version}
+    return step_scatter.scatter_step(per_rank, device).micro_batches
+
+
+def ppo_step(model_dir: str, device: torch.device) -> list[dict]:
+    """One PPO step (a critic, GAE) with an adaptive KL in the reward: every rank's metrics and its beta after."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    cfg = build(
+        {
+            "model": {"path": model_dir},
+            "loss": {"preset": "ppo"},
+            "rollout": {"group_size": 1},
+            "critic": {"kl_in_reward": 0.05, "kl_ctrl": "adaptive", "kl_target": 0.01, "kl_horizon": 40},
+            "learner": {"lr": 1e-3, "micro_batch_tokens": 32},
+        }
+    )
+    lm = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa")
+    policy = parallel.wrap_model(lm, cfg.learner, device)
+    reference = build_reference(cfg, device, torch.float32, policy)
+    shaper = build_shaper(cfg, device, torch.float32, reference)
+    trainer = Trainer(policy, cfg.loss, cfg.learner, device, ref_model=reference, shaper=shaper)
+    metrics = trainer.step(my_share(device))
+    return parallel.gather_objects({"metrics": metrics, "kl_coef": shaper.kl_ctrl.value})
 
 
 if __name__ == "__main__":

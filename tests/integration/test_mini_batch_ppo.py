@@ -139,6 +139,11 @@ def test_a_reference_that_cannot_be_built_is_refused_naming_the_fields(tiny_mode
     missing = build({"loss": {"kl_coef": 0.1, "reference_path": str(tmp_path / "nope")}})
     with pytest.raises(ConfigError, match=r"loss.kl_coef = 0.1 needs a reference model, but loss.reference_path = "):
         build_reference(missing, device, torch.float32, policy)
+    in_reward = build(
+        {"loss": {"preset": "ppo", "reference_path": str(tmp_path / "nope")}, "critic": {"kl_in_reward": 0.2}}
+    )
+    with pytest.raises(ConfigError, match=r"critic.kl_in_reward = 0.2 needs .* or critic.kl_in_reward = 0$"):
+        build_reference(in_reward, device, torch.float32, policy)  # its own field named, and its own fix
     other = make_tiny_model(tmp_path / "other", vocab_size=300)
     wrong = build({"model": {"path": tiny_model}, "loss": {"kl_coef": 0.1, "reference_path": str(other)}})
     with pytest.raises(ConfigError, match="has a vocabulary of 300 tokens, the policy 512"):
@@ -161,7 +166,8 @@ def test_the_entropy_bonus_raises_the_entropy(tiny_model, device):
 
 @pytest.fixture(scope="module")
 def two_ranks(tiny_model, tmp_path_factory, torchrun) -> dict:
-    """One torchrun of minibatch_ranks_worker on two CPU ranks, a step of 2 and one of 3 updates: {updates: out}."""
+    """One torchrun of minibatch_ranks_worker on two CPU ranks, a step of 2 and one of 3 updates: {updates: out};
+    and a PPO step with an adaptive KL in the reward: {"ppo": every rank's metrics and beta}."""
     import pathlib
 
     worker = pathlib.Path(__file__).with_name("minibatch_ranks_worker.py")
@@ -187,3 +193,15 @@ def test_updates_on_two_ranks_with_unequal_shares(two_ranks, updates):
     assert sum(m[f"update/{u}/normalizer"] for u in range(1, updates + 1)) == m["normalizer"] == m["tokens"] == 47
     assert m["update/1/ppo_kl"] == pytest.approx(0.0, abs=1e-6) and m["update/1/ref_kl"] == pytest.approx(0.0, abs=1e-6)
     assert m[f"update/{updates}/clip_fraction"] > 0.0 and m[f"update/{updates}/ref_kl"] > 0.0
+
+
+@pytest.mark.slow
+def test_the_adaptive_kl_coefficient_is_one_over_both_ranks(two_ranks):
+    """The PPO step of minibatch_ranks_worker (rank 0: 6 completions, rank 1: 2): the KL in the reward is the mean
+    over all 8 completions, reduced once, so both ranks report it alike and move beta the same, by n = 8."""
+    (a, b) = two_ranks["ppo"]
+    assert a["metrics"]["critic/reward_kl"] == b["metrics"]["critic/reward_kl"]
+    assert a["metrics"]["critic/reward_kl_coef"] == b["metrics"]["critic/reward_kl_coef"] == 0.05
+    error = min(max(a["metrics"]["critic/reward_kl"] / 0.01 - 1.0, -0.2), 0.2)
+    assert a["kl_coef"] == b["kl_coef"] == 0.05 * (1.0 + error * 8 / 40)  # not 6 / 40 or 2 / 40: every rank's
+    assert error != 0.0  # it moved (positive control)

@@ -7,7 +7,10 @@ have gone on a step or two meanwhile) and resumed with `--resume latest`.
   dropped as no_gradient), the others both;
 - the resumed learner goes on from the checkpoint's critic (its step count continues: the critic's state was
   restored, not started again; learner/critic's unit tests assert its weights and AdamW state bit-exact);
-- the last checkpoint holds the critic, and `export --critic` writes a value model transformers loads.
+- the last checkpoint holds the critic, and `export --critic` writes a value model transformers loads;
+- the KL penalty in the reward has an adaptive coefficient (`critic.kl_ctrl = "adaptive"`, a short horizon so
+  that it moves a few percent a step): every step's beta is the last one's moved by the controller's rule on
+  the last step's KL, across the kill too, so the resumed learner took the checkpoint's beta bit-exact.
 """
 
 from __future__ import annotations
@@ -30,6 +33,8 @@ from streamrl.ops.naming import TINY
 
 pytestmark = [pytest.mark.slow]
 STEPS = 12  # room to kill the learner mid-run: an idle machine runs the tiny steps in ~0.1 s each
+COMPLETIONS = 8  # a step's samples: learner.groups_per_step x rollout.group_size
+KL_START, KL_TARGET, KL_HORIZON = 0.05, 0.001, 40  # beta moves by up to 0.2 x 8 / 40 = 4% a step
 
 
 @dataclasses.dataclass
@@ -39,6 +44,7 @@ class Run:
     counts: object
     killed: float
     resumed_from: int  # the newest complete checkpoint's step when the learner was killed
+    resumed_kl_coef: float  # the adaptive KL coefficient that checkpoint holds (read before it is pruned)
 
 
 def _wait(launcher: Launcher, done, what: str, timeout_s: float, poll_s: float = 0.5):
@@ -57,6 +63,8 @@ def run(tmp_path_factory) -> Run:
     settings = [*TINY, f"run.dir='{folder}'", "run.name='ppo'", f"run.steps={STEPS}", "run.device='cpu'"]
     settings += ["loss.preset='ppo'", "rollout.group_size=1", "learner.groups_per_step=8", "rollout.backend='hf'"]
     settings += ["critic.lr=2e-3", "critic.warmup_steps=1", "checkpoint.every=2", "telemetry.tensorboard=false"]
+    settings += [f"critic.kl_in_reward={KL_START}", "critic.kl_ctrl='adaptive'", f"critic.kl_target={KL_TARGET}"]
+    settings += [f"critic.kl_horizon={KL_HORIZON}"]
     launcher = Launcher(build({}, settings))
     try:
         launcher.start(nodes=1)
@@ -65,7 +73,8 @@ def run(tmp_path_factory) -> Run:
         killed = time.time()
         os.kill(launcher.learner.process.pid, signal.SIGKILL)
         launcher.learner.process.wait(timeout=30)
-        resumed_from = checkpoint.list_checkpoints(root)[-1][0]
+        resumed_from, resumed_path = checkpoint.list_checkpoints(root)[-1]
+        resumed_kl_coef = checkpoint.read_meta(resumed_path).state.kl_coef
         assert resumed_from < STEPS, "the learner finished before it was killed: give the run more steps"
         for name in list(launcher.nodes):
             launcher.stop_node(name, timeout_s=60)
@@ -74,7 +83,7 @@ def run(tmp_path_factory) -> Run:
         launcher.learner.process.wait(timeout=600)
         assert launcher.learner.process.returncode == 0, launcher.learner.log_tail(40)
         counts = Ledger(connect(launcher.ledger_url), launcher.cfg.run.name).counts()
-        return Run(read_metrics(metrics), launcher.run_dir, counts, killed, resumed_from)
+        return Run(read_metrics(metrics), launcher.run_dir, counts, killed, resumed_from, resumed_kl_coef)
     finally:
         launcher.stop_all()
 
@@ -112,3 +121,18 @@ def test_export_critic_of_the_last_checkpoint(run, tmp_path):
     assert done.returncode == 0, done.stderr
     net = AutoModelForSequenceClassification.from_pretrained(out, dtype=torch.float32)
     assert net.config.num_labels == 1 and torch.count_nonzero(net.score.weight) > 0  # trained from a zero head
+
+
+def test_the_adaptive_kl_coefficient_moves_by_the_rule_and_resumes_bit_exact(run):
+    before = {r["step"]: r for r in run.records if r["time"] <= run.killed and r["step"] <= run.resumed_from}
+    after = {r["step"]: r for r in run.records if r["time"] > run.killed}
+    chain = [{**before, **after}[s] for s in range(1, STEPS + 1)]  # the steps that count: the resumed run's
+    assert chain[0]["critic/reward_kl_coef"] == KL_START
+    for last, now in zip(chain, chain[1:]):
+        # verl's AdaptiveKLController.update(current_kl, n_steps): the float arithmetic the learner does
+        error = min(max(last["critic/reward_kl"] / KL_TARGET - 1.0, -0.2), 0.2)
+        expected = last["critic/reward_kl_coef"] * (1.0 + error * COMPLETIONS / KL_HORIZON)
+        assert now["critic/reward_kl_coef"] == expected, (now["step"], run.resumed_from, chain)
+    coefs = [r["critic/reward_kl_coef"] for r in chain]
+    assert len(set(coefs)) == STEPS, coefs  # it moved every step (a step on target would not)
+    assert after[run.resumed_from + 1]["critic/reward_kl_coef"] == run.resumed_kl_coef  # restored, not restarted

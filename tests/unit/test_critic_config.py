@@ -48,3 +48,11 @@ def test_the_learner_estimate_counts_the_critic():
     grpo, ppo = memory.learner(build({}), shape), memory.learner(build(PPO), shape)
     # the critic: 16 bytes a parameter (fp32 weights, gradients, two AdamW moments) + its 2-byte compute copy
     assert ppo.gib - grpo.gib == pytest.approx(18 * 494_000_000 / 2**30)
+
+
+def test_a_kl_in_the_reward_counts_the_reference_model():
+    shape = memory.Shape(params=494_000_000, hidden=896, intermediate=4864, layers=24, kv_width=128, vocab=151936)
+    ppo = memory.learner(build(PPO), shape)
+    penalised = memory.learner(build({**PPO, "critic": {"kl_in_reward": 0.01, "kl_ctrl": "adaptive"}}), shape)
+    # learner/reference.py builds the reference for critic.kl_in_reward as for loss.kl_coef: its 2-byte weights
+    assert penalised.parts["reference model"] == 2 * 494_000_000 / 2**30 and "reference model" not in ppo.parts

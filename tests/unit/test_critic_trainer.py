@@ -241,3 +241,21 @@ def test_a_kl_in_the_reward_lowers_each_return_by_the_kl_ahead_of_it(tiny_model)
         expected[at] = mb.advantages[at] - 0.5 * ahead
     assert torch.allclose(returns, expected, atol=1e-5)
     assert not torch.allclose(returns, mb.advantages * mb.loss_mask)  # the KL moved them (positive control)
+
+
+def test_the_adaptive_coefficient_takes_the_steps_kl_after_its_rewards(tiny_model):
+    adaptive = CriticConfig(kl_in_reward=0.5, kl_ctrl="adaptive", kl_target=0.1, kl_horizon=8)
+    t = trainer(tiny_model, critic=adaptive)
+    t.shaper.reference = t.model  # as above: KL_t = -6 - log pi_ref(a_t)
+    mb = batch()[0]
+    with torch.no_grad():
+        kl = torch.where(mb.loss_mask, mb.behavior_logprobs - t.model(*_inputs(mb))[0], 0.0)
+    per_sequence = [kl[(mb.seq_ids == s) & mb.loss_mask].mean() for s in range(4)]  # completions of 1..4 tokens
+    current = float(sum(per_sequence)) / 4
+    metrics = t.step([mb])
+    # the step's rewards took beta = 0.5; then KL / target - 1 is clipped to +-0.2 and beta x= 1 +- 0.2 x 4 / 8
+    assert metrics["critic/reward_kl_coef"] == 0.5
+    assert metrics["critic/reward_kl"] == pytest.approx(current, rel=1e-5)
+    assert current > 0.12  # 0.25 here: KL / target - 1 > 0.2, so the error is clipped to +0.2
+    assert t.shaper.kl_ctrl.value == 0.5 * (1 + 0.2 * 4 / 8) == t.state_dict()["kl_coef"]
+    assert t.step([mb])["critic/reward_kl_coef"] == 0.55  # the next step's rewards take the moved beta

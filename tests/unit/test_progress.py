@@ -78,3 +78,10 @@ def test_without_a_step_the_roles_are_said_every_few_seconds():
         "phase: waiting for the first batch (1 s)",
         "waiting for the first batch (31 s): learner: training; node-0: generating: policy v2",
     ]
+
+
+def test_the_reward_kl_row_shows_the_coefficient_where_one_is_logged():
+    logged = [*RECORDS[:2], {**RECORDS[2], "critic/reward_kl": 0.0123, "critic/reward_kl_coef": 0.0481}]
+    row = next(line for line in render(live_table(snapshot(), logged, 3, 9.0)).splitlines() if "reward KL" in line)
+    assert "1.23e-02 / 0.0481" in row
+    assert "reward KL" not in render(live_table(snapshot(), RECORDS, 3, 9.0))  # no KL in the reward: no row
