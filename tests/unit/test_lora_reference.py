@@ -1,0 +1,121 @@
+"""A LoRA run's KL reference is its own frozen base with the adapters off (learner/reference.BaseReference): no
+second model is built, its logprobs are those of a reference built from model.path, and the adapters go on
+training. CPU, one-rank FSDP2, the tiny model."""
+
+import pytest
+import torch
+
+from streamrl.engine import lora
+from streamrl.engine.config import build
+from streamrl.engine.messages import Trajectory
+from streamrl.learner import parallel, reference
+from streamrl.learner.batching import pack
+from streamrl.learner.logprobs import PolicyModel
+from streamrl.learner.main import _policy
+from streamrl.learner.reference import BaseReference, build_reference
+from streamrl.learner.train_step import Trainer, compute_logprobs
+
+# temperature and top-p as a rollout's: the reference's logprobs are of the sampling distribution
+SAMPLING = {"temperature": 0.7, "top_p": 0.9}
+
+
+def _cfg(tiny_model, **loss):
+    return build(
+        {
+            "model": {"path": tiny_model},
+            "lora": {"enabled": True, "rank": 8, "alpha": 16.0},
+            "loss": {"kl_coef": 0.5, **loss},
+            "learner": {"lr": 5e-2},
+            "rollout": SAMPLING,
+        }
+    )
+
+
+def _batch():
+    trajs = [
+        Trajectory(sample_id=f"s{i}", group_id=f"g{i // 2}", node_id="n", seq=i, prompt_ids=[3, 4 + i, 5],
+                   completion_ids=[10 + i, 11, 12 + 2 * i, 13], behavior_logprobs=[-6.0] * 4, reward=0.0,
+                   policy_version=0)
+        for i in range(4)
+    ]  # fmt: skip
+    return pack(trajs, [1.0, -1.0, 0.5, -0.5], token_budget=14)  # two micro-batches of two sequences
+
+
+@pytest.fixture(scope="module")
+def run(tiny_model):
+    """One run, read by the tests below: a LoRA policy built as the learner builds it, its reference from
+    build_reference (every load_model call counted), a reference of its own from model.path named as
+    loss.reference_path (the positive control: a separate model, loaded once), and two KL steps."""
+    device = parallel.init_distributed()
+    loads, load = [], reference.load_model
+    cfg = _cfg(tiny_model)
+    torch.manual_seed(0)
+    policy, _, compute, _ = _policy(cfg, device)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(reference, "load_model", lambda path, *a: loads.append(path) or load(path, *a))
+        shared = build_reference(cfg, device, compute, policy)
+        in_reward = build(
+            {"loss": {"preset": "ppo"}, "lora": {"enabled": True}, "critic": {"kl_in_reward": 0.1}, "rollout": SAMPLING}
+        )
+        shared_in_reward = build_reference(in_reward, device, compute, policy)
+        built_by_shared = list(loads)
+        own = build_reference(_cfg(tiny_model, reference_path=tiny_model), device, compute, policy)
+    trainer = Trainer(policy, cfg.loss, cfg.learner, device, ref_model=shared)
+    grads = {n: p.requires_grad for n, p in policy.named_parameters()}
+    optimized = [p for group in trainer.optimizer.param_groups for p in group["params"]]
+    steps = [trainer.step(_batch()), trainer.step(_batch())]
+    yield dict(
+        trainer=trainer, shared=shared, own=own, shared_in_reward=shared_in_reward, loads=loads,
+        built_by_shared=built_by_shared, grads=grads, optimized=optimized, steps=steps, device=device,
+    )  # fmt: skip
+    parallel.shutdown()
+
+
+def test_no_second_model_is_built_for_either_kl(run, tiny_model):
+    assert run["built_by_shared"] == []  # neither loss.kl_coef's nor critic.kl_in_reward's reference loaded one
+    assert isinstance(run["shared"], BaseReference) and run["shared"].policy is run["trainer"].model
+    assert isinstance(run["shared_in_reward"], BaseReference)
+    assert run["loads"] == [tiny_model] and isinstance(run["own"], PolicyModel)  # a reference_path still loads
+
+
+def test_the_base_gives_the_logprobs_of_a_reference_built_from_model_path(run):
+    """After two steps the adapters have moved: the policy's logprobs are no longer the base's, while the
+    adapter-off pass still equals the separately built reference to fp32 rounding."""
+    trainer, shared, own = run["trainer"], run["shared"], run["own"]
+    with torch.no_grad():
+        for mb in _batch():
+            mb = mb.to(run["device"])
+            base, ref, policy = shared(*_inputs(mb)), compute_logprobs(own, mb), compute_logprobs(trainer.model, mb)
+            torch.testing.assert_close(base, ref, rtol=0.0, atol=1e-5)  # logprobs and entropy
+            assert (policy[0] - ref[0]).abs().max() > 1e-3
+    assert run["steps"][0]["ref_kl"] == pytest.approx(0.0, abs=1e-6)  # version 0 (B = 0) is the base exactly
+    assert run["steps"][1]["ref_kl"] > 1e-5
+
+
+def test_the_adapters_stay_on_trainable_and_in_the_optimizer(run):
+    trainer, shared = run["trainer"], run["shared"]
+    policy = trainer.model
+    assert trainer.version == 2 and all(s["skipped"] == 0.0 for s in run["steps"])
+    assert {n: p.requires_grad for n, p in policy.named_parameters()} == run["grads"]
+    assert all(g == lora.is_adapter(n) for n, g in run["grads"].items()) and any(run["grads"].values())
+    assert [p for g in trainer.optimizer.param_groups for p in g["params"]] == run["optimized"]
+    assert not any(layer.disable_adapters for layer in shared._off.layers) and len(shared._off.layers) > 0
+    assert all(m.training for m in policy.modules())  # the reference pass's eval mode did not stay
+    push = parallel.PushWeights(policy, torch.float32, adapters=True)
+    before = {k: v.clone() for k, v in push().items()}
+    inside = []  # the adapters' requires_grad while the reference pass runs (PEFT's own switch writes it)
+    layer = shared._off.layers[0]
+    hook = layer.register_forward_pre_hook(lambda m, _: inside.extend(p.requires_grad for p in m.lora_A.parameters()))
+    with torch.no_grad():
+        shared(*_inputs(_batch()[0].to(run["device"])))
+    hook.remove()
+    assert inside == [True] and layer.disable_adapters is False
+    after = push()
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+    assert any(v.abs().max() > 0 for k, v in after.items() if ".lora_B." in k)  # what is pushed has moved
+    with pytest.raises(RuntimeError, match="no-grad passes only"):
+        shared(*_inputs(_batch()[0].to(run["device"])))
+
+
+def _inputs(mb):
+    return mb.input_ids, mb.position_ids, mb.targets, mb.cu_seqlens, mb.max_seqlen
