@@ -1,11 +1,11 @@
 """A LoRA run's KL reference is its own frozen base with the adapters off (learner/reference.BaseReference): no
-second model is built, its logprobs are those of a reference built from model.path, and the adapters go on
-training. CPU, one-rank FSDP2, the tiny model."""
+second model is built, its logprobs are those of a reference built from model.path, the adapters go on
+training, and preflight counts no reference model. CPU, one-rank FSDP2, the tiny model."""
 
 import pytest
 import torch
 
-from streamrl.engine import lora
+from streamrl.engine import lora, memory
 from streamrl.engine.config import build
 from streamrl.engine.messages import Trajectory
 from streamrl.learner import parallel, reference
@@ -119,3 +119,21 @@ def test_the_adapters_stay_on_trainable_and_in_the_optimizer(run):
 
 def _inputs(mb):
     return mb.input_ids, mb.position_ids, mb.targets, mb.cu_seqlens, mb.max_seqlen
+
+
+QWEN2_7B = memory.Shape(params=7_614_699_008, hidden=3584, intermediate=18944, layers=28, kv_width=512, vocab=151936)
+
+
+@pytest.mark.parametrize(
+    ("data", "counted"),
+    [
+        ({"lora": {"enabled": True}, "loss": {"kl_coef": 0.1}}, False),
+        ({"lora": {"enabled": True}, "loss": {"preset": "ppo"}, "critic": {"kl_in_reward": 0.1}}, False),
+        ({"lora": {"enabled": True}, "loss": {"kl_coef": 0.1, "reference_path": "models/ref"}}, True),
+        ({"loss": {"kl_coef": 0.1}}, True),  # a full fine-tune moves the base: a reference of its own
+    ],
+)
+def test_preflight_counts_a_reference_model_only_where_one_is_built(data, counted):
+    # the reference's 2 bytes a parameter: 2 x 7,614,699,008 / 2**30 = 14.18 GiB for Qwen2-7B
+    estimate = memory.learner(build(data), QWEN2_7B)
+    assert estimate.parts.get("reference model", 0.0) == pytest.approx(14.18 if counted else 0.0, abs=0.005)
