@@ -19,13 +19,13 @@ from streamrl.learner.train_step import Trainer, compute_logprobs
 SAMPLING = {"temperature": 0.7, "top_p": 0.9}
 
 
-def _cfg(tiny_model, **loss):
+def _cfg(tiny_model, compile: bool = False, **loss):
     return build(
         {
             "model": {"path": tiny_model},
             "lora": {"enabled": True, "rank": 8, "alpha": 16.0},
             "loss": {"kl_coef": 0.5, **loss},
-            "learner": {"lr": 5e-2},
+            "learner": {"lr": 5e-2, "compile": compile},
             "rollout": SAMPLING,
         }
     )
@@ -115,6 +115,36 @@ def test_the_adapters_stay_on_trainable_and_in_the_optimizer(run):
     assert any(v.abs().max() > 0 for k, v in after.items() if ".lora_B." in k)  # what is pushed has moved
     with pytest.raises(RuntimeError, match="no-grad passes only"):
         shared(*_inputs(_batch()[0].to(run["device"])))
+
+
+def test_compiled_layers_take_the_switch_each_way(run, tiny_model, monkeypatch):
+    """learner.compile: each compiled layer guards on the LoRA layers' switch and on the mode, so the adapters-off
+    pass is the base and the next policy forward has its adapters again (dynamo with the eager backend: its
+    guards are what is checked, not a code generator). A graph that ignored the switch gives the policy's
+    logprobs for the base or the base's for the policy."""
+    import torch._dynamo
+    import torch._dynamo.utils
+
+    monkeypatch.setenv("TORCHDYNAMO_DISABLE", "0")  # conftest turns dynamo off for vLLM's sake
+    torch._dynamo.reset()
+    compile_with = torch.nn.Module.compile
+    monkeypatch.setattr(torch.nn.Module, "compile", lambda self, **kw: compile_with(self, backend="eager"))
+    cfg = _cfg(tiny_model, compile=True)
+    torch.manual_seed(0)
+    policy, _, compute, _ = _policy(cfg, run["device"])
+    shared = build_reference(cfg, run["device"], compute, policy)
+    trainer = Trainer(policy, cfg.loss, cfg.learner, run["device"], ref_model=shared)
+    first = trainer.step(_batch())  # its reference pass compiles the adapters-off graphs, its update moves B
+    with torch.no_grad():
+        for mb in _batch():
+            inputs = _inputs(mb.to(run["device"]))
+            ref = run["own"](*inputs)[0]
+            before, base, after = policy(*inputs)[0], shared(*inputs)[0], policy(*inputs)[0]
+            torch.testing.assert_close(base, ref, rtol=0.0, atol=1e-5)
+            assert (before - ref).abs().max() > 1e-3 and torch.equal(before, after)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > 0  # the layers were compiled
+    assert first["ref_kl"] == pytest.approx(0.0, abs=1e-6) and first["skipped"] == 0.0
+    torch._dynamo.reset()
 
 
 def _inputs(mb):
