@@ -37,7 +37,7 @@ def reference_source(cfg: Config) -> tuple[str, str]:
 
 
 class BaseReference:
-    """The reference policy of a LoRA run that is its own starting weights: `policy` with its adapters off.
+    """The reference policy of a LoRA run whose reference is its starting weights: `policy`, adapters off.
 
     Called as a reference model is, (micro-batch inputs) -> (logprobs, entropy), in no-grad passes only; its
     distribution is the policy's sampling one (the policy's temperature, top-k/top-p, which are the rollout's).
@@ -48,6 +48,7 @@ class BaseReference:
 
     def __call__(self, *inputs: Tensor) -> tuple[Tensor, Tensor]:
         if torch.is_grad_enabled():
+            # with a gradient its graph would run through the policy's own parameters
             raise RuntimeError("BaseReference runs in no-grad passes only (its forward is the policy's)")
         with self._off:
             return self.policy(*inputs)
