@@ -105,3 +105,11 @@ def param_name(wire: str) -> str:
 
 def is_adapter(param_name: str) -> bool:
     return ".lora_A." in param_name or ".lora_B." in param_name
+
+
+def reference_is_base(cfg) -> bool:
+    """Whether a LoRA run's KL reference is its policy's own frozen base with the adapters off, not a model of
+    its own: the reference is the starting weights (`loss.reference_path` empty: `model.path`), which LoRA
+    never moves. verl's `ref_in_actor`, TRL's `disable_adapter()`. learner/reference.py builds by this, and
+    preflight's memory estimate counts by it."""
+    return cfg.lora.enabled and not cfg.loss.reference_path

@@ -4,16 +4,16 @@ Used by preflight (ops/preflight.py) to refuse, in seconds, a GPU shared by the 
 node (`rollout.share_learner_gpus`) whose two shares cannot fit, and by the nodes to hold themselves
 to their share. The formulas are first-order and were checked against measured peaks on an H200:
 
-- learner, per GPU: fp32 master weights, gradients and AdamW (16 bytes a parameter, sharded over the
-  ranks) + the bf16 compute copy (2 bytes a parameter, gathered) + activations of one micro-batch of
-  `learner.micro_batch_tokens` tokens, 2·(4·hidden + 4·intermediate) bytes per token and layer (one
-  layer's with activation checkpointing, plus 2·hidden per layer) + the LM head's logits (kept up to
-  `learner.head_logits_gib`, plus an 8192-token fp32 chunk and its gradient) + a reference model
-  (kl_coef > 0) + the critic's value model, trained like the actor but after it (weights, gradients and
-  AdamW: its activations are the actor's, freed by then) + 1 GiB of CUDA context; on rank 0 two sets of
-  packed weights for the push. The step alone (bench/learner_step.py), Qwen2-0.5B body (512-token
-  vocabulary) at 40960 tokens: 49.3 GiB estimated, 46.8 measured; Qwen2.5-3B, 152k vocabulary, 16384
-  tokens: 124 estimated, 117 measured.
+- learner, per GPU: fp32 master weights, gradients and AdamW (16 bytes a parameter, sharded over the ranks)
+  + the bf16 compute copy (2 bytes a parameter, gathered) + activations of one micro-batch of
+  `learner.micro_batch_tokens` tokens, 2·(4·hidden + 4·intermediate) bytes per token and layer (one layer's
+  with activation checkpointing, plus 2·hidden per layer) + the LM head's logits (kept up to
+  `learner.head_logits_gib`, plus an 8192-token fp32 chunk and its gradient) + a reference model (a KL to
+  one; none where LoRA's own base is the reference) + the critic's value model, trained like the actor but
+  after it (weights, gradients and AdamW: its activations are the actor's, freed by then) + 1 GiB of CUDA
+  context; on rank 0 two sets of packed weights for the push. The step alone (bench/learner_step.py),
+  Qwen2-0.5B body (512-token vocabulary) at 40960 tokens: 49.3 GiB estimated, 46.8 measured; Qwen2.5-3B,
+  152k vocabulary, 16384 tokens: 124 estimated, 117 measured.
 - hf node: the model and one staging copy of it in the serving dtype + the static KV cache (every
   batch padded to `MAX_BATCH` rows of the prompt width plus `rollout.max_tokens`) + the logits
   `generate` keeps (fp32, one row per token, twice: kept, then stacked; 46 GiB for a 152k vocabulary at
@@ -36,6 +36,7 @@ import dataclasses
 from streamrl.engine.config import Config
 from streamrl.engine.config.critic import critic_on
 from streamrl.engine.config.rules import longest_sample
+from streamrl.engine.lora import reference_is_base
 from streamrl.engine.placement import HF_GPU_ROWS, node_groups, shared_groups
 
 GIB = 1 << 30
@@ -123,7 +124,9 @@ def learner(cfg: Config, shape: Shape, tokens: int | None = None) -> Estimate:
         f"activations of learner.micro_batch_tokens = {tokens}": activations / GIB,
         "LM head": (kept + 2 * min(tokens, HEAD_CHUNK) * shape.vocab * 4) / GIB,
     }
-    if cfg.loss.kl_coef > 0 or cfg.critic.kl_in_reward > 0:  # learner/reference.py builds it for either
+    # learner/reference.py builds it for either KL; LoRA with the starting weights as the reference takes
+    # the policy's own base with the adapters off (engine/lora.reference_is_base): no second copy
+    if (cfg.loss.kl_coef > 0 or cfg.critic.kl_in_reward > 0) and not reference_is_base(cfg):
         parts["reference model"] = 2 * p / GIB
     if critic_on(cfg.critic.enabled, cfg.loss.advantage):  # a full value model (no LM head), trained after the actor
         parts["critic: weights, gradients, AdamW"] = (16 * p / lc.ranks + 2 * p) / GIB

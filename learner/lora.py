@@ -59,3 +59,38 @@ def adapter_state(model: nn.Module) -> dict[str, torch.Tensor]:
 
 def trainable(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
     return [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+
+
+class AdaptersOff:
+    """A context manager: inside it `model` (its LoRA layers) runs as the frozen base alone, in eval mode
+    (as a reference of its own runs); after it as before. The layers are found once, here: it is entered
+    once per micro-batch.
+
+    PEFT's own switch (`enable_adapters`, under `PeftModel.disable_adapter`) also writes the adapters'
+    requires_grad, on whichever copy a layer holds at that moment (FSDP2's gathered one while the root unit
+    stays gathered, else the shard the optimizer holds); here the layers' flag is set directly and
+    requires_grad is never written. A compiled layer (`learner.compile`) guards on the flag and the mode: one
+    more graph a layer, made once (as a reference of its own compiled its own)."""
+
+    def __init__(self, model: nn.Module):
+        from peft.tuners.tuners_utils import BaseTunerLayer
+
+        self.modules = list(model.modules())
+        self.layers = [m for m in self.modules if isinstance(m, BaseTunerLayer)]
+        if not self.layers:
+            raise ValueError("AdaptersOff: the model has no LoRA layers (learner/lora.apply injects them)")
+        self._saved: list[tuple[list[bool], list[bool]]] = []
+
+    def __enter__(self) -> None:
+        self._saved.append(([m._disable_adapters for m in self.layers], [m.training for m in self.modules]))
+        for m in self.layers:
+            m._disable_adapters = True
+        for m in self.modules:
+            m.training = False
+
+    def __exit__(self, *exc) -> None:
+        flags, modes = self._saved.pop()
+        for m, flag in zip(self.layers, flags):
+            m._disable_adapters = flag
+        for m, mode in zip(self.modules, modes):
+            m.training = mode

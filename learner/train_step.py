@@ -36,7 +36,7 @@ from streamrl.learner.batching import MicroBatch, loss_free
 from streamrl.learner.critic.trainer import Shaper
 from streamrl.learner.losses import local_normalizer, policy_loss, summarize
 from streamrl.learner.minibatch import split_updates
-from streamrl.learner.reference import release
+from streamrl.learner.reference import BaseReference, release
 from streamrl.learner.step_metrics import update_metrics
 
 log = parallel.rank0_logger("streamrl.learner")
@@ -73,7 +73,7 @@ class Trainer:
         loss_cfg: LossConfig,
         cfg: LearnerConfig,
         device: torch.device,
-        ref_model: nn.Module | None = None,
+        ref_model: nn.Module | BaseReference | None = None,
         gather_ahead: bool = True,
         shaper: Shaper | None = None,
     ):

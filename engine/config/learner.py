@@ -98,7 +98,8 @@ class LossConfig(_Section):
         str,
         _doc(
             "The reference policy for kl_coef > 0: a local HF model folder (or hub id); empty: model.path "
-            "(the weights the run starts from)."
+            "(the weights the run starts from; with LoRA, the policy's own frozen base with its adapters off: "
+            "no second model)."
         ),
     ] = ""
     kl_estimator: Annotated[

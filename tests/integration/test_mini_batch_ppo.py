@@ -205,3 +205,17 @@ def test_the_adaptive_kl_coefficient_is_one_over_both_ranks(two_ranks):
     error = min(max(a["metrics"]["critic/reward_kl"] / 0.01 - 1.0, -0.2), 0.2)
     assert a["kl_coef"] == b["kl_coef"] == 0.05 * (1.0 + error * 8 / 40)  # not 6 / 40 or 2 / 40: every rank's
     assert error != 0.0  # it moved (positive control)
+
+
+@pytest.mark.slow
+def test_a_lora_reference_is_the_policys_base_on_two_ranks(two_ranks):
+    """minibatch_ranks_worker's LoRA step: sharded over two ranks, the reference is the policy with its adapters
+    off (no second model), which after the step still gives a reference built from model.path's logprobs while
+    the policy's have moved; the KL is 0 on the first update and grows on the second, alike on both ranks."""
+    (a, b) = two_ranks["lora"]
+    assert a["reference"] == b["reference"] == "BaseReference"
+    assert a["base_gap"] < 1e-5 and b["base_gap"] < 1e-5
+    assert a["policy_gap"] > 1e-3 and b["policy_gap"] > 1e-3  # positive control: the adapters moved
+    m = {k: v for k, v in a["metrics"].items() if k != "step_seconds"}
+    assert m == {k: v for k, v in b["metrics"].items() if k != "step_seconds"}
+    assert m["skipped"] == 0.0 and m["update/1/ref_kl"] == pytest.approx(0.0, abs=1e-6) and m["update/2/ref_kl"] > 0.0
