@@ -221,6 +221,15 @@ class WeightsConfig(_Section):
             min_length=1,
         ),
     ] = "127.0.0.1"
+    fetch_after: Annotated[
+        int,
+        _doc(
+            "Nodes on the learner's machine (shared memory, CUDA IPC) that get a weights link of their own (a "
+            "thread and a store each); the ones past it fetch each version from the learner's one shared set, all "
+            "served by one thread and one store (learner/shared_fetch.py). 0: every such node fetches.",
+            ge=0,
+        ),
+    ] = 8
 
 
 class TelemetryConfig(_Section):
