@@ -205,6 +205,11 @@ class Publisher:
         with self._cond:
             published.readers -= 1
 
+    def wake(self) -> None:
+        """Wake the threads waiting in `take_newer` (a node became free to take the newest version)."""
+        with self._cond:
+            self._cond.notify_all()
+
     # ---- nodes --------------------------------------------------------------------------------
 
     def add(self, node_id: str, where: Location | None = None) -> None:

@@ -20,8 +20,10 @@ whose node left (evicted, lost, gone) is dropped from its round at once.
 from __future__ import annotations
 
 import secrets
+import sys
 import threading
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import msgspec
@@ -37,14 +39,15 @@ class Member:
     """One node served by a `SharedFetch`: what the publisher reads of a link (`node_id`, `state`, `error`)
     and what the registry calls when the node leaves (`close`)."""
 
-    def __init__(self, node_id: str, state: NodeWeights, prefix: str):
-        self.node_id, self.state, self.prefix = node_id, state, prefix
+    def __init__(self, node_id: str, state: NodeWeights, prefix: str, wake: Callable[[], None]):
+        self.node_id, self.state, self.prefix, self._wake = node_id, state, prefix, wake
         self.error: WeightTransferError | None = None
         self.closed = threading.Event()
         self.busy_with = 0  # the version of the round it is in (0: none); offered no other until freed
 
     def close(self) -> None:
         self.closed.set()
+        self._wake()
 
     def key(self, version: int) -> str:
         return f"{self.prefix}copied/{version}/1"  # ipc._copied_key of the WeightsReady it is sent (rank 1)
@@ -58,6 +61,7 @@ class Member:
     def free(self, version: int) -> None:
         if self.busy_with == version:  # not a newer round it joined meanwhile
             self.busy_with = 0
+            self._wake()  # the thread offers it the newest version now, not at its next look
 
 
 class SharedFetch(threading.Thread):
@@ -77,10 +81,11 @@ class SharedFetch(threading.Thread):
 
     def add(self, node_id: str, state: NodeWeights) -> Member:
         """A member for `node_id` (a re-joining node's earlier member is replaced); it is sent the newest
-        version with the next round (within `POLL_IDLE_S`)."""
-        member = Member(node_id, state, f"{self.sender.prefix}{secrets.token_hex(8)}/")
+        version at once."""
+        member = Member(node_id, state, f"{self.sender.prefix}{secrets.token_hex(8)}/", self.publisher.wake)
         with self._lock:
             self.members[node_id] = member
+        self.publisher.wake()
         return member
 
     def run(self) -> None:
@@ -88,10 +93,8 @@ class SharedFetch(threading.Thread):
             with self._lock:
                 self.members = {n: m for n, m in self.members.items() if not m.closed.is_set()}
                 idle = [m for m in self.members.values() if not m.busy_with and m.error is None]
-            if not idle:
-                self.stopping.wait(POLL_IDLE_S)
-                continue
-            published = self.publisher.take_newer(min(m.state.sent for m in idle), timeout_s=POLL_IDLE_S)
+            than = min((m.state.sent for m in idle), default=sys.maxsize)  # none idle: woken by one freed
+            published = self.publisher.take_newer(than, timeout_s=POLL_IDLE_S)
             if published is None:
                 continue
             behind = [m for m in idle if m.state.sent < published.version]
