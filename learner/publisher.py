@@ -221,6 +221,7 @@ class Publisher:
         if path in SHARED and self._own_links(path) >= w.fetch_after:
             log.info("node %s: weights by %s, fetched with the others past weights.fetch_after", node_id, path)
             self.registry.attach(node_id, self._fetch(path).add(node_id, NodeWeights(path=path)))
+            self.wake()  # its fetch offers it the newest version now
             return
         sender = new_sender(path, node_id, host=w.store_host, device=self.device, timeout_s=w.timeout_s)
         log.info("node %s: weights by %s", node_id, path)

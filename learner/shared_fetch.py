@@ -14,7 +14,8 @@ newest; it is free for the next version once its copy is confirmed, or once it s
 whatever the other members do, so a slow or frozen member delays only itself. A version's buffers are
 held until every member of its round confirmed or was given up on (at `weights.timeout_s`, claimed in the
 store as a link claims it: `ipc.GAVE_UP`), so the learner never repacks a set a node still reads. A member
-whose node left (evicted, lost, gone) is dropped from its round at once.
+whose node left (evicted, lost, gone) is dropped from its round at once. The fetch keeps no list of nodes:
+a member hangs on its node's entry in the registry as a link does, and each look asks the registry.
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ import secrets
 import sys
 import threading
 import time
-from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import msgspec
@@ -39,8 +39,9 @@ class Member:
     """One node served by a `SharedFetch`: what the publisher reads of a link (`node_id`, `state`, `error`)
     and what the registry calls when the node leaves (`close`)."""
 
-    def __init__(self, node_id: str, state: NodeWeights, prefix: str, wake: Callable[[], None]):
-        self.node_id, self.state, self.prefix, self._wake = node_id, state, prefix, wake
+    def __init__(self, fetch: SharedFetch, node_id: str, state: NodeWeights, prefix: str):
+        self.fetch, self.node_id, self.state, self.prefix = fetch, node_id, state, prefix
+        self._wake = fetch.publisher.wake
         self.error: WeightTransferError | None = None
         self.closed = threading.Event()
         self.busy_with = 0  # the version of the round it is in (0: none); offered no other until freed
@@ -71,8 +72,7 @@ class SharedFetch(threading.Thread):
     def __init__(self, publisher: Publisher, sender: IpcSender):
         super().__init__(name=f"weights-{sender.path}-fetch", daemon=True)
         self.publisher, self.sender = publisher, sender
-        self.members: dict[str, Member] = {}
-        self._lock = threading.Lock()  # members, and the sender's export cache (rounds prepare at once)
+        self._lock = threading.Lock()  # the sender's export cache (rounds prepare at once)
         self.stopping = threading.Event()
 
     @property
@@ -80,19 +80,19 @@ class SharedFetch(threading.Thread):
         return self.sender.path
 
     def add(self, node_id: str, state: NodeWeights) -> Member:
-        """A member for `node_id` (a re-joining node's earlier member is replaced); it is sent the newest
-        version at once."""
-        member = Member(node_id, state, f"{self.sender.prefix}{secrets.token_hex(8)}/", self.publisher.wake)
-        with self._lock:
-            self.members[node_id] = member
-        self.publisher.wake()
-        return member
+        """A member for `node_id`, for the caller to attach to the node's entry in the registry (which closes
+        a re-joining node's earlier one); it is sent the newest version once attached."""
+        return Member(self, node_id, state, f"{self.sender.prefix}{secrets.token_hex(8)}/")
+
+    def _members(self) -> list[Member]:
+        """This fetch's members: the links the registry holds for the nodes in the run now that are ours (the
+        registry is the one roster; a node that left is no longer there)."""
+        links = self.publisher.registry.links().values()
+        return [m for m in links if isinstance(m, Member) and m.fetch is self and not m.closed.is_set()]
 
     def run(self) -> None:
         while not self.stopping.is_set():
-            with self._lock:
-                self.members = {n: m for n, m in self.members.items() if not m.closed.is_set()}
-                idle = [m for m in self.members.values() if not m.busy_with and m.error is None]
+            idle = [m for m in self._members() if not m.busy_with and m.error is None]
             than = min((m.state.sent for m in idle), default=sys.maxsize)  # none idle: woken by one freed
             published = self.publisher.take_newer(than, timeout_s=POLL_IDLE_S)
             if published is None:

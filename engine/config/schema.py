@@ -222,14 +222,9 @@ class WeightsConfig(_Section):
         ),
     ] = "127.0.0.1"
     fetch_after: Annotated[
-        int,
-        _doc(
-            "Nodes on the learner's machine (shared memory, CUDA IPC) that get a weights link of their own (a "
-            "thread and a store each); the ones past it fetch each version from the learner's one shared set, all "
-            "served by one thread and one store (learner/shared_fetch.py). 0: every such node fetches.",
-            ge=0,
-        ),
-    ] = 8
+        int, _doc("Nodes on the learner's machine with a weights link each (a thread, a store); later ones "
+                  "share one thread and store that tell them each version to copy (learner/shared_fetch.py)", ge=0)
+    ] = 8  # fmt: skip
 
 
 class TelemetryConfig(_Section):
