@@ -76,6 +76,12 @@ def process_cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def threads(pid: int) -> int:
+    """Threads of process `pid` now (the learner's: one weights link per node it serves with a link)."""
+    status = pathlib.Path(f"/proc/{pid}/status").read_text()
+    return int(next(line.split()[1] for line in status.splitlines() if line.startswith("Threads:")))
+
+
 def cpu_seconds(learner, workers: list[subprocess.Popen]) -> tuple[float, float]:
     """CPU seconds so far of the learner and of every node process together."""
     return process_cpu_s(learner.pid), sum(process_cpu_s(w.pid) for w in workers)

@@ -18,8 +18,9 @@ node registered (the learner is then stopped with SIGTERM, as a person stops it)
 intake (samples/s and bytes/s the learner's intake took), Redis (commands/s, round trips per group,
 its CPU share from INFO cpu, calls by command), the push (`push_all_s`: from the learner's publish to
 the last node's version live, median over versions, from RUN/events.jsonl), the learner's wait share,
-the learner's own CPU share, drops by reason, registration (first to last node joined) and the books
-(`streamrl status`). A plot (intake vs offered; push time vs N) goes to `--out`.
+the learner's own CPU share and its threads at the window's end (`learner_threads`: a weights link
+is one), drops by reason, registration (first to last node joined) and the books (`streamrl status`).
+A plot (intake vs offered; push time vs N) goes to `--out`.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ import sys
 import tempfile
 import time
 
-from streamrl.bench._scale_out_nodes import cpu_seconds, ended, start_workers
+from streamrl.bench._scale_out_nodes import cpu_seconds, ended, start_workers, threads
 from streamrl.engine.config import build
 from streamrl.engine.ledger import Ledger
 from streamrl.engine.messages import Trajectory, encode
@@ -101,12 +102,13 @@ def read_events(run_dir: pathlib.Path) -> list[dict]:
 
 
 def push_all_s(events: list[dict], records: list[dict], n: int) -> tuple[float, int]:
-    """Median over versions of the time from the learner's publish to the last of the `n` nodes with that
-    version live, and how many versions reached every node. The publish ends a step's `push_s` lap, just
-    before its checkpoint lap and its `step` event (learner/main.py), so its time is the event's less
-    the checkpoint lap."""
+    """Median over versions of the time from the learner's publish (its `published` event) to the last of
+    the `n` nodes with that version live, and how many versions reached every node. A learner without that
+    event: its `step` event less the checkpoint lap (later than the publish by the step's report, which
+    takes longer the more nodes it reports on: that estimate is short by as much)."""
     checkpoint_s = {r["step"]: r.get("time/checkpoint_s", 0.0) for r in records}
     published = {e["version"]: e["t"] - checkpoint_s.get(e["step"], 0.0) for e in events if e["event"] == "step"}
+    published |= {e["version"]: e["t"] for e in events if e["event"] == "published"}
     live: dict[int, list[float]] = {}
     for e in events:
         if e["event"] == "live":
@@ -168,6 +170,7 @@ def measure(n: int, args, folder: str) -> dict:
         before, cpu_before, books_before = take()
         records = wait_for_step(launcher.run_dir, first + args.steps, launcher.learner, args.timeout_s)
         after, cpu_after, books_after = take()
+        learner_threads = threads(launcher.learner.process.pid)
         launcher.learner.process.send_signal(signal.SIGTERM)
         launcher.learner.process.wait(timeout=120)
         killed = sum(ended(w, deadline=time.monotonic() + 120) is None for w in workers)
@@ -186,7 +189,8 @@ def measure(n: int, args, folder: str) -> dict:
     line["drops_at_stop"] = {
         r: k - books_after.dropped_by_reason.get(r, 0) for r, k in counts.dropped_by_reason.items()
     }
-    line.update(nodes_trained=len(per_node), workers_killed=killed, wall_s=round(wall_s, 1), books=books(launcher))
+    line.update(nodes_trained=len(per_node), workers_killed=killed, wall_s=round(wall_s, 1), books=books(launcher),
+                learner_threads=learner_threads)  # fmt: skip
     return {"line": line, "trained_by_node": per_node}
 
 

@@ -10,7 +10,9 @@ one whose transfer fails, or that does not confirm a version live within one dea
 link hangs on its node's entry in the registry (`NodeRegistry.attach`), which closes it when the node
 leaves the run, however it leaves; `poll` and `states` read the links the registry hands them.
 Each node's path is picked when it joins, from where it runs (engine/weights/paths.py): a broadcast
-(NCCL, gloo), or, on the learner's own machine or GPU, the node's copy from the shared buffers.
+(NCCL, gloo), or, on the learner's own machine or GPU, the node's copy from the shared buffers. Nodes on
+a shared path past `weights.fetch_after` get no link of their own: one thread serves them all
+(learner/shared_fetch.py `SharedFetch`, one `Member` a node, read by `poll` and `states` as a link is).
 
 A staging set stays allocated while a transfer reads it or while it is the newest; a set no link
 holds is reused by the next `publish`, so the learner keeps at most one set per version in flight. On
@@ -31,11 +33,13 @@ from torch import Tensor
 
 from streamrl.engine.config import Config
 from streamrl.engine.messages import AdapterSpec, WeightsReady
-from streamrl.engine.weights import Location, WeightTransferError, choose, here, new_sender, resolve_backend
+from streamrl.engine.weights import IpcSender, Location, WeightTransferError, choose, here, new_sender, resolve_backend
 from streamrl.engine.weights.layout import PackedBuckets, plan_buckets
+from streamrl.engine.weights.paths import SHARED
 from streamrl.engine.weights.push import pack, push
 from streamrl.engine.weights.staging import Sender
 from streamrl.learner.nodes import NodeRegistry
+from streamrl.learner.shared_fetch import Member, SharedFetch
 
 log = logging.getLogger("streamrl.learner")
 
@@ -137,6 +141,7 @@ class Publisher:
         self.hold_s = 0.0  # the last publish's hold on the caller
         self._timers: list[_DeviceTimer] = []  # the packings whose device time is not read yet
         self._pack_device_s = 0.0
+        self._fetches: dict[str, SharedFetch] = {}  # shared path -> the thread serving its nodes past fetch_after
 
     @property
     def latest_version(self) -> int:
@@ -200,6 +205,11 @@ class Publisher:
         with self._cond:
             published.readers -= 1
 
+    def wake(self) -> None:
+        """Wake the threads waiting in `take_newer` (a node became free to take the newest version)."""
+        with self._cond:
+            self._cond.notify_all()
+
     # ---- nodes --------------------------------------------------------------------------------
 
     def add(self, node_id: str, where: Location | None = None) -> None:
@@ -208,11 +218,29 @@ class Publisher:
         keep and to close (a link of an earlier process of that node is closed by it)."""
         w = self.cfg.weights
         path = self.path_for(where)
+        if path in SHARED and self._own_links(path) >= w.fetch_after:
+            log.info("node %s: weights by %s, fetched with the others past weights.fetch_after", node_id, path)
+            self.registry.attach(node_id, self._fetch(path).add(node_id, NodeWeights(path=path)))
+            self.wake()  # its fetch offers it the newest version now
+            return
         sender = new_sender(path, node_id, host=w.store_host, device=self.device, timeout_s=w.timeout_s)
         log.info("node %s: weights by %s", node_id, path)
         link = _Link(self, node_id, sender)
         link.start()
         self.registry.attach(node_id, link)
+
+    def _own_links(self, path: str) -> int:
+        return sum(1 for link in self._links().values() if isinstance(link, _Link) and link.sender.path == path)
+
+    def _fetch(self, path: str) -> SharedFetch:
+        """The one thread (and store) that serves every node on `path` past `weights.fetch_after`."""
+        if path not in self._fetches:
+            w = self.cfg.weights
+            device = self.device if path == "cuda_ipc" else "cpu"
+            sender = IpcSender(f"{path}-fetch", host=w.store_host, device=device, timeout_s=w.timeout_s)
+            self._fetches[path] = SharedFetch(self, sender)
+            self._fetches[path].start()
+        return self._fetches[path]
 
     def path_for(self, where: Location | None) -> str:
         """The path weights take to a node at `where` (engine/weights/paths.py; a collective when unknown)."""
@@ -224,7 +252,7 @@ class Publisher:
         now = time.monotonic()
         return [(node_id, why) for node_id, link in self._links().items() if (why := self._check(link, now))]
 
-    def _check(self, link: _Link, now: float) -> str:
+    def _check(self, link: _Link | Member, now: float) -> str:
         while (applied := self.registry.take_applied(link.node_id)) is not None:
             if applied.error:
                 return f"version {applied.version} failed on the node: {applied.error}"
@@ -242,5 +270,5 @@ class Publisher:
         """Each node's weights, for the nodes in the run now."""
         return {node_id: link.state for node_id, link in self._links().items()}
 
-    def _links(self) -> dict[str, _Link]:
-        return self.registry.links()  # the `_Link`s `add` attached
+    def _links(self) -> dict[str, _Link | Member]:
+        return self.registry.links()  # the `_Link`s and `Member`s `add` attached

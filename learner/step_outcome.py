@@ -66,8 +66,11 @@ class StepOutcome:
         self.figures.append(figures)
 
     def publish(self, weights: Mapping[str, Tensor]) -> float:
-        """Hand the new version to the publisher (nodes get it in the background); the seconds it held us."""
-        return self.publisher.publish(self.version_of(), weights)
+        """Hand the new version to the publisher (nodes get it in the background); the seconds it held us. The
+        `published` event is when nodes may start taking it (bench/scale_out.py's push time starts there)."""
+        held = self.publisher.publish(self.version_of(), weights)
+        self.events.emit("published", version=self.version_of())
+        return held
 
     def report(
         self, step: int, trained_by: int, metrics: dict, timings: dict[str, float], started: float, selection: Selection

@@ -221,6 +221,10 @@ class WeightsConfig(_Section):
             min_length=1,
         ),
     ] = "127.0.0.1"
+    fetch_after: Annotated[
+        int, _doc("Nodes on the learner's machine with a weights link each (a thread, a store); later ones "
+                  "share one thread and store that tell them each version to copy (learner/shared_fetch.py)", ge=0)
+    ] = 8  # fmt: skip
 
 
 class TelemetryConfig(_Section):

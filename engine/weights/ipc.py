@@ -110,6 +110,11 @@ class IpcSender:
         return self.store.port
 
     @property
+    def prefix(self) -> str:
+        """Its keys' prefix in the store (secret: it travels over the control channel only)."""
+        return self._prefix
+
+    @property
     def buffer_device(self) -> torch.device:
         return self.device
 
