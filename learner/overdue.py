@@ -14,10 +14,10 @@ A node whose control connection closed (its process killed: the kernel closes it
 `NodeRegistry` proves it with a send that fails) cannot deliver anything more: its groups are given up once
 that is `GONE_S` old, without the deadline: a kill is acted on one missed beat after it (`nodes.PROBE_AFTER_S`),
 not after 2 s of silence and a deadline of seconds. Its frames sent before it died are taken in by then.
-Its samples not yet received are dropped as `overdue`, which returns the group's credit, and the step
-goes on with the next groups. A node that wakes finds the samples no longer its own in the ledger and
-does not send them (`rollout/service.py` `LedgerSink`); if it stays silent the reaper takes the rest
-(`node_lost`) once its heartbeat expires.
+Its samples not yet received are dropped as `overdue`, and the step it was admitted for goes on without it:
+its place stays empty, its credit held until that step ends (learner/places.py). A node that wakes finds the
+samples no longer its own in the ledger and does not send them (`rollout/service.py` `LedgerSink`); if it
+stays silent the reaper takes the rest (`node_lost`) once its heartbeat expires.
 """
 
 from __future__ import annotations
