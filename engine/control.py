@@ -31,6 +31,9 @@ from streamrl.engine.transport import (
     timeout_ms,
 )
 
+HEARTBEAT_S = 0.5  # a node beats this often on the control channel (rollout/control.py); the learner probes one
+# that missed a beat (learner/nodes.py)
+
 # a learner with CURVE on never completes a connection with a node whose keys do not match: sends then block
 _CHECK = (
     "is the learner running and the address right? is transport.curve the same on both sides, and this "

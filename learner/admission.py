@@ -64,8 +64,10 @@ class Admission:
         def take(n: int, holding: set[str]) -> list[list[Trajectory]]:
             return self.intake.collect(n, version, self.serve, self.hint, holding=holding, warn_after=self.warn_after)
 
-        self.selection = select(take, self.drop, learner.groups_per_step, self.cfg.loss, completion_limit(self.cfg))
-        warn_unfilled(step, self.selection, learner.groups_per_step, self.cfg.loss)
+        places, wanted = self.intake.places, learner.groups_per_step  # given up groups' places: learner/places.py
+        short = lambda: places.short  # noqa: E731 (groups given up while the step waits count too)
+        self.selection = select(take, self.drop, wanted, self.cfg.loss, completion_limit(self.cfg), short)
+        warn_unfilled(step, self.selection, wanted - places.short, self.cfg.loss)
         train = self.selection.train
         pad = learner.micro_batch_tokens // learner.pad_buckets if self.compiled and learner.pad_buckets else 0
         per_rank = pack_for_ranks(train, self.selection.advantages, ranks, learner.micro_batch_tokens, pad_multiple=pad)
@@ -82,11 +84,12 @@ class Admission:
         version learned from them); and the steps left are recorded for admission."""
         ids, left = [t.sample_id for t in self.selection.train], steps_left(self.cfg, step + 1)
         dropped = {"truncated": self.selection.masked}  # in the advantages' baseline, never in the loss
+        held = self.intake.places.step_done()  # the places its lost groups left end with it
         if metrics["skipped"]:
             dropped["nonfinite_step" if metrics.get("skipped_nonfinite") else "no_gradient"] = ids
-            self.ledger.skip_step(dropped, steps_left=left)
+            self.ledger.skip_step(dropped, steps_left=left, held=held)
         else:
-            self.ledger.commit_step(ids, self.version_of(), step, steps_left=left, dropped=dropped)
+            self.ledger.commit_step(ids, self.version_of(), step, steps_left=left, dropped=dropped, held=held)
             self.intake.alarm.trained()
         self.intake.counters.update({reason: len(held) for reason, held in dropped.items() if held})
 

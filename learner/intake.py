@@ -24,6 +24,7 @@ from streamrl.engine.messages import Trajectory
 from streamrl.engine.telemetry import EventLog
 from streamrl.engine.transport import TrajectoryReceiver
 from streamrl.learner.overdue import OverdueGroups
+from streamrl.learner.places import LostPlaces
 
 log = logging.getLogger("streamrl.learner")
 
@@ -130,9 +131,11 @@ class Intake:
         order_patience_s: float = GROUP_PATIENCE_S,
         rewards: RewardWatch | None = None,
         overdue: OverdueGroups | None = None,
+        places: LostPlaces | None = None,
     ):
         self.receiver, self.ledger, self.alarm = receiver, ledger, alarm
         self.rewards, self.overdue = rewards, overdue
+        self.places = places or LostPlaces(1)  # one group a step: no place is ever left empty
         self.order_patience_s = order_patience_s
         self.groups: dict[str, _Group] = {}
         self.counters = collections.Counter()
@@ -155,7 +158,9 @@ class Intake:
         """Block until `n_groups` whole groups of samples fresh at `version` are here; return them,
         oldest first. `between` runs between receives (node service); `waiting_hint` says what is
         waited for when the wait is longer than `warn_after()` seconds; `holding`: groups this step took
-        already (a refill after dynamic sampling dropped some), which the admission order passes over."""
+        already (a refill after dynamic sampling dropped some), which the admission order passes over.
+        The step's first take (nothing held) goes without the places of its groups given up (`places`),
+        also those given up while it waits."""
         waiting_since = last_warn = time.monotonic()
         while True:
             self.alarm.check(waiting_hint)  # also between steps that train nothing (skipped steps)
@@ -164,7 +169,8 @@ class Intake:
             if batch:
                 self._admit(batch, version)
                 waiting_since = last_warn = time.monotonic()
-            ready = self._take_ready(n_groups, version, holding)
+            wanted = n_groups if holding else max(1, n_groups - self.places.short)
+            ready = self._take_ready(wanted, version, holding)
             if ready is not None:
                 return ready
             if time.monotonic() - last_warn > warn_after():
@@ -240,9 +246,8 @@ class Intake:
         oldest = [g for g in self.ledger.oldest_open_groups(n_groups + len(holding)) if g not in holding]
         ready = set(usable)
         in_flight = [g for g in oldest if g not in self.groups or self._arriving(self.groups[g], now)]
-        if in_flight:  # a silent node's group past its deadline: not waited for
-            given_up = self._give_up_overdue(self.ledger.oldest_open_groups(OPEN_GROUPS_MAX), now)
-            in_flight = [g for g in in_flight if g not in given_up]
+        if in_flight and self._give_up_overdue(self.ledger.oldest_open_groups(OPEN_GROUPS_MAX), now):
+            return None  # a silent or gone node's groups, not waited for: look again without their places
         if in_flight:
             if self._order_wait_since is None:
                 self._order_wait_since = now
@@ -258,7 +263,14 @@ class Intake:
         """Drop the open groups (nothing of them here) that a silent node holds past their deadline."""
         if self.overdue is None:
             return set()
-        given_up = self.overdue.give_up([g for g in open_groups if g not in self.groups], now)
+        order = list(open_groups)
+
+        def leave_place(group: str) -> None:  # before its credit returns: a group admitted now goes after its step
+            if self.places.lose(group, order):
+                self.ledger.hold_credits(self.places.held)
+            order.remove(group)
+
+        given_up = self.overdue.give_up([g for g in open_groups if g not in self.groups], now, leave_place)
         self.counters.update(overdue=sum(given_up.values()))
         return set(given_up)
 

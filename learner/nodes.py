@@ -32,7 +32,7 @@ from collections.abc import Callable
 from typing import Protocol
 
 from streamrl.engine.auth import Identity, new_secret
-from streamrl.engine.control import ControlServer
+from streamrl.engine.control import HEARTBEAT_S, ControlServer
 from streamrl.engine.messages import Goodbye, Heartbeat, Register, Stop, WeightsApplied, Welcome
 from streamrl.engine.telemetry import EventLog
 from streamrl.engine.transport import TransportError
@@ -40,10 +40,11 @@ from streamrl.engine.weights.paths import Location
 
 log = logging.getLogger("streamrl.learner")
 
-# A node beats every 0.5 s (rollout/control.py): one that missed a beat is asked whether its connection is open,
-# so a killed node is known within a beat or so, not after the seconds of silence a frozen one is given.
-PROBE_AFTER_S = 0.6
-PROBE_EVERY_S = 0.2
+# A node beats every HEARTBEAT_S (rollout/control.py): one that missed a beat (silent a fifth of a beat past it) is
+# asked whether its connection is open, so a killed node is known within a beat or so, not after the seconds of
+# silence a frozen one is given.
+PROBE_AFTER_S = 1.2 * HEARTBEAT_S
+PROBE_EVERY_S = 0.4 * HEARTBEAT_S
 
 
 @dataclasses.dataclass
@@ -164,8 +165,8 @@ class NodeRegistry(threading.Thread):
         if not self._speaks_for(peer, key, msg):
             return
         now = time.time()
-        if msg.node_id in self.unreachable:  # heard: its connection is open again
-            with self.lock:
+        if msg.node_id in self.unreachable and self.server.connected(peer):  # heard, and its connection is open again
+            with self.lock:  # (a message read after its connection closed was sent before: it proves nothing)
                 self.unreachable.pop(msg.node_id, None)
         if isinstance(msg, Heartbeat):
             info = self.nodes[msg.node_id]
@@ -328,11 +329,15 @@ class NodeRegistry(threading.Thread):
             self.run_events.emit(event, node=node_id, **fields)
 
     def forget(self, node_id: str) -> None:
+        """Out of the run: no longer probed, nor unreachable (a killed node leaves once the ledger reaped it, which
+        resolves what it held: the learner no longer asks the ledger who holds each group it waits for)."""
         self._detach(node_id)
         with self.lock:
             info = self.nodes.pop(node_id, None)
             if info is not None:
                 self.departed[node_id] = (info.peer, info.key)
+            self.unreachable.pop(node_id, None)
+            self._probed.pop(node_id, None)
 
     def close(self) -> None:
         """Stop the control thread and close the socket and every node's link."""

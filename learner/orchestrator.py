@@ -42,6 +42,7 @@ from streamrl.learner.intake import Intake, RewardWatch, StallAlarm
 from streamrl.learner.node_service import NodeService
 from streamrl.learner.nodes import NodeRegistry
 from streamrl.learner.overdue import OverdueGroups
+from streamrl.learner.places import LostPlaces
 from streamrl.learner.publisher import Publisher
 from streamrl.learner.step_metrics import peak_flops
 from streamrl.learner.step_outcome import StepOutcome
@@ -116,7 +117,8 @@ class Orchestrator:
         window = 2 * cfg.learner.groups_per_step * cfg.rollout.group_size  # 2 steps' worth of samples
         rewards = RewardWatch(window)
         overdue = OverdueGroups(self.ledger, self.registry.silent_s, window, self.registry.unreachable_s)
-        self.intake = Intake(receiver, self.ledger, alarm, patience, rewards, overdue)
+        places = LostPlaces(cfg.learner.groups_per_step)
+        self.intake = Intake(receiver, self.ledger, alarm, patience, rewards, overdue, places)
         self.intake.events = self.events
         self.publisher = Publisher(cfg, self.registry, device, adapter)
         self.sink = MetricsSink(cfg.run.path, cfg.telemetry)

@@ -14,10 +14,10 @@ A node whose control connection closed (its process killed: the kernel closes it
 `NodeRegistry` proves it with a send that fails) cannot deliver anything more: its groups are given up once
 that is `GONE_S` old, without the deadline: a kill is acted on one missed beat after it (`nodes.PROBE_AFTER_S`),
 not after 2 s of silence and a deadline of seconds. Its frames sent before it died are taken in by then.
-Its samples not yet received are dropped as `overdue`, which returns the group's credit, and the step
-goes on with the next groups. A node that wakes finds the samples no longer its own in the ledger and
-does not send them (`rollout/service.py` `LedgerSink`); if it stays silent the reaper takes the rest
-(`node_lost`) once its heartbeat expires.
+Its samples not yet received are dropped as `overdue`, and the step it was admitted for goes on without it:
+its place stays empty, its credit held until that step ends (learner/places.py). A node that wakes finds the
+samples no longer its own in the ledger and does not send them (`rollout/service.py` `LedgerSink`); if it
+stays silent the reaper takes the rest (`node_lost`) once its heartbeat expires.
 """
 
 from __future__ import annotations
@@ -65,8 +65,11 @@ class OverdueGroups:
         """How long a group may be waited for (None until a group time was measured)."""
         return max(self.durations) + MARGIN_S if self.durations else None
 
-    def give_up(self, open_here_not: list[str], now: float) -> dict[str, int]:
-        """Of the open groups of which nothing has arrived, drop those overdue; group -> samples dropped."""
+    def give_up(
+        self, open_here_not: list[str], now: float, before: Callable[[str], None] = lambda group: None
+    ) -> dict[str, int]:
+        """Of the open groups of which nothing has arrived, drop those overdue; group -> samples dropped.
+        `before(group)` runs before a group's samples are dropped (their credit returns with them)."""
         self.waiting = {group: self.waiting.get(group, now) for group in open_here_not}
         self.holders = {group: held for group, held in self.holders.items() if group in self.waiting}
         gone = {node for node, seconds in self.unreachable_s().items() if seconds >= GONE_S}
@@ -82,6 +85,7 @@ class OverdueGroups:
             node = self.holders[group] = record.get("node", "")
             if not record or not self._due(node, waited, deadline, gone):
                 continue
+            before(group)
             n = sum(self.ledger.drop(sample_ids(group, int(record.get("n", 0))), "overdue"))
             why = "its connection closed" if node in gone else f"silent for {self.silent_s(node):.1f} s"
             due = "none measured yet" if deadline is None else f"{deadline:.1f} s"

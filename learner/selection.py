@@ -132,9 +132,12 @@ class Selection:
         }
 
 
-def select(take: Take, drop: Drop, n_groups: int, cfg: LossConfig, limit: int) -> Selection:
+def select(
+    take: Take, drop: Drop, n_groups: int, cfg: LossConfig, limit: int, short: Callable[[], int] = lambda: 0
+) -> Selection:
     """The step's samples (see the module doc): `take` whole groups in admission order, `drop` resolves
-    samples in the ledger; `limit` is the completion length limit of the overlong penalty."""
+    samples in the ledger; `limit` is the completion length limit of the overlong penalty; `short()`: groups
+    the step goes without (given up with their node: learner/places.py), neither waited for nor refilled."""
     out, holding = Selection(), set()
     budget = cfg.refill_limit * n_groups if cfg.dynamic_sampling else 0
     want = n_groups
@@ -151,7 +154,7 @@ def select(take: Take, drop: Drop, n_groups: int, cfg: LossConfig, limit: int) -
             out.groups.append(group)
             out.rewards.append(rewards)
             holding.add(group[0].group_id)
-        missing = n_groups - len(out.groups)
+        missing = n_groups - short() - len(out.groups)
         want = min(missing, budget - out.refilled)
         out.refilled += max(want, 0)
         out.unfilled = missing > 0

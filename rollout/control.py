@@ -13,15 +13,16 @@ import sys
 import threading
 import time
 
-from streamrl.engine.control import ControlClient
+from streamrl.engine.control import HEARTBEAT_S, ControlClient
 from streamrl.engine.ledger import Ledger
 from streamrl.engine.messages import Heartbeat, Stop, WeightsApplied, WeightsReady
 from streamrl.engine.transport import TransportError
 
 log = logging.getLogger("streamrl.rollout")
 
-HEARTBEAT_S = 0.5  # a node silent past a beat is asked whether its connection is open (learner/nodes.py); the
-# learner gives up the groups of a node whose connection closed, or silent for 2 s (learner/overdue.py)
+# HEARTBEAT_S (engine/control.py): a node silent past a beat is asked whether its connection is open
+# (learner/nodes.py); the learner gives up the groups of a node whose connection closed, or silent for 2 s
+# (learner/overdue.py)
 
 
 class ControlLoop(threading.Thread):

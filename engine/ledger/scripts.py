@@ -15,6 +15,7 @@ Key layout under the prefix `streamrl:{run}:`:
   rollbacks       list   JSON {"from", "to", "samples", "time"} per roll_back
   learner         hash   incarnation, control_addr, trajectory_addr, time (the learner now serving the run)
   inflight        string groups holding a credit (taken, not every sample resolved)
+  held            string credits the learner holds for the places of groups it gave up, until their steps end
   counts          hash   total, admitted, generated, received, trained, dropped, dropped:<reason>
   lag             hash   staleness (versions) at training -> samples
   s:<sample_id>   hash   node, group, state, v_adm, v, vmin, v_trn, t_adm, t_gen, t_rcv, t_end

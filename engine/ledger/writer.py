@@ -99,6 +99,7 @@ class Ledger(LedgerBooks):
             },
         )
         self.client.hdel(self.prefix + "meta", "finished")
+        self.client.set(self.prefix + "held", 0)  # a learner before this one held places for its own steps
         if self.client.get(self.prefix + "version") is None:
             self.publish_version(0, step=0)
         return capacity
@@ -197,6 +198,15 @@ class Ledger(LedgerBooks):
         taken = self._call("TAKE_CREDIT", node_id, group_id, group_size, prompt, time.time(), node_version)
         return sample_ids(group_id, group_size) if taken == 1 else None
 
+    @retried
+    def hold_credits(self, count: int) -> None:
+        """Learner side: `count` credits stay taken for the places of groups the learner gave up (their node
+        is gone), until the steps they were admitted for end (`commit_step`/`skip_step`'s `held`). Admission
+        counts them as groups ahead, so a group admitted in a place's stead is trained after that step,
+        never in it: the step trains without the lost group instead of waiting for one made from scratch.
+        The learner owns the count and writes it whole (a retry writes the same)."""
+        self.client.set(self.prefix + "held", max(0, count))
+
     def oldest_open_groups(self, count: int) -> list[str]:
         """The `count` groups admitted first that are not resolved yet (a batch trains in this order)."""
         return self._retry(lambda: self.client.zrange(self.prefix + "adm", 0, count - 1), "oldest_open_groups")
@@ -252,16 +262,18 @@ class Ledger(LedgerBooks):
         step: int,
         steps_left: int | None = None,
         dropped: Mapping[str, Sequence[str]] | None = None,
+        held: int | None = None,
     ) -> list[bool]:
         """Learner side, one round trip after an optimizer step: mark the batch trained (staleness
         measured against the version that trained it), then publish the new `version`; with it how many
         steps are left (for admission) and the step's samples that left the batch (`dropped`: reason ->
-        ids, e.g. truncated completions kept out of the loss)."""
+        ids, e.g. truncated completions kept out of the loss); `held`: the credits still held once the step
+        ended (`hold_credits`)."""
         record, now, keys = json.dumps({"step": step, "time": time.time()}), time.time(), self._call_id()
 
         def attempt():
             pipe = self.client.pipeline(transaction=False)
-            self._end_step(pipe, keys, now, steps_left, dropped or {})
+            self._end_step(pipe, keys, now, steps_left, dropped or {}, held)
             if trained_ids:
                 args = [self.prefix, "trained", now, 1, *trained_ids]
                 self._scripts["TRANSITION"](keys=[keys + ":t"], args=args, client=pipe)
@@ -269,10 +281,12 @@ class Ledger(LedgerBooks):
             return _execute(pipe, self.run)
 
         results = self._retry(attempt, "commit_step")
-        at = (steps_left is not None) + sum(1 for ids in (dropped or {}).values() if ids)
+        at = (steps_left is not None) + (held is not None) + sum(1 for ids in (dropped or {}).values() if ids)
         return [r == 1 for r in results[at]] if trained_ids else []
 
-    def skip_step(self, dropped: Mapping[str, Sequence[str]], steps_left: int | None = None) -> None:
+    def skip_step(
+        self, dropped: Mapping[str, Sequence[str]], steps_left: int | None = None, held: int | None = None
+    ) -> None:
         """Learner side, one round trip after a step that took no optimizer update: its samples are dropped
         (`dropped`: reason -> ids, e.g. no_gradient; no weights contain them and the version does not move)
         and, as `commit_step` records it, how many steps are left, so admission does not count the step as
@@ -281,16 +295,27 @@ class Ledger(LedgerBooks):
 
         def attempt():
             pipe = self.client.pipeline(transaction=False)
-            self._end_step(pipe, keys, now, steps_left, dropped)
+            self._end_step(pipe, keys, now, steps_left, dropped, held)
             return _execute(pipe, self.run)
 
         self._retry(attempt, "skip_step")
 
-    def _end_step(self, pipe, keys: str, now: float, steps_left: int | None, dropped: Mapping[str, Sequence[str]]):
-        """Queue a step's end on `pipe`: the steps left first, then the drops. In that order a credit the drops
-        return (a group resolved whole) is weighed against the steps now left, never the step just done."""
+    def _end_step(
+        self,
+        pipe,
+        keys: str,
+        now: float,
+        steps_left: int | None,
+        dropped: Mapping[str, Sequence[str]],
+        held: int | None,
+    ):
+        """Queue a step's end on `pipe`: the steps left and the credits still held first, then the drops. In that
+        order a credit the drops return (a group resolved whole) is weighed against the steps now left, never
+        the step just done."""
         if steps_left is not None:
             pipe.hset(self.prefix + "meta", "steps_left", steps_left)
+        if held is not None:
+            pipe.set(self.prefix + "held", max(0, held))
         for reason, ids in dropped.items():
             if ids:
                 args = [self.prefix, "dropped:" + check_reason(reason), now, 1, *ids]

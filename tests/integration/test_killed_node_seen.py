@@ -88,3 +88,28 @@ def test_a_killed_node_is_unreachable_within_a_beat_and_a_frozen_one_never(regis
     os.kill(frozen.pid, signal.SIGCONT)
     _wait(lambda: registry.silent_s("frozen") < 1.0, "the frozen node beating again")
     assert set(registry.unreachable_s()) == {"killed"}
+
+
+def test_a_beat_read_after_the_kill_does_not_make_the_killed_node_reachable_and_its_loss_ends_it(registry):
+    """The beats a node sent just before its kill wait in the learner's socket; read after its connection was found
+    closed, they once cleared it (seen at the defaults under load: a kill acted on a probe later, 0.6 s). A node
+    the run lost (reaped: what it held resolved) leaves `unreachable`, so the learner stops asking the ledger who
+    holds each group it waits for."""
+    registry, node = registry
+    killed = node("killed")
+    _wait(lambda: registry.count == 1, "the node registered")
+    registry.stopping.set()  # the control thread stops reading: what the node sends now waits in the socket
+    registry.join(timeout=5.0)
+    time.sleep(2 * PROBE_AFTER_S)  # two beats or more, unread
+    os.kill(killed.pid, signal.SIGKILL)
+    killed.wait()
+    _wait(lambda: registry._check_connections() or "killed" in registry.unreachable_s(), "found closed", 10.0)
+    beats = 0
+    while (got := registry.server.recv(0.5)) is not None:
+        registry._handle(*got)  # as the control thread would, had it been slow
+        beats += 1
+    assert beats >= 1  # positive control: beats sent before the kill were read after it
+    assert registry.silent_s("killed") < 2 * PROBE_AFTER_S and "killed" in registry.unreachable_s()
+    registry.lost("killed", "lost: no heartbeat in the ledger")  # the reaper's word
+    registry._flush_outbox()  # its Stop cannot be sent: then it is forgotten
+    assert registry.count == 0 and registry.unreachable_s() == {} and registry._probed == {}

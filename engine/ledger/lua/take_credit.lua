@@ -21,7 +21,9 @@ local cap = redis.call('HGET', p .. 'meta', 'capacity')
 if not cap then
   return redis.error_reply('RUN_NOT_SET_UP no capacity recorded for this run; the learner calls init_run() first')
 end
-local q = tonumber(redis.call('GET', p .. 'inflight') or '0')
+-- q: the groups ahead of this one, the places the learner holds for groups it gave up included (their steps
+-- train without them, so a group admitted now is trained after those steps, not in them)
+local q = tonumber(redis.call('GET', p .. 'inflight') or '0') + tonumber(redis.call('GET', p .. 'held') or '0')
 if q >= tonumber(cap) then return 0 end
 local meta = redis.call('HMGET', p .. 'meta', 'groups_per_step', 'max_staleness', 'mode', 'steps_left')
 local per_step, staleness, left = tonumber(meta[1]), tonumber(meta[2]), tonumber(meta[4] or '-1')

