@@ -29,13 +29,11 @@ of the books (`check`), not a sample on its way.
 from __future__ import annotations
 
 import json
-import pathlib
 import time
 from collections.abc import Mapping, Sequence
 
 import redis
 
-from streamrl.engine.config import LedgerConfig
 from streamrl.engine.ledger.books import (
     DROP_REASONS,
     Counts,
@@ -51,7 +49,7 @@ from streamrl.engine.ledger.books import (
     sample_ids,
 )
 from streamrl.engine.ledger.errors import LedgerError, LedgerUnavailableError, LedgerUnwritableError
-from streamrl.engine.redis_server import RedisServer, connect, write_refusal
+from streamrl.engine.redis_server import write_refusal
 
 __all__ = [
     "DROP_REASONS",
@@ -66,7 +64,6 @@ __all__ = [
     "Received",
     "VersionRecord",
     "is_stale",
-    "open_ledger",
     "sample_ids",
 ]
 
@@ -363,21 +360,6 @@ class Ledger(LedgerBooks):
             rejected=rejected,
             rolled_back=[s.sample_id for s in moved["dropped:rolled_back"]],
         )
-
-
-def open_ledger(config: LedgerConfig, run: str, run_dir: str | pathlib.Path) -> tuple[Ledger, RedisServer | None]:
-    """The run's ledger: on `config.url`, else on an embedded server persisting in `run_dir/redis`.
-
-    The caller owns the returned server (None for an external one) and stops it last.
-    """
-    if config.url:
-        return Ledger(connect(config.url, config.connect_retries), run, config), None
-    server = RedisServer(pathlib.Path(run_dir) / "redis")
-    try:
-        return Ledger(connect(server.start(), config.connect_retries), run, config), server
-    except BaseException:
-        server.stop()
-        raise
 
 
 _RECEIVE_TARGETS = ("received", "dropped:stale", "dropped:reward_error", "dropped:rolled_back")
