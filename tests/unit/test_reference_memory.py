@@ -1,10 +1,13 @@
-"""The KL reference of its own (learner/reference.py) is stored in the compute dtype and gives the logprobs
-the fp32-sharded reference gave. CPU, one-rank FSDP2, the tiny model, in fp32 and in bf16."""
+"""The KL reference of its own (learner/reference.py) is stored in the compute dtype, gives the logprobs the
+fp32-sharded reference gave, and preflight's split counts the bytes it holds (engine/memory.py). CPU,
+one-rank FSDP2, the tiny model, in fp32 and in bf16."""
 
 import pytest
 import torch
 from torch.distributed.fsdp import FSDPModule
+from transformers import AutoConfig
 
+from streamrl.engine import memory
 from streamrl.engine.config import build
 from streamrl.learner import parallel
 from streamrl.learner.main import _policy
@@ -62,3 +65,21 @@ def test_its_logprobs_are_the_fp32_sharded_ones(built):
             torch.testing.assert_close(got, want, rtol=0.0, atol=0.0)  # logprobs and entropy
     reference_release(ref)
     policy.train()
+
+
+def test_preflight_counts_the_bytes_built(built, tiny_model):
+    """preflight's line = the shards as stored + the copy the pass gathers, measured: fp32 107,072 x 4 + 107,072
+    x 4 = 856,576 bytes; bf16 107,072 x 2 x 2 = 428,288. The old line, 2 bytes a parameter (214,144), was a
+    quarter of fp32's and a third of what the bf16 reference held with fp32 shards (107,072 x (4 + 2) = 642,432)."""
+    cfg = built["cfg"]
+    estimate = memory.learner(cfg, memory.shape_of(AutoConfig.from_pretrained(tiny_model)))
+    line = memory.reference_label(cfg)
+    measured = _bytes(built["shards"]) + built["gathered"]
+    assert estimate.parts[line] * memory.GIB == pytest.approx(measured, rel=1e-3)
+    assert cfg.model.dtype in line and "gathered" in line
+
+
+def test_more_ranks_divide_the_shards_not_the_gathered_copy():
+    cfg = build({"model": {"dtype": "bfloat16"}, "loss": {"kl_coef": 0.1}, "learner": {"ranks": 8}})
+    # 7,614,699,008 / 8 = 951,837,376 per rank x 2 bytes, + the whole model x 2 bytes gathered for the pass
+    assert memory.reference_bytes(cfg, 7_614_699_008) == 951_837_376 * 2 + 7_614_699_008 * 2
