@@ -9,7 +9,8 @@ to their share. The formulas are first-order and were checked against measured p
   `learner.micro_batch_tokens` tokens, 2·(4·hidden + 4·intermediate) bytes per token and layer (one layer's
   with activation checkpointing, plus 2·hidden per layer) + the LM head's logits (kept up to
   `learner.head_logits_gib`, plus an 8192-token fp32 chunk and its gradient) + a reference model (a KL to
-  one; none where LoRA's own base is the reference) + the critic's value model, trained like the actor but
+  one: shards in model.dtype over the ranks + the copy its pass gathers; none where LoRA's own base is the
+  reference) + the critic's value model, trained like the actor but
   after it (weights, gradients and AdamW: its activations are the actor's, freed by then) + 1 GiB of CUDA
   context; on rank 0 two sets of packed weights for the push. The step alone (bench/learner_step.py),
   Qwen2-0.5B body (512-token vocabulary) at 40960 tokens: 49.3 GiB estimated, 46.8 measured; Qwen2.5-3B,
@@ -124,14 +125,27 @@ def learner(cfg: Config, shape: Shape, tokens: int | None = None) -> Estimate:
         f"activations of learner.micro_batch_tokens = {tokens}": activations / GIB,
         "LM head": (kept + 2 * min(tokens, HEAD_CHUNK) * shape.vocab * 4) / GIB,
     }
-    # learner/reference.py builds it for either KL; LoRA with the starting weights as the reference takes
-    # the policy's own base with the adapters off (engine/lora.reference_is_base): no second copy
     if (cfg.loss.kl_coef > 0 or cfg.critic.kl_in_reward > 0) and not reference_is_base(cfg):
-        parts["reference model"] = 2 * p / GIB
+        parts[reference_label(cfg)] = reference_bytes(cfg, p) / GIB
     if critic_on(cfg.critic.enabled, cfg.loss.advantage):  # a full value model (no LM head), trained after the actor
         parts["critic: weights, gradients, AdamW"] = (16 * p / lc.ranks + 2 * p) / GIB
     parts["CUDA context"] = CONTEXT_GIB
     return Estimate(parts)
+
+
+def reference_label(cfg: Config) -> str:
+    """The split's line for the KL reference: what `reference_bytes` counts, in words."""
+    return f"reference model ({cfg.model.dtype} shards / learner.ranks = {cfg.learner.ranks} + its gathered copy)"
+
+
+def reference_bytes(cfg: Config, params: int) -> int:
+    """One learner rank's bytes for a KL reference of its own (learner/reference.py builds it for either KL;
+    none where LoRA's own base is the reference, engine/lora.reference_is_base): its shards, stored in the
+    compute dtype (it never trains: no fp32 master copy), over the ranks, + the copy its pass gathers, in that
+    dtype. The whole model on one rank (nothing reshards there until the pass ends); an upper bound on more,
+    where layer units reshard after their forward, as the policy's compute copy is counted whole."""
+    nbytes = 4 if cfg.model.dtype == "float32" else 2
+    return -(-params // cfg.learner.ranks) * nbytes + params * nbytes
 
 
 def hf_node(cfg: Config, shape: Shape) -> Estimate:

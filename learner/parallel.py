@@ -104,7 +104,8 @@ def wrap_model(
     init_distributed()
     if device.type == "cuda" and attention.register_varlen_attention():
         model.config._attn_implementation = "streamrl_varlen"
-    frozen = any(not p.requires_grad for p in model.parameters())  # LoRA: the base keeps its dtype (lora.py)
+    # a frozen model keeps the dtype it was loaded in: LoRA's base (lora.py), the KL reference (reference.py)
+    frozen = any(not p.requires_grad for p in model.parameters())
     model = (model.to(device) if frozen else model.to(device=device, dtype=torch.float32)).train()
     policy = PolicyModel(
         model,

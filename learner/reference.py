@@ -3,7 +3,10 @@
 Loaded from `loss.reference_path` (empty: `model.path`, the weights the run starts from; a resumed run
 still measures KL to those, not to its checkpoint), sharded over the ranks like the policy
 (`parallel.wrap_model`, the same units and compute dtype), in eval mode with no gradient and no
-optimizer. Its logprobs are of the rollout's sampling distribution (temperature, top-k/top-p), as the
+optimizer. It never trains, so it keeps no fp32 master copy: its shards are stored in the compute dtype
+(`model.dtype`), which FSDP2 rounded fp32 shards to for every forward anyway, so its logprobs are the ones
+an fp32-sharded reference gave, from half the shard bytes in bf16 (engine/memory.reference_bytes counts
+them). Its logprobs are of the rollout's sampling distribution (temperature, top-k/top-p), as the
 policy's, taken in the no-grad pass before a step's first update (train_step.py). Anything that would
 stop it from being built (a path that does not load, another vocabulary) is refused here, at start,
 naming the fields: never mid-run.
@@ -71,7 +74,8 @@ def build_reference(
     why = f"{knob} = {kl} needs a reference model, but {field} = {path!r}"
     fix = f"set loss.reference_path to a model folder with the policy's vocabulary, or {knob} = 0"
     try:
-        lm = load_model(path, "float32", "cpu", cfg.model.trust_remote_code)
+        # the compute dtype (as LoRA's frozen base): FSDP2 rounded fp32 shards to it for every forward anyway
+        lm = load_model(path, str(compute_dtype).removeprefix("torch."), "cpu", cfg.model.trust_remote_code)
     except (ModelLoadError, OSError, ValueError) as e:
         raise ConfigError(f"{why} does not load ({e}); {fix}") from None
     vocab, policy_vocab = lm.get_output_embeddings().weight.shape[0], policy.lm.get_output_embeddings().weight.shape[0]
@@ -80,8 +84,8 @@ def build_reference(
     # activation checkpointing saves nothing without a backward
     learner = msgspec.structs.replace(cfg.learner, activation_checkpointing=False)
     sampling = dict(temperature=cfg.rollout.temperature, top_k=cfg.rollout.top_k, top_p=cfg.rollout.top_p)
+    lm.requires_grad_(False)  # frozen before wrap_model, which then keeps the dtype it was loaded in
     ref = parallel.wrap_model(lm, learner, device, compute_dtype=compute_dtype, **sampling)
-    ref.requires_grad_(False)
     return ref.eval()
 
 

@@ -54,5 +54,7 @@ def test_a_kl_in_the_reward_counts_the_reference_model():
     shape = memory.Shape(params=494_000_000, hidden=896, intermediate=4864, layers=24, kv_width=128, vocab=151936)
     ppo = memory.learner(build(PPO), shape)
     penalised = memory.learner(build({**PPO, "critic": {"kl_in_reward": 0.01, "kl_ctrl": "adaptive"}}), shape)
-    # learner/reference.py builds the reference for critic.kl_in_reward as for loss.kl_coef: its 2-byte weights
-    assert penalised.parts["reference model"] == 2 * 494_000_000 / 2**30 and "reference model" not in ppo.parts
+    # learner/reference.py builds the reference for critic.kl_in_reward as for loss.kl_coef: in model.dtype
+    # (float32 here), its shards over one rank + its gathered copy, 494,000,000 x (4 + 4) bytes
+    line = memory.reference_label(build(PPO))
+    assert penalised.parts[line] == 8 * 494_000_000 / 2**30 and line not in ppo.parts

@@ -164,6 +164,8 @@ QWEN2_7B = memory.Shape(params=7_614_699_008, hidden=3584, intermediate=18944, l
     ],
 )
 def test_preflight_counts_a_reference_model_only_where_one_is_built(data, counted):
-    # the reference's 2 bytes a parameter: 2 x 7,614,699,008 / 2**30 = 14.18 GiB for Qwen2-7B
-    estimate = memory.learner(build(data), QWEN2_7B)
-    assert estimate.parts.get("reference model", 0.0) == pytest.approx(14.18 if counted else 0.0, abs=0.005)
+    # bf16 shards on one rank + the bf16 copy its pass gathers: 4 x 7,614,699,008 / 2**30 = 28.37 GiB for Qwen2-7B
+    cfg = build({**data, "model": {"dtype": "bfloat16"}})
+    estimate, line = memory.learner(cfg, QWEN2_7B), memory.reference_label(cfg)
+    assert estimate.parts.get(line, 0.0) == pytest.approx(28.37 if counted else 0.0, abs=0.005)
+    assert [k for k in estimate.parts if k.startswith("reference")] == ([line] if counted else [])
