@@ -13,9 +13,11 @@ What a link gives a node, a member keeps: a member is busy with one version at a
 newest; it is free for the next version once its copy is confirmed, or once it said the version is live,
 whatever the other members do, so a slow or frozen member delays only itself. A version's buffers are
 held until every member of its round confirmed or was given up on (at `weights.timeout_s`, claimed in the
-store as a link claims it: `ipc.GAVE_UP`), so the learner never repacks a set a node still reads. A member
-whose node left (evicted, lost, gone) is dropped from its round at once. The fetch keeps no list of nodes:
-a member hangs on its node's entry in the registry as a link does, and each look asks the registry.
+store as a link claims it: `ipc.GAVE_UP`), so the learner never repacks a set a node still reads. A member's
+confirmation key is deleted once its round read it (the node writes it once and never reads it); a claim the
+learner won is kept (ipc.forget says why): the store holds no key per version. A member whose node left
+(evicted, lost, gone) is dropped from its round at once. The fetch keeps no list of nodes: a member hangs on
+its node's entry in the registry as a link does, and each look asks the registry.
 """
 
 from __future__ import annotations
@@ -108,7 +110,10 @@ class SharedFetch(threading.Thread):
         self.sender.close()
 
     def _round(self, published: _Set, members: list[Member]) -> None:
-        """`published` to `members`: one `WeightsReady` to each, then their copies waited for together."""
+        """`published` to `members`: one `WeightsReady` to each, then their copies waited for together; the
+        confirmation keys read are deleted last, once the members are free and the set given back (256 deletes
+        are ~15 ms of round trips to the store, which would hold both)."""
+        spent: list[str] = []
         try:
             with self._lock:
                 ready = self.sender.prepare(published.version, published.packed, published.event)
@@ -124,37 +129,49 @@ class SharedFetch(threading.Thread):
                     delivered.append(member)
                 except Exception as e:  # noqa: BLE001 - the node's own failure; reported, evicted
                     self._fail(member, "layout", f"{type(e).__name__}: {e}")
-            self._wait_copied(published.version, delivered, start, time.monotonic() + timeout_s)
+            self._wait_copied(published.version, delivered, start, time.monotonic() + timeout_s, spent)
         finally:
             for member in members:
                 member.free(published.version)
             self.publisher.give_back(published)
+            for key in spent:
+                self.sender.store.delete_key(key)
 
-    def _wait_copied(self, version: int, members: list[Member], start: float, deadline: float) -> None:
+    def _wait_copied(
+        self, version: int, members: list[Member], start: float, deadline: float, spent: list[str]
+    ) -> None:
         """Until each member's copy of `version` is confirmed (its key in the store, or its version live), it
-        left, or the deadline: one `check` of every waiting key a poll, a claim per member only at the end."""
+        left, or the deadline: one `check` of every waiting key a poll, a claim per member only at the end.
+        `spent` gets the keys the nodes wrote (each writes its key once and never reads it); a claim the
+        learner won stays in the store (ipc.forget says why)."""
         store, pause = self.sender.store, POLL_S[0]
         waiting = list(members)
         while waiting and time.monotonic() < deadline and not self.stopping.is_set():
             for member in [m for m in waiting if m.state.applied >= version]:  # live: its copy was confirmed
                 member.confirmed(version, time.perf_counter() - start)
+                spent.append(member.key(version))  # confirmed in the store before the node swapped it in
             waiting = [m for m in waiting if m.state.applied < version and not m.closed.is_set()]
             if waiting and store.check([m.key(version) for m in waiting]):
-                self._settle(version, waiting, store.multi_get([m.key(version) for m in waiting]), start)
+                self._settle(version, waiting, store.multi_get([m.key(version) for m in waiting]), start, spent)
                 waiting = []
                 break
             time.sleep(pause)
             pause = min(2 * pause, POLL_S[1])
         late = [m for m in waiting if not m.closed.is_set()]
-        self._settle(version, late, [store.compare_set(m.key(version), "", GAVE_UP) for m in late], start)
+        self._settle(version, late, [store.compare_set(m.key(version), "", GAVE_UP) for m in late], start, spent)
         for member in members:  # left mid-copy: its process may still read the buffers, so the learner claims
             if member.closed.is_set() and member.state.sent < version:
-                store.compare_set(member.key(version), "", GAVE_UP)
+                if store.compare_set(member.key(version), "", GAVE_UP).decode() != GAVE_UP:
+                    spent.append(member.key(version))  # its word came first
 
-    def _settle(self, version: int, members: list[Member], outcomes: list[bytes], start: float) -> None:
+    def _settle(
+        self, version: int, members: list[Member], outcomes: list[bytes], start: float, spent: list[str]
+    ) -> None:
         seconds = time.perf_counter() - start
         for member, outcome in zip(members, outcomes, strict=True):
             said = outcome.decode()
+            if said != GAVE_UP:
+                spent.append(member.key(version))
             if said == COPIED:
                 member.confirmed(version, seconds)
             elif said == GAVE_UP:

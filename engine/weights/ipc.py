@@ -12,8 +12,10 @@ The node confirms its copy in the learner's TCPStore (`copied/<version>/<rank>`)
 that version's buckets (the publisher repacks only a set no transfer holds) until then or until the
 deadline. At the deadline the learner claims the same key (`compare_set`): whichever side claims it
 first decides, so a node that finishes its copy after the learner gave up throws the copy away instead
-of swapping in weights the learner may be repacking. Handles, events and files are opened once per
-buffer on the node (`_Opened`), and again only when the learner's buffers change (a new layout).
+of swapping in weights the learner may be repacking. The node writes its key once and never reads it:
+the learner deletes it once it read the node's word, and keeps only the claims it won (`forget`), so the
+store does not grow with the versions. Handles, events and files are opened once per buffer on the node
+(`_Opened`), and again only when the learner's buffers change (a new layout).
 """
 
 from __future__ import annotations
@@ -182,14 +184,14 @@ class IpcSender:
         pause = POLL_S[0]
         while not self._closed.is_set():
             if self.store.check([key]):
-                return self.store.get(key).decode()
+                return forget(self.store, key, self.store.get(key).decode())
             if time.monotonic() > deadline:
                 break
             time.sleep(pause)
             pause = min(2 * pause, POLL_S[1])
         won = self.store.compare_set(key, "", GAVE_UP).decode()
         if won != GAVE_UP:
-            return won  # the node's word came in the same instant
+            return forget(self.store, key, won)  # the node's word came in the same instant
         why = "the sender was closed" if self._closed.is_set() else f"no confirmation within {self.timeout_s:g} s"
         return f"{why}: the node did not copy the version from the shared buffers"
 
@@ -202,6 +204,17 @@ class IpcSender:
 
 def _copied_key(ready: WeightsReady, rank: int) -> str:
     return f"{ready.group_prefix}copied/{ready.version}/{rank}"
+
+
+def forget(store: dist.Store, key: str, outcome: str) -> str:
+    """`outcome`, read from `key`; the key deleted if the node wrote it (its one write, `receive_shared`'s
+    `compare_set`: nobody reads it again), kept if the learner's claim won: a late node's `compare_set` on a
+    missing key would succeed, and it would swap in a copy of buffers the learner may be repacking. A claim
+    is kept for the store's life (one per give-up, and a give-up evicts its node: bounded by failures, not
+    by versions)."""
+    if outcome != GAVE_UP:
+        store.delete_key(key)
+    return outcome
 
 
 # ---- node side --------------------------------------------------------------------------------

@@ -120,6 +120,12 @@ def _poll_until(publisher: Publisher, cond, timeout_s: float) -> list[str]:
     return evicted + _evict_reported(publisher)
 
 
+def _until(cond, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond() and time.monotonic() < deadline:
+        time.sleep(0.02)
+
+
 @pytest.mark.parametrize("shared", [(), ("a", "dead")], ids=["gloo", "shm-and-gloo"])
 def test_publish_holds_only_for_packing_and_a_silent_node_is_evicted_after_one_deadline(shared):
     nodes = FakeRegistry({"a": "ok", "b": "ok", "dead": "silent"})
@@ -170,6 +176,28 @@ def test_a_node_that_never_confirms_a_version_live_is_evicted_after_one_deadline
         evicted = _poll_until(publisher, lambda: "stuck" not in publisher.states(), TIMEOUT_S + 10)
         assert evicted == ["stuck"] and nodes.live["stuck"][0][0] == 1  # it did receive; it never went live
         assert publisher.states()["ok"].applied == 1
+    finally:
+        nodes.close()
+
+
+def _link_keys(publisher: Publisher) -> dict[str, int]:
+    return {node_id: link.sender.store.num_keys() for node_id, link in publisher._links().items()}
+
+
+def test_a_links_store_holds_no_key_per_version():
+    # the old code kept each version's key: after 8 versions the shm link's store held 8 (copied/<v>/1), the
+    # gloo link's 12 (its group's 4 and posted/<v>)
+    nodes = FakeRegistry({"g": "ok", "s": "ok"})
+    publisher = _publisher(nodes, shared=("s",))
+    try:
+        keys = []
+        for version in range(1, 9):
+            publisher.publish(version, _weights(version))
+            _poll_until(publisher, lambda v=version: all(s.applied >= v for s in publisher.states().values()), 10)
+            _until(lambda: _link_keys(publisher)["s"] == 0, 5)  # the link deletes the node's word once it read it
+            keys.append(_link_keys(publisher))
+        assert keys == [{"g": keys[0]["g"], "s": 0}] * 8, keys  # the gloo group's own keys stay
+        assert [v for v, _ in nodes.live["g"]] == [v for v, _ in nodes.live["s"]] == list(range(1, 9))  # none lost
     finally:
         nodes.close()
 

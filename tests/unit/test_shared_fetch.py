@@ -21,7 +21,7 @@ from streamrl.engine.messages import AdapterSpec, WeightsReady
 from streamrl.engine.weights import here
 from streamrl.learner.publisher import Publisher, _Link
 from streamrl.learner.shared_fetch import Member
-from tests.unit.test_publisher import TIMEOUT_S, FakeRegistry, _poll_until, _weights
+from tests.unit.test_publisher import TIMEOUT_S, FakeRegistry, _poll_until, _until, _weights
 
 
 class RecordingRegistry(FakeRegistry):
@@ -96,6 +96,10 @@ def test_a_member_that_never_copies_is_evicted_after_one_deadline_and_never_hold
         publisher.publish(3, _weights(3))
         _poll_until(publisher, lambda: _applied(publisher) == {"a": 3, "b": 3}, 10)
         assert _applied(publisher) == {"a": 3, "b": 3}
+        # the learner's claim on dead's version 1 stays (were it deleted, a late copy's claim would win);
+        # the six confirmations of a and b are gone
+        _until(lambda: _fetch_keys(publisher) == 1, 5)
+        assert _fetch_keys(publisher) == 1
     finally:
         nodes.close()
 
@@ -141,5 +145,27 @@ def test_a_lora_push_carries_its_adapter_to_every_member():
         _poll_until(publisher, lambda: min(_applied(publisher).values()) >= 1, 10)
         assert _applied(publisher) == dict.fromkeys(nodes.behaviours, 1)
         assert all(r.adapter == adapter for readies in nodes.readies.values() for r in readies)
+    finally:
+        nodes.close()
+
+
+def _fetch_keys(publisher: Publisher) -> int:
+    return publisher._fetches["shm"].sender.store.num_keys()
+
+
+def test_the_fetchs_store_holds_no_key_per_version():
+    # the old code kept every member's confirmation: after 8 versions to 4 members, 32 keys (4 after each)
+    nodes = FakeRegistry({f"n{i}": "ok" for i in range(4)})
+    publisher = _publisher(nodes, fetch_after=0)
+    try:
+        keys = []
+        for version in range(1, 9):
+            publisher.publish(version, _weights(version))
+            _poll_until(publisher, lambda v=version: min(_applied(publisher).values()) >= v, 10)
+            _until(lambda: _fetch_keys(publisher) == 0, 5)  # deleted by the round once it read them
+            keys.append(_fetch_keys(publisher))
+        assert keys == [0] * 8 and _applied(publisher) == dict.fromkeys(nodes.behaviours, 8)
+        assert all([v for v, _ in nodes.live[n]] == list(range(1, 9)) for n in nodes.behaviours)  # none lost
+        assert torch.equal(nodes.live["n3"][-1][1]["embed"], _weights(8)["embed"])
     finally:
         nodes.close()
