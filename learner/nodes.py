@@ -108,7 +108,7 @@ class NodeRegistry(threading.Thread):
     def _flush_outbox(self) -> None:
         while True:
             try:
-                node_id, msg, done, then_forget = self.outbox.get_nowait()
+                node_id, msg, done, then_forget, resolved = self.outbox.get_nowait()
             except queue.Empty:
                 return
             info = self.nodes.get(node_id)
@@ -122,7 +122,7 @@ class NodeRegistry(threading.Thread):
                 self._probe(node_id, info)  # its connection may be gone: known before the node is forgotten
                 done.set_exception(e)
             if then_forget:
-                self.forget(node_id)
+                self.forget(node_id, resolved)
 
     def _check_connections(self) -> None:
         """Whether the nodes that missed a beat still have a connection: a node killed (kill -9, out of memory)
@@ -227,11 +227,11 @@ class NodeRegistry(threading.Thread):
         """Control messages ignored because they could not prove their node."""
         return self.server.faults.count("unregistered") + self.server.faults.count("spoofed")
 
-    def send(self, node_id: str, msg, then_forget: bool = False) -> concurrent.futures.Future:
+    def send(self, node_id: str, msg, then_forget: bool = False, resolved: bool = True) -> concurrent.futures.Future:
         """Queue `msg` for the node; the future fails when it could not be delivered (node gone).
-        `then_forget`: the node leaves the registry once the message left (or could not)."""
+        `then_forget`: the node leaves the registry once the message left (or could not); `resolved`: as `forget`'s."""
         done: concurrent.futures.Future = concurrent.futures.Future()
-        self.outbox.put((node_id, msg, done, then_forget))
+        self.outbox.put((node_id, msg, done, then_forget, resolved))
         return done
 
     def take_events(self) -> list[tuple[str, str]]:
@@ -306,7 +306,7 @@ class NodeRegistry(threading.Thread):
         log.error("evicted node %s: %s", node_id, why)
         self._detach(node_id)  # its link ends now, not when the Stop is out
         self.evicted += 1
-        self.send(node_id, Stop(reason=f"evicted: {why}"), then_forget=True)
+        self.send(node_id, Stop(reason=f"evicted: {why}"), then_forget=True, resolved=False)
         self._record("node_evicted", node_id, why=why)
 
     def lost(self, node_id: str, why: str) -> None:
@@ -328,15 +328,18 @@ class NodeRegistry(threading.Thread):
         if self.run_events is not None:
             self.run_events.emit(event, node=node_id, **fields)
 
-    def forget(self, node_id: str) -> None:
-        """Out of the run: no longer probed, nor unreachable (a killed node leaves once the ledger reaped it, which
-        resolves what it held: the learner no longer asks the ledger who holds each group it waits for)."""
+    def forget(self, node_id: str, resolved: bool = True) -> None:
+        """Out of the run: no longer probed. `resolved`: what it held is resolved in the ledger (it said goodbye, or
+        the ledger reaped it), so it is no longer unreachable either (the learner stops asking the ledger who holds
+        each group it waits for); an evicted node's groups are not (a killed node is evicted when a push to it
+        fails, before the reaper): it stays unreachable, so they are given up at once, until the reaper's `lost`."""
         self._detach(node_id)
         with self.lock:
             info = self.nodes.pop(node_id, None)
             if info is not None:
                 self.departed[node_id] = (info.peer, info.key)
-            self.unreachable.pop(node_id, None)
+            if resolved:
+                self.unreachable.pop(node_id, None)
             self._probed.pop(node_id, None)
 
     def close(self) -> None:

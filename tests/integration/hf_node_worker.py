@@ -198,7 +198,7 @@ class FakeRegistry(NodeRegistry):
         self.why[node_id], self.evicted_at[node_id] = why, time.monotonic()
         super().evict(node_id, why)
 
-    def send(self, node_id, msg, then_forget=False):
+    def send(self, node_id, msg, then_forget=False, resolved=True):
         done: concurrent.futures.Future = concurrent.futures.Future()
         try:
             if isinstance(msg, WeightsReady):
@@ -211,7 +211,7 @@ class FakeRegistry(NodeRegistry):
         except OSError as e:
             done.set_exception(e)
         if then_forget:
-            self.forget(node_id)
+            self.forget(node_id, resolved)
         return done
 
     def take_applied(self, node_id):

@@ -113,3 +113,21 @@ def test_a_beat_read_after_the_kill_does_not_make_the_killed_node_reachable_and_
     registry.lost("killed", "lost: no heartbeat in the ledger")  # the reaper's word
     registry._flush_outbox()  # its Stop cannot be sent: then it is forgotten
     assert registry.count == 0 and registry.unreachable_s() == {} and registry._probed == {}
+
+
+def test_a_killed_node_evicted_before_the_reaper_stays_unreachable_until_its_loss(registry):
+    """A push to a killed node fails at once, so the publisher evicts it before the ledger reaps it: its groups are
+    not resolved yet, so it must stay unreachable (the learner gives them up within GONE_S) until the reaper's
+    `lost`. Once, forgetting the evicted node cleared its mark: its groups then waited for their deadline."""
+    registry, node = registry
+    killed = node("killed")
+    _wait(lambda: registry.count == 1, "the node registered")
+    os.kill(killed.pid, signal.SIGKILL)
+    killed.wait()
+    _wait(lambda: "killed" in registry.unreachable_s(), "the killed node found unreachable", 10.0)
+    registry.evict("killed", "weights not delivered")
+    _wait(lambda: registry.count == 0, "the evicted node forgotten", 10.0)
+    time.sleep(0.2)
+    assert "killed" in registry.unreachable_s()  # forgotten, its groups still given up as a closed connection's
+    registry.lost("killed", "lost: no heartbeat in the ledger")  # the reaper resolved what it held
+    assert registry.unreachable_s() == {} and registry._probed == {}

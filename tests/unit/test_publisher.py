@@ -59,7 +59,7 @@ class FakeRegistry(NodeRegistry):
         for node_id in behaviours:  # registered, as a Register would
             self.nodes[node_id] = NodeInfo(peer=node_id.encode(), host="here", registered=0.0, last_seen=0.0)
 
-    def send(self, node_id, msg, then_forget=False):
+    def send(self, node_id, msg, then_forget=False, resolved=True):
         done = concurrent.futures.Future()
         if isinstance(msg, WeightsReady) and self.behaviours[node_id] != "silent":
             threading.Thread(target=self._node, args=(node_id, msg), daemon=True).start()
@@ -67,7 +67,7 @@ class FakeRegistry(NodeRegistry):
             self.stopped.append(node_id)
         if then_forget:
             self.forgotten.append(node_id)
-            self.forget(node_id)
+            self.forget(node_id, resolved)
         done.set_result(None)
         return done
 

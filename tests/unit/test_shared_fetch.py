@@ -31,10 +31,10 @@ class RecordingRegistry(FakeRegistry):
         super().__init__(behaviours)
         self.readies: dict[str, list[WeightsReady]] = {n: [] for n in behaviours}
 
-    def send(self, node_id, msg, then_forget=False):
+    def send(self, node_id, msg, then_forget=False, resolved=True):
         if isinstance(msg, WeightsReady):
             self.readies[node_id].append(msg)
-        return super().send(node_id, msg, then_forget)
+        return super().send(node_id, msg, then_forget, resolved)
 
 
 def _publisher(nodes: FakeRegistry, fetch_after: int, adapter: AdapterSpec | None = None) -> Publisher:
