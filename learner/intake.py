@@ -221,7 +221,7 @@ class Intake:
             else:
                 del self.groups[group_id]
         if len(usable) < n_groups:
-            self._give_up_overdue(self.ledger.oldest_open_groups(OPEN_GROUPS_MAX), now)  # credits a silent node holds
+            self._give_up_overdue(self.ledger.oldest_open_groups(OPEN_GROUPS_MAX), now, holding)  # a silent node's
             return None
         chosen = self._in_admission_order(usable, n_groups, now, holding)
         return None if chosen is None else [self.groups.pop(g).fresh for g in chosen]
@@ -246,7 +246,7 @@ class Intake:
         oldest = [g for g in self.ledger.oldest_open_groups(n_groups + len(holding)) if g not in holding]
         ready = set(usable)
         in_flight = [g for g in oldest if g not in self.groups or self._arriving(self.groups[g], now)]
-        if in_flight and self._give_up_overdue(self.ledger.oldest_open_groups(OPEN_GROUPS_MAX), now):
+        if in_flight and self._give_up_overdue(self.ledger.oldest_open_groups(OPEN_GROUPS_MAX), now, holding):
             return None  # a silent or gone node's groups, not waited for: look again without their places
         if in_flight:
             if self._order_wait_since is None:
@@ -259,8 +259,10 @@ class Intake:
                                                        self.groups[g].first_seen))  # fmt: skip
         return (first + rest)[:n_groups]
 
-    def _give_up_overdue(self, open_groups: list[str], now: float) -> set[str]:
-        """Drop the open groups (nothing of them here) that a silent node holds past their deadline."""
+    def _give_up_overdue(self, open_groups: list[str], now: float, holding: set[str] = frozenset()) -> set[str]:
+        """Drop the open groups (nothing of them here) that a silent node holds past their deadline. `holding`:
+        groups this step took already (here no longer, open in the ledger until the step commits): never dropped,
+        whatever became of their node (they would be trained as `overdue` and count as a lost place)."""
         if self.overdue is None:
             return set()
         order = list(open_groups)
@@ -270,7 +272,8 @@ class Intake:
                 self.ledger.hold_credits(self.places.held)
             order.remove(group)
 
-        given_up = self.overdue.give_up([g for g in open_groups if g not in self.groups], now, leave_place)
+        waited = [g for g in open_groups if g not in self.groups and g not in holding]
+        given_up = self.overdue.give_up(waited, now, leave_place)
         self.counters.update(overdue=sum(given_up.values()))
         return set(given_up)
 

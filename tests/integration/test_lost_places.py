@@ -23,17 +23,17 @@ GROUP_SIZE, PER_STEP = 2, 2
 LATE_S = 3.0  # the next step's group comes this long after the step started to wait (it was barely begun)
 
 
-def _group(group_id: str, rewards=(0.0, 1.0)) -> list[Trajectory]:
+def _group(group_id: str, rewards=(0.0, 1.0), node: str = "live") -> list[Trajectory]:
     return [
-        Trajectory(sample_id=f"{group_id}:{i}", group_id=group_id, node_id="live", seq=0, prompt_ids=[3, 4],
+        Trajectory(sample_id=f"{group_id}:{i}", group_id=group_id, node_id=node, seq=0, prompt_ids=[3, 4],
                    completion_ids=[10, 11], behavior_logprobs=[-1.0, -1.0], reward=r, policy_version=0,
                    group_size=GROUP_SIZE, finish_reason="stop")
         for i, r in enumerate(rewards)
     ]  # fmt: skip
 
 
-def _send(ledger: Ledger, sender: TrajectorySender, group_id: str) -> None:
-    group = _group(group_id)
+def _send(ledger: Ledger, sender: TrajectorySender, group_id: str, node: str = "live") -> None:
+    group = _group(group_id, node=node)
     assert all(ledger.mark_generated(group))
     for trajectory in group:
         sender.send(trajectory)
@@ -87,3 +87,36 @@ def test_a_step_goes_without_the_group_its_killed_node_held_and_the_credit_waits
     assert ledger.oldest_open_groups(5) == ["r2"]
     ledger.drop([f"r2:{i}" for i in range(GROUP_SIZE)], "preempted")
     assert ledger.check(deep=True) == []
+
+
+def test_a_group_the_step_took_is_not_given_up_when_its_node_dies_during_a_refill(redis_url, ledger_run):
+    """Dynamic sampling's refill: the step holds the groups it took (open in the ledger until it commits); their
+    node killed meanwhile must not make the learner give them up (once it did: their received samples dropped as
+    `overdue`, then trained, and their place counted lost)."""
+    cfg = build({}, [f"run.name='{ledger_run}'", f"learner.groups_per_step={PER_STEP}",
+                     f"rollout.group_size={GROUP_SIZE}", "ledger.max_staleness=1", "run.steps=100"])  # fmt: skip
+    ledger = Ledger(connect(redis_url), ledger_run, cfg.ledger)
+    claim_run(ledger, cfg, resumed_version=None, first_step=1)
+    for node, group in (("dead", "d"), ("live", "a"), ("live", "b")):
+        ledger.heartbeat(node)
+        assert ledger.take_credit(node, group, GROUP_SIZE, node_version=0)
+    gone: dict[str, float] = {}
+    overdue = OverdueGroups(ledger, silent_s=lambda node: 0.1, window=8, unreachable_s=lambda: dict(gone))
+    receiver = TrajectoryReceiver()
+    intake = Intake(receiver, ledger, StallAlarm(60.0, 0.0, ledger.counts), order_patience_s=30.0,
+                    overdue=overdue, places=LostPlaces(PER_STEP))  # fmt: skip
+    with TrajectorySender(receiver.addr, "live", send_timeout_s=10) as sender:
+        try:
+            _send(ledger, sender, "d", node="dead")  # sent before its node died
+            took = intake.collect(1, 0, between=lambda: None, waiting_hint=lambda: "")
+            assert [g[0].group_id for g in took] == ["d"]
+            gone["dead"] = GONE_S  # its node is killed: its connection found closed
+            late = threading.Timer(0.5, _send, (ledger, sender, "a"))  # the refill waits for a meanwhile
+            late.start()
+            refill = intake.collect(1, 0, between=lambda: None, waiting_hint=lambda: "", holding={"d"})
+            late.join()
+        finally:
+            intake.close()
+    assert [g[0].group_id for g in refill] == ["a"]
+    assert ledger.counts().dropped_by_reason == {} and intake.places.short == 0  # d is trained, not given up
+    assert ledger.oldest_open_groups(5) == ["d", "a", "b"]
