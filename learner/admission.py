@@ -61,8 +61,14 @@ class Admission:
         completions masked), as each rank's micro-batches (balanced by tokens)."""
         version, learner = self.version_of(), self.cfg.learner
 
+        takes = 0
+
         def take(n: int, holding: set[str]) -> list[list[Trajectory]]:
-            return self.intake.collect(n, version, self.serve, self.hint, holding=holding, warn_after=self.warn_after)
+            nonlocal takes
+            takes += 1  # a second take is a refill: select counted the places given up already
+            return self.intake.collect(
+                n, version, self.serve, self.hint, holding=holding, warn_after=self.warn_after, refill=takes > 1
+            )
 
         places, wanted = self.intake.places, learner.groups_per_step  # given up groups' places: learner/places.py
         short = lambda: places.short  # noqa: E731 (groups given up while the step waits count too)

@@ -154,13 +154,15 @@ class Intake:
         waiting_hint: Callable[[], str],
         holding: set[str] = frozenset(),
         warn_after: Callable[[], float] = lambda: WAITING_WARN_S,
+        refill: bool = False,
     ) -> list[list[Trajectory]]:
         """Block until `n_groups` whole groups of samples fresh at `version` are here; return them,
         oldest first. `between` runs between receives (node service); `waiting_hint` says what is
         waited for when the wait is longer than `warn_after()` seconds; `holding`: groups this step took
         already (a refill after dynamic sampling dropped some), which the admission order passes over.
-        The step's first take (nothing held) goes without the places of its groups given up (`places`),
-        also those given up while it waits."""
+        The step's first take goes without the places of its groups given up (`places`), also those given up
+        while it waits; a `refill` (after dynamic sampling dropped groups) asks for `n_groups` as counted by
+        its caller, the places already taken off (also when it holds none: every group taken was dropped)."""
         waiting_since = last_warn = time.monotonic()
         while True:
             self.alarm.check(waiting_hint)  # also between steps that train nothing (skipped steps)
@@ -169,7 +171,7 @@ class Intake:
             if batch:
                 self._admit(batch, version)
                 waiting_since = last_warn = time.monotonic()
-            wanted = n_groups if holding else max(1, n_groups - self.places.short)
+            wanted = n_groups if refill else max(1, n_groups - self.places.short)
             ready = self._take_ready(wanted, version, holding)
             if ready is not None:
                 return ready

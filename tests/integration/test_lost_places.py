@@ -113,10 +113,47 @@ def test_a_group_the_step_took_is_not_given_up_when_its_node_dies_during_a_refil
             gone["dead"] = GONE_S  # its node is killed: its connection found closed
             late = threading.Timer(0.5, _send, (ledger, sender, "a"))  # the refill waits for a meanwhile
             late.start()
-            refill = intake.collect(1, 0, between=lambda: None, waiting_hint=lambda: "", holding={"d"})
+            refill = intake.collect(1, 0, between=lambda: None, waiting_hint=lambda: "", holding={"d"}, refill=True)
             late.join()
         finally:
             intake.close()
     assert [g[0].group_id for g in refill] == ["a"]
     assert ledger.counts().dropped_by_reason == {} and intake.places.short == 0  # d is trained, not given up
     assert ledger.oldest_open_groups(5) == ["d", "a", "b"]
+
+
+def test_a_refill_after_every_group_was_dropped_counts_the_lost_place_once(redis_url, ledger_run):
+    """Dynamic sampling drops every group of the step's first take (zero variance): its refill asks for what the
+    step still lacks, the lost place already taken off. Once the intake took the place off a second time (a
+    refill holding nothing looked like a first take): one group fewer a take, refill budget spent for nothing."""
+    per_step = 3
+    cfg = build({}, [f"run.name='{ledger_run}'", f"learner.groups_per_step={per_step}",
+                     f"rollout.group_size={GROUP_SIZE}", "ledger.max_staleness=1", "run.steps=100",
+                     "loss.dynamic_sampling=true"])  # fmt: skip
+    ledger = Ledger(connect(redis_url), ledger_run, cfg.ledger)
+    claim_run(ledger, cfg, resumed_version=None, first_step=1)
+    for node, group in (("dead", "d"), ("live", "z1"), ("live", "z2"), ("live", "g1"), ("live", "g2")):
+        ledger.heartbeat(node)
+        assert ledger.take_credit(node, group, GROUP_SIZE, node_version=0)
+    gone = {"dead": GONE_S}
+    overdue = OverdueGroups(ledger, silent_s=lambda node: 0.1, window=8, unreachable_s=lambda: dict(gone))
+    receiver = TrajectoryReceiver()
+    intake = Intake(receiver, ledger, StallAlarm(60.0, 0.0, ledger.counts), order_patience_s=30.0,
+                    overdue=overdue, places=LostPlaces(per_step))  # fmt: skip
+    admission = Admission(cfg, ledger, intake, lambda: 0, serve=lambda: None, node_count=lambda: 1)
+    with TrajectorySender(receiver.addr, "live", send_timeout_s=10) as sender:
+        try:
+            for group in ("z1", "z2"):
+                flat = _group(group, rewards=(1.0, 1.0))
+                assert all(ledger.mark_generated(flat))
+                for trajectory in flat:
+                    sender.send(trajectory)
+            late = threading.Timer(0.5, lambda: [_send(ledger, sender, g) for g in ("g1", "g2")])
+            late.start()
+            admission.next_batch(ranks=1, step=1)
+            late.join()
+            selection = admission.selection
+        finally:
+            intake.close()
+    assert [g[0].group_id for g in selection.groups] == ["g1", "g2"]  # d's place empty, z1 and z2 dropped
+    assert selection.refilled == 2, selection.refilled  # the two groups it lacked (the old intake: 1, then 1 more)
