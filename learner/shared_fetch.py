@@ -16,7 +16,7 @@ held until every member of its round confirmed or was given up on (at `weights.t
 store as a link claims it: `ipc.GAVE_UP`), so the learner never repacks a set a node still reads. A member's
 confirmation key is deleted once its round read it (the node writes it once and never reads it); a claim the
 learner won is kept (ipc.forget says why): the store holds no key per version. A member whose node left
-(evicted, lost, gone) is dropped from its round at once. The fetch keeps no list of nodes: a member hangs on
+(evicted, lost, said goodbye) is dropped from its round at once. The fetch keeps no list of nodes: a member hangs on
 its node's entry in the registry as a link does, and each look asks the registry.
 """
 
