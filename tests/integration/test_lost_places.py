@@ -32,33 +32,46 @@ def _group(group_id: str, rewards=(0.0, 1.0), node: str = "live") -> list[Trajec
     ]  # fmt: skip
 
 
-def _send(ledger: Ledger, sender: TrajectorySender, group_id: str, node: str = "live") -> None:
-    group = _group(group_id, node=node)
+def _send(ledger: Ledger, sender: TrajectorySender, group_id: str, node: str = "live", rewards=(0.0, 1.0)) -> None:
+    group = _group(group_id, rewards, node)
     assert all(ledger.mark_generated(group))
     for trajectory in group:
         sender.send(trajectory)
 
 
+def _claimed(redis_url: str, run: str, per_step: int = PER_STEP, *settings: str):
+    """(config, ledger) of a run the learner claimed, `per_step` groups a step, at most one version stale."""
+    cfg = build({}, [f"run.name='{run}'", f"learner.groups_per_step={per_step}", f"rollout.group_size={GROUP_SIZE}",
+                     "ledger.max_staleness=1", "run.steps=100", *settings])  # fmt: skip
+    ledger = Ledger(connect(redis_url), run, cfg.ledger)
+    claim_run(ledger, cfg, resumed_version=None, first_step=1)
+    return cfg, ledger
+
+
+def _admit(ledger: Ledger, groups) -> None:
+    """Each (node, group) admitted, in this order, its node beating."""
+    for node, group in groups:
+        ledger.heartbeat(node)
+        assert ledger.take_credit(node, group, GROUP_SIZE, node_version=0)
+
+
+def _intake(ledger: Ledger, gone: dict[str, float], per_step: int = PER_STEP) -> Intake:
+    """The learner's intake, its nodes' closed connections read from `gone` (NodeRegistry.unreachable_s)."""
+    overdue = OverdueGroups(ledger, silent_s=lambda node: 0.1, window=8, unreachable_s=lambda: dict(gone))
+    return Intake(TrajectoryReceiver(), ledger, StallAlarm(60.0, 0.0, ledger.counts), order_patience_s=30.0,
+                  overdue=overdue, places=LostPlaces(per_step))  # fmt: skip
+
+
 def test_a_step_goes_without_the_group_its_killed_node_held_and_the_credit_waits_for_the_steps_end(
     redis_url, ledger_run
 ):
-    cfg = build({}, [f"run.name='{ledger_run}'", f"learner.groups_per_step={PER_STEP}",
-                     f"rollout.group_size={GROUP_SIZE}", "ledger.max_staleness=1", "run.steps=100"])  # fmt: skip
-    ledger = Ledger(connect(redis_url), ledger_run, cfg.ledger)
-    claim_run(ledger, cfg, resumed_version=None, first_step=1)
-    for node in ("live", "dead"):
-        ledger.heartbeat(node)
+    cfg, ledger = _claimed(redis_url, ledger_run)
     # admitted in this order: step 1 is [a, d] (d on the node about to die), step 2 [b, c]; the capacity is full
-    for node, group in (("live", "a"), ("dead", "d"), ("live", "b"), ("live", "c")):
-        assert ledger.take_credit(node, group, GROUP_SIZE, node_version=0)
+    _admit(ledger, (("live", "a"), ("dead", "d"), ("live", "b"), ("live", "c")))
     assert ledger.take_credit("live", "r0", GROUP_SIZE, node_version=0) is None  # positive control: full
-    gone = {"dead": GONE_S}  # its control connection found closed (NodeRegistry.unreachable_s)
-    overdue = OverdueGroups(ledger, silent_s=lambda node: 0.1, window=8, unreachable_s=lambda: dict(gone))
-    receiver = TrajectoryReceiver()
-    intake = Intake(receiver, ledger, StallAlarm(60.0, 0.0, ledger.counts), order_patience_s=30.0,
-                    overdue=overdue, places=LostPlaces(PER_STEP))  # fmt: skip
+    intake = _intake(ledger, {"dead": GONE_S})  # its control connection found closed
     admission = Admission(cfg, ledger, intake, lambda: 0, serve=lambda: None, node_count=lambda: 1)
-    with TrajectorySender(receiver.addr, "live", send_timeout_s=10) as sender:
+    with TrajectorySender(intake.addr, "live", send_timeout_s=10) as sender:
         try:
             _send(ledger, sender, "a")
             late = threading.Timer(LATE_S, _send, (ledger, sender, "b"))  # step 2's first group, barely begun
@@ -93,19 +106,11 @@ def test_a_group_the_step_took_is_not_given_up_when_its_node_dies_during_a_refil
     """Dynamic sampling's refill: the step holds the groups it took (open in the ledger until it commits); their
     node killed meanwhile must not make the learner give them up (once it did: their received samples dropped as
     `overdue`, then trained, and their place counted lost)."""
-    cfg = build({}, [f"run.name='{ledger_run}'", f"learner.groups_per_step={PER_STEP}",
-                     f"rollout.group_size={GROUP_SIZE}", "ledger.max_staleness=1", "run.steps=100"])  # fmt: skip
-    ledger = Ledger(connect(redis_url), ledger_run, cfg.ledger)
-    claim_run(ledger, cfg, resumed_version=None, first_step=1)
-    for node, group in (("dead", "d"), ("live", "a"), ("live", "b")):
-        ledger.heartbeat(node)
-        assert ledger.take_credit(node, group, GROUP_SIZE, node_version=0)
+    _, ledger = _claimed(redis_url, ledger_run)
+    _admit(ledger, (("dead", "d"), ("live", "a"), ("live", "b")))
     gone: dict[str, float] = {}
-    overdue = OverdueGroups(ledger, silent_s=lambda node: 0.1, window=8, unreachable_s=lambda: dict(gone))
-    receiver = TrajectoryReceiver()
-    intake = Intake(receiver, ledger, StallAlarm(60.0, 0.0, ledger.counts), order_patience_s=30.0,
-                    overdue=overdue, places=LostPlaces(PER_STEP))  # fmt: skip
-    with TrajectorySender(receiver.addr, "live", send_timeout_s=10) as sender:
+    intake = _intake(ledger, gone)
+    with TrajectorySender(intake.addr, "live", send_timeout_s=10) as sender:
         try:
             _send(ledger, sender, "d", node="dead")  # sent before its node died
             took = intake.collect(1, 0, between=lambda: None, waiting_hint=lambda: "")
@@ -127,27 +132,14 @@ def test_a_refill_after_every_group_was_dropped_counts_the_lost_place_once(redis
     step still lacks, the lost place already taken off. Once the intake took the place off a second time (a
     refill holding nothing looked like a first take): one group fewer a take, refill budget spent for nothing."""
     per_step = 3
-    cfg = build({}, [f"run.name='{ledger_run}'", f"learner.groups_per_step={per_step}",
-                     f"rollout.group_size={GROUP_SIZE}", "ledger.max_staleness=1", "run.steps=100",
-                     "loss.dynamic_sampling=true"])  # fmt: skip
-    ledger = Ledger(connect(redis_url), ledger_run, cfg.ledger)
-    claim_run(ledger, cfg, resumed_version=None, first_step=1)
-    for node, group in (("dead", "d"), ("live", "z1"), ("live", "z2"), ("live", "g1"), ("live", "g2")):
-        ledger.heartbeat(node)
-        assert ledger.take_credit(node, group, GROUP_SIZE, node_version=0)
-    gone = {"dead": GONE_S}
-    overdue = OverdueGroups(ledger, silent_s=lambda node: 0.1, window=8, unreachable_s=lambda: dict(gone))
-    receiver = TrajectoryReceiver()
-    intake = Intake(receiver, ledger, StallAlarm(60.0, 0.0, ledger.counts), order_patience_s=30.0,
-                    overdue=overdue, places=LostPlaces(per_step))  # fmt: skip
+    cfg, ledger = _claimed(redis_url, ledger_run, per_step, "loss.dynamic_sampling=true")
+    _admit(ledger, (("dead", "d"), ("live", "z1"), ("live", "z2"), ("live", "g1"), ("live", "g2")))
+    intake = _intake(ledger, {"dead": GONE_S}, per_step)
     admission = Admission(cfg, ledger, intake, lambda: 0, serve=lambda: None, node_count=lambda: 1)
-    with TrajectorySender(receiver.addr, "live", send_timeout_s=10) as sender:
+    with TrajectorySender(intake.addr, "live", send_timeout_s=10) as sender:
         try:
             for group in ("z1", "z2"):
-                flat = _group(group, rewards=(1.0, 1.0))
-                assert all(ledger.mark_generated(flat))
-                for trajectory in flat:
-                    sender.send(trajectory)
+                _send(ledger, sender, group, rewards=(1.0, 1.0))
             late = threading.Timer(0.5, lambda: [_send(ledger, sender, g) for g in ("g1", "g2")])
             late.start()
             admission.next_batch(ranks=1, step=1)
