@@ -33,7 +33,7 @@ from torch import Tensor
 
 from streamrl.engine.config import Config
 from streamrl.engine.messages import AdapterSpec, WeightsReady
-from streamrl.engine.weights import IpcSender, Location, WeightTransferError, choose, here, new_sender, resolve_backend
+from streamrl.engine.weights import Location, WeightTransferError, choose, here, new_sender, resolve_backend
 from streamrl.engine.weights.layout import PackedBuckets, plan_buckets
 from streamrl.engine.weights.paths import SHARED
 from streamrl.engine.weights.push import pack, push
@@ -236,9 +236,8 @@ class Publisher:
         """The one thread (and store) that serves every node on `path` past `weights.fetch_after`."""
         if path not in self._fetches:
             w = self.cfg.weights
-            device = self.device if path == "cuda_ipc" else "cpu"
-            sender = IpcSender(f"{path}-fetch", host=w.store_host, device=device, timeout_s=w.timeout_s)
-            self._fetches[path] = SharedFetch(self, sender)
+            sender = new_sender(path, f"{path}-fetch", host=w.store_host, device=self.device, timeout_s=w.timeout_s)
+            self._fetches[path] = SharedFetch(self, sender)  # a shared path's sender: an IpcSender
             self._fetches[path].start()
         return self._fetches[path]
 
