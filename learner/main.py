@@ -177,6 +177,16 @@ def _trainer(cfg: Config, policy, device: torch.device, reference, compute: torc
     return Trainer(policy, cfg.loss, cfg.learner, device, ref_model=reference, gather_ahead=True, shaper=shaper)
 
 
+def _critic_flops(cfg: Config, trainer: Trainer) -> int:
+    """The critic's FLOPs a token, for the MFU: its values for GAE (a forward: 2 a parameter) and each of its
+    passes (critic.epochs, else learner.epochs: 6 a parameter). 0 without a critic."""
+    critic = trainer.shaper.model if trainer.shaper is not None else None
+    if critic is None:
+        return 0
+    params = sum(p.numel() for p in critic.parameters())
+    return (2 + 6 * (cfg.critic.epochs or cfg.learner.epochs)) * params
+
+
 class _Laps:
     """Seconds between named points of one step (time.monotonic)."""
 
@@ -207,7 +217,7 @@ def _start_orchestrator(
         params = sum(p.numel() for p in policy.lm.parameters())
         trained = sum(p.numel() for p in policy.lm.parameters() if p.requires_grad)
         # a frozen base costs forward + input gradients (4 FLOPs a parameter a token), the trained ones 6
-        flops = 4 * (params - trained) + 6 * trained
+        flops = 4 * (params - trained) + 6 * trained + _critic_flops(cfg, trainer)
         try:
             orchestrator = Orchestrator(
                 cfg,
