@@ -30,6 +30,7 @@ import os
 import pathlib
 import threading
 import urllib.parse
+from collections.abc import Callable
 
 import zmq
 import zmq.auth
@@ -198,18 +199,25 @@ class CurveGate:
         self._zap.linger = 0
         self._zap.bind(ZAP_ENDPOINT)  # before any CURVE socket binds: libzmq admits all when no gate listens
         self._monitors: list[zmq.Socket] = []
+        self._on_disconnect: dict[zmq.Socket, Callable[[], None]] = {}
         self._lock = threading.Lock()
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._serve, name="zap", daemon=True)
         self._thread.start()
 
-    def secure(self, sock: zmq.Socket) -> None:
-        """Make `sock` (made on `self.context`, not yet bound) a CURVE server behind this gate."""
+    def secure(self, sock: zmq.Socket, on_disconnect: Callable[[], None] | None = None) -> None:
+        """Make `sock` (made on `self.context`, not yet bound) a CURVE server behind this gate. The gate's
+        monitor is the socket's only one: `on_disconnect` is called (on the gate's thread) when a connection
+        of the socket closes, for its owner's use (engine/control.py)."""
         sock.curve_server = True
         sock.curve_secretkey, sock.curve_publickey = self.keys.secret, self.keys.public
         sock.zap_domain = ZAP_DOMAIN
+        events = _HANDSHAKE_EVENTS | (zmq.EVENT_DISCONNECTED if on_disconnect else 0)
         with self._lock:  # the gate's thread reads the monitor: a refused handshake reaches no socket reader
-            self._monitors.append(sock.get_monitor_socket(_HANDSHAKE_EVENTS))
+            monitor = sock.get_monitor_socket(events)
+            self._monitors.append(monitor)
+            if on_disconnect is not None:
+                self._on_disconnect[monitor] = on_disconnect
 
     def refused(self) -> int:
         return self.faults.count("denied") + self.faults.count("handshake_failed")
@@ -228,7 +236,7 @@ class CurveGate:
                 if sock is self._zap:
                     self._answer(self._zap.recv_multipart())
                 else:
-                    self._handshake_failed(sock)
+                    self._monitored(sock)
             self.faults.flush_due()
 
     def _answer(self, request: list[bytes]) -> None:
@@ -244,11 +252,14 @@ class CurveGate:
         self.faults.add(who, "denied", detail=f"{mechanism.decode(errors='replace')} key {z85.decode() or '-'}")
         self._zap.send_multipart([version, request_id, b"400", b"key not allowed", b"", b""])
 
-    def _handshake_failed(self, monitor: zmq.Socket) -> None:
+    def _monitored(self, monitor: zmq.Socket) -> None:
+        """One event of a secured socket: a failed handshake counted, a closed connection told its owner."""
         from zmq.utils.monitor import parse_monitor_message
 
         event = parse_monitor_message(monitor.recv_multipart())
-        if event["event"] & _HANDSHAKE_EVENTS:  # not MONITOR_STOPPED, sent when a socket closes
+        if event["event"] == zmq.EVENT_DISCONNECTED:
+            self._on_disconnect[monitor]()
+        elif event["event"] & _HANDSHAKE_EVENTS:  # not MONITOR_STOPPED, sent when a socket closes
             where = f"a peer of {event['endpoint'].decode(errors='replace')}"
             self.faults.add(where, "handshake_failed", detail=f"ZMQ protocol error {event['value']:#x}")
 

@@ -10,6 +10,7 @@ sender's key, which the registry checks against the key that registered the node
 from __future__ import annotations
 
 import collections
+import threading
 import time
 from typing import Any, NamedTuple
 
@@ -53,7 +54,9 @@ class Incoming(NamedTuple):
 class ControlServer:
     """ROUTER side of the control channel (the learner): one socket, every node a peer identity.
     With a `gate`, only CURVE clients with an allowed key connect, and each message names its key.
-    `connected` tells whether the socket still has a connection to a peer (a killed node's closed at once)."""
+    `connected` tells whether the socket still has a connection to a peer (a killed node's closed at once);
+    `disconnected` whether any connection closed since it was last asked (the socket's monitor says so at
+    once, without saying whose: its owner then asks `connected` of each peer)."""
 
     def __init__(
         self,
@@ -67,8 +70,12 @@ class ControlServer:
         if isinstance(bind, int):
             bind = bind_address(port=bind)
         self._sock = (gate.context if gate else context or zmq.Context.instance()).socket(zmq.ROUTER)
+        self._closed_seen = threading.Event()  # set by the gate's thread; the monitor's own reads otherwise
+        self._monitor: zmq.Socket | None = None
         if gate is not None:
-            gate.secure(self._sock)
+            gate.secure(self._sock, on_disconnect=self._closed_seen.set)  # a socket has one monitor: the gate's
+        else:
+            self._monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self._sock.setsockopt(zmq.SNDTIMEO, timeout_ms(send_timeout_s))
         cap_frames(self._sock, max_frame_mb)
@@ -129,8 +136,20 @@ class ControlServer:
             return False
         return True
 
+    def disconnected(self) -> bool:
+        """Whether a connection of the socket closed since the last call (a node killed, or gone away)."""
+        while self._monitor is not None and self._monitor.poll(0):
+            self._monitor.recv_multipart()  # EVENT_DISCONNECTED, or MONITOR_STOPPED as the socket closes
+            self._closed_seen.set()
+        seen = self._closed_seen.is_set()
+        self._closed_seen.clear()
+        return seen
+
     def close(self) -> None:
         self.faults.flush()
+        if self._monitor is not None:
+            self._sock.disable_monitor()
+            self._monitor.close(linger=0)
         self._sock.close(linger=0)
 
     def __enter__(self) -> ControlServer:

@@ -45,6 +45,7 @@ log = logging.getLogger("streamrl.learner")
 # silence a frozen one is given.
 PROBE_AFTER_S = 1.2 * HEARTBEAT_S
 PROBE_EVERY_S = 0.4 * HEARTBEAT_S
+SWEEP_S = 0.2  # after the socket saw a connection close, every node is asked this long (each pass of the thread)
 
 
 @dataclasses.dataclass
@@ -82,7 +83,8 @@ class NodeRegistry(threading.Thread):
         self.identities: dict[str, Identity] = {}  # kept after a node leaves: its id stays bound to its key
         self.departed: dict[str, tuple[bytes, str]] = {}  # connection and key of nodes that left
         self.unreachable: dict[str, float] = {}  # node -> when its connection was found closed (not heard since)
-        self._probed: dict[str, float] = {}  # node -> when it was last asked about (monotonic; inf: it left)
+        self._probed: dict[str, float] = {}  # node -> when it was last asked about (monotonic; inf: it said goodbye)
+        self._sweep_until = 0.0  # every node is asked until then (monotonic): a connection of the socket closed
         self.events: queue.Queue[tuple[str, str]] = queue.Queue()  # ("joined" | "left", node_id)
         self.applied: dict[str, queue.Queue[WeightsApplied]] = collections.defaultdict(queue.Queue)
         self.outbox: queue.Queue[tuple[str, object, concurrent.futures.Future, bool]] = queue.Queue()
@@ -125,14 +127,20 @@ class NodeRegistry(threading.Thread):
                 self.forget(node_id, resolved)
 
     def _check_connections(self) -> None:
-        """Whether the nodes that missed a beat still have a connection: a node killed (kill -9, out of memory)
-        is known within a beat. Only a failed send proves it, so a node alive but slow (frozen, its beats late)
-        is never taken for gone; one whose connection dropped and came back is heard again, which clears it."""
+        """Whether the nodes still have a connection: a node killed (kill -9, out of memory) is known at once,
+        as the socket says a connection closed (then every node is asked, for SWEEP_S: the close reaches the
+        socket's peers table a moment after its monitor), else within a beat (a node that missed one is asked).
+        Only a failed send proves it, so a node alive but slow (frozen, its beats late) is never taken for
+        gone; one whose connection dropped and came back is heard again, which clears it."""
         now = time.monotonic()
+        if self.server.disconnected():
+            self._sweep_until = now + SWEEP_S
+        sweep = now < self._sweep_until
         for node_id, info in list(self.nodes.items()):
-            if node_id in self.unreachable or self.silent_s(node_id) < PROBE_AFTER_S:
+            if node_id in self.unreachable or not sweep and self.silent_s(node_id) < PROBE_AFTER_S:
                 continue
-            if now - self._probed.get(node_id, 0.0) < PROBE_EVERY_S:
+            asked = self._probed.get(node_id, 0.0)
+            if asked == float("inf") or not sweep and now - asked < PROBE_EVERY_S:
                 continue
             self._probed[node_id] = now
             self._probe(node_id, info)
@@ -177,7 +185,9 @@ class NodeRegistry(threading.Thread):
             self.applied[msg.node_id].put(msg)
         elif isinstance(msg, Goodbye):
             log.info("node %s left: %s", msg.node_id, msg.reason)
-            self._probed[msg.node_id] = float("inf")  # its connection closes next, as it should: not a loss
+            with self.lock:  # its connection closes next, as it should: not a loss (a sweep may have seen it close)
+                self._probed[msg.node_id] = float("inf")
+                self.unreachable.pop(msg.node_id, None)
             self.events.put(("left", msg.node_id))
 
     def _register(self, peer: bytes, msg: Register, key: str) -> None:

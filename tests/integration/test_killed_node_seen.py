@@ -131,3 +131,44 @@ def test_a_killed_node_evicted_before_the_reaper_stays_unreachable_until_its_los
     assert "killed" in registry.unreachable_s()  # forgotten, its groups still given up as a closed connection's
     registry.lost("killed", "lost: no heartbeat in the ledger")  # the reaper resolved what it held
     assert registry.unreachable_s() == {} and registry._probed == {}
+
+
+@pytest.mark.parametrize("gated", [True, False], ids=["curve", "plain"])
+def test_a_closed_connection_is_seen_at_once_not_after_a_missed_beat(tmp_path, gated):
+    """The socket's monitor says a connection closed; the registry then asks every node, so a killed node is
+    known while its last beat is still fresh (each check below sees every node heard just now, so a missed beat
+    never triggers the probe). Without the monitor's word (the negative control) it is not found that way."""
+    keys = auth.make_keys(tmp_path / "keys")
+    gate = auth.CurveGate(auth.server_keys(keys)) if gated else None
+    registry = NodeRegistry(ControlServer(gate=gate), _welcome)
+    registry.start()
+    script = NODE if gated else NODE.replace("keys=auth.node_keys(keys)", "keys=None")
+    nodes = [subprocess.Popen([sys.executable, "-c", script, registry.addr, n, str(keys)]) for n in ("killed", "alive")]
+    try:
+        _wait(lambda: registry.count == 2, "two nodes registered")
+        registry.stopping.set()  # the checks below are the test's
+        registry.join(timeout=5.0)
+        registry.server.disconnected()  # nothing closed yet: what registration may have left is cleared
+
+        def check(monitor: bool) -> None:
+            for info in registry.nodes.values():
+                info.last_seen = time.time()  # heard just now: no beat missed
+            if not monitor:
+                registry.server.disconnected = lambda: False
+            registry._check_connections()
+
+        nodes[0].kill()
+        nodes[0].wait()
+        time.sleep(0.5)  # the close reached the learner's socket
+        check(monitor=False)
+        assert registry.unreachable_s() == {}  # negative control: no missed beat, no monitor, not found
+        del registry.server.disconnected
+        _wait(lambda: check(monitor=True) or "killed" in registry.unreachable_s(), "found by the sweep", 0.2)
+        assert set(registry.unreachable_s()) == {"killed"}
+    finally:
+        for process in nodes:
+            process.kill()
+            process.wait()
+        registry.close()
+        if gate is not None:
+            gate.close()
