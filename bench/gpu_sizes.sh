@@ -7,6 +7,7 @@
 # Size 0.5b is the one-GPU example (examples/gpu.toml, the copy task); PRESET ppo runs it with the critic (issue 50:
 # loss.preset ppo, one completion a prompt, PPO_GROUPS prompts a step, 480: the 60 x 8 samples of GRPO's step), so
 # "0.5b:async 0.5b:async:ppo" gives the critic's memory, step time and in-loop MFU beside GRPO's, one machine.
+# BACKEND (vllm): hf runs without vLLM (one device call: only .whl carried); the learner's figures are the same.
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"; DIR=/tmp/runs; F="$OUT/figures.jsonl"
@@ -22,7 +23,7 @@ for run in ${RUNS:-1.5b:async 1.5b:sync 7b:auto}; do
   smi=$!
   timeout "${RUN_LIMIT:-280}" python3 -m streamrl run --config "${CONFIG[$size]}" --steps "${STEPS:-30}" \
     --set "run.dir='$DIR'" --set "run.name='$name'" --set "model.path='$model'" --set "run.mode='$mode'" \
-    --set "rollout.backend='vllm'" "${sets[@]}" > "$OUT/run-$name.txt" 2>&1
+    --set "rollout.backend='${BACKEND:-vllm}'" "${sets[@]}" > "$OUT/run-$name.txt" 2>&1
   echo "run exit $?" >> "$OUT/run-$name.txt"; kill $smi
   python3 -m streamrl status --run "$name" --runs-dir "$DIR" > "$OUT/status-$name.txt" 2>&1
   echo "status exit $?" >> "$OUT/status-$name.txt"
