@@ -90,6 +90,11 @@ class FaultRun:
         times = [since] + [r["time"] for r in self.records() if since < r["time"] <= until] + [until]
         return max(b - a for a, b in zip(times, times[1:]))
 
+    def waited(self, since: float, until: float) -> float:
+        """The learner's wait for samples (s) in the steps recorded over (since, until]: the part of a stall
+        that is the engine's, not the training time this shared machine's load stretches."""
+        return sum(r.get("time/wait_s", 0.0) for r in self.records() if since < r["time"] <= until)
+
     def step_gap(self, records: list[dict]) -> float:
         """The median gap between consecutive step records: the run's pace without faults."""
         gaps = sorted(b["time"] - a["time"] for a, b in zip(records, records[1:]))

@@ -85,7 +85,7 @@ def _known_after(run, fault_tools, node: str, killed: float) -> float | None:
 def test_a_node_killed_at_five_random_moments_stalls_the_learner_two_steps_at_most(run, fault_tools):
     rng = random.Random(17)
     ttl = run.cfg.ledger.heartbeat_ttl_s
-    paces, stalls, victims = [], [], {}
+    paces, stalls, waits, victims = [], [], [], {}
     for kill in range(KILLS):
         before = _gaps_with_every_node_at_work(run)
         candidates = lambda: [n for n in _alive(run) if n != SURVIVOR and _generating(run, n)]  # noqa: E731
@@ -100,7 +100,9 @@ def test_a_node_killed_at_five_random_moments_stalls_the_learner_two_steps_at_mo
         run.wait(lambda v=victim: run.held_by(v) == 0, f"{victim}'s samples resolved", 60)
         resolved_s = time.time() - killed
         run.wait_steps(2)
-        stalls.append(run.stall(killed, time.time()))
+        measured = time.time()
+        stalls.append(run.stall(killed, measured))
+        waits.append(run.waited(killed, measured))
         # the pace around the kill: 4 steps before (three nodes), 4 after (two: the run's own step time now)
         paces.append(statistics.median(before + _gaps_with_every_node_at_work(run)))
         victims[victim] = {"held_at_kill": held, "resolved_after_s": round(resolved_s, 1),
@@ -115,6 +117,7 @@ def test_a_node_killed_at_five_random_moments_stalls_the_learner_two_steps_at_mo
         "node_kill9_x5",
         pace_s=[round(p, 2) for p in paces],
         stall_s=[round(s, 1) for s in stalls],
+        wait_s=[round(w, 2) for w in waits],  # the learner's wait for samples from the kill to the stall's end
         stall_over_pace=[round(s / p, 2) for s, p in zip(stalls, paces)],
         victims=victims,
         node_lost=counts.dropped_by_reason.get("node_lost", 0),
