@@ -72,6 +72,8 @@ class Relay:
                 if child not in self._children:
                     self._children[child] = _ChildSender(self, child, have)
                     self._children[child].start()
+            if not self._children:  # a leaf keeps no copy (a set a closing send still reads goes with it)
+                self._held, self._latest = [], None
             self._cond.notify_all()
         log.info("node %s relays weights to %d nodes: %s", self.node_id, len(children), ", ".join(children))
 
@@ -81,12 +83,15 @@ class Relay:
 
     def offer(self, ready: WeightsReady, flats: list[torch.Tensor]) -> None:
         """A version this node received into `flats` (its staging buffers, released after this returns): copied
-        for its children if it has or may get some. Shared paths are never relayed (the copy is local)."""
+        for its children, if it has any (a leaf pays nothing; a child given to it later is sent its next version).
+        Shared paths are never relayed (the copy is local)."""
         if ready.backend not in COLLECTIVE:
             return
         if not self.host:
             self.host = address_towards(ready.store_host, ready.store_port)
         with self._cond:
+            if not self._children:
+                return
             free = next((h for h in self._held if h.readers == 0 and h is not self._latest), None)
             if free is not None:
                 self._held.remove(free)  # out of every reader's reach while it is written
