@@ -64,6 +64,7 @@ class RelayTree:
         self.parent: dict[str, str] = {}  # every node in the tree -> its parent (LEARNER for a root)
         self.children: dict[str, list[str]] = {}  # a node that can relay -> its children
         self.kids: dict[str, Child] = {}  # the relayed nodes
+        self.stopping = False  # the run is ending: a node that leaves is not replaced (its children are leaving too)
 
     @property
     def roots(self) -> list[str]:
@@ -126,6 +127,9 @@ class RelayTree:
                 self._tell(parent)
             for orphan in orphans:
                 self.parent.pop(orphan, None)
+                if self.stopping:
+                    self.kids.pop(orphan, None)
+                    continue
                 self._place_again(orphan, f"its parent {node_id} left the run")
 
     def _place_again(self, node_id: str, why: str, skip: str = "") -> None:
