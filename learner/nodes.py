@@ -267,6 +267,11 @@ class NodeRegistry(threading.Thread):
         info = self.nodes.get(node_id)
         return info is not None and info.relays
 
+    def link(self, node_id: str) -> Link | None:
+        """The node's link, if it is in the run (one look, where `links` copies them all)."""
+        info = self.nodes.get(node_id)
+        return info.link if info is not None else None
+
     def on_relayed(self, handle: Callable[[Relayed], None]) -> None:
         """Who takes a node's `Relayed` (called in this thread: it must only queue)."""
         self._relayed = handle

@@ -99,6 +99,8 @@ class _Link(threading.Thread):
         super().__init__(name=f"weights-{node_id}", daemon=True)
         self.publisher, self.node_id, self.sender = publisher, node_id, sender
         self.state = state or NodeWeights(path=sender.path)
+        self.parent: str | None = None  # in the relay tree: LEARNER (a root); None: not in it
+        self.relays = False  # a root that takes children (learner/relay_tree.py)
         self.error: WeightTransferError | None = None
         self.stopping = threading.Event()
 
@@ -106,7 +108,8 @@ class _Link(threading.Thread):
         """The node left the run (the registry calls this): the thread ends after its current transfer."""
         self.stopping.set()
         self.sender.close()
-        self.publisher.tree.left(self.node_id)  # its children, if it relays, get another parent
+        if self.parent is not None:  # a root of the relay tree: its children get another parent
+            self.publisher.tree.left(self.node_id)
 
     def run(self) -> None:
         while not self.stopping.is_set():
@@ -235,25 +238,29 @@ class Publisher:
         log.info("node %s: weights by %s", node_id, path)
         self.link(node_id, NodeWeights(path=path))
 
-    def link(self, node_id: str, state: NodeWeights) -> None:
-        """A link of its own for the node, on the path `state` names (attached: a child it was is closed)."""
+    def link(self, node_id: str, state: NodeWeights, relays: bool | None = None) -> None:
+        """A link of its own for the node, on the path `state` names (attached: a child it was is closed).
+        `relays`: it is a root of the relay tree, which takes children if True (None: not in the tree)."""
         w = self.cfg.weights
         sender = new_sender(state.path, node_id, host=w.store_host, device=self.device, timeout_s=w.timeout_s)
         link = _Link(self, node_id, sender, state)
+        if relays is not None:
+            link.parent, link.relays = LEARNER, relays
         link.start()
         self.registry.attach(node_id, link)
 
     def _relayed(self, node_id: str, path: str) -> None:
         """A node on a broadcast path with relaying on: a root (a link) or a child of the shallowest node with room."""
         relays = self.registry.can_relay(node_id)
-        parent = self.tree.place(relays)
+        parent = self.tree.place()
         if parent == LEARNER:
             log.info("node %s: weights by %s from the learner (a relay root: %s)", node_id, path, relays)
-            self.tree.add_root(node_id, relays)
-            self.link(node_id, NodeWeights(path=path))
+            self.link(node_id, NodeWeights(path=path), relays)
+            if relays:
+                self.tree.tell(node_id)  # none yet: it keeps a copy of each version from now on
             return
         log.info("node %s: weights by %s, relayed by node %s", node_id, path, parent)
-        self.registry.attach(node_id, self.tree.add_child(node_id, parent, NodeWeights(path=path), relays))
+        self.tree.add_child(node_id, parent, NodeWeights(path=path), relays)
 
     def _own_links(self, path: str) -> int:
         return sum(1 for link in self._links().values() if isinstance(link, _Link) and link.sender.path == path)
@@ -276,7 +283,7 @@ class Publisher:
         them, which closes their links, is the registry's)."""
         now = time.monotonic()
         failed = [(node_id, why) for node_id, link in self._links().items() if (why := self._check(link, now))]
-        self.tree.check(self.states(), now)
+        self.tree.check(now)
         return failed
 
     def _check(self, link: _Link | Member | Child, now: float) -> str:

@@ -3,9 +3,10 @@ nodes the learner gave it (learner/relay_tree.py), with the sender the learner r
 a TCPStore and a 2-rank group per child, this node as rank 0), so the learner sends each version to a few nodes
 only, not to every node of every other host.
 
-The node keeps its own copy of the newest version it received: its staging buffers are released at the swap
-and reused by its next receive, and a slow child must not hold them (nor, through them, this node's own next
-version). That is one copy of the weights more on a relay node, two while a child still reads an older one.
+A node in the tree keeps its own copy of the newest version it received: its staging buffers are released at the
+swap and reused by its next receive, and a slow child must not hold them (nor, through them, this node's own next
+version). That is one copy of the weights more on every node of the tree that can relay (a leaf too: it may be
+given an orphan at any time, which must not wait for the next version), two while a child reads an older one.
 Each child has a thread that sends it the newest copy newer than what it has, skipping to the newest as the
 learner's link does. The child's `WeightsReady` names this node's store and goes to the learner (`announce`,
 sent as a `Relayed` message), which hands it on over the child's own control channel: the child receives as
@@ -61,6 +62,7 @@ class Relay:
         self._held: list[_Held] = []
         self._latest: _Held | None = None
         self._children: dict[str, _ChildSender] = {}
+        self._in_tree = False  # the learner placed it in its relay tree (a first `assign`, children or not)
 
     def assign(self, children: list[str], versions: list[int]) -> None:
         """The learner's whole list of this node's children and the version each holds: new ones are sent the
@@ -72,8 +74,7 @@ class Relay:
                 if child not in self._children:
                     self._children[child] = _ChildSender(self, child, have)
                     self._children[child].start()
-            if not self._children:  # a leaf keeps no copy (a set a closing send still reads goes with it)
-                self._held, self._latest = [], None
+            self._in_tree = True  # told by the learner: it may be given children any time from now
             self._cond.notify_all()
         log.info("node %s relays weights to %d nodes: %s", self.node_id, len(children), ", ".join(children))
 
@@ -83,14 +84,15 @@ class Relay:
 
     def offer(self, ready: WeightsReady, flats: list[torch.Tensor]) -> None:
         """A version this node received into `flats` (its staging buffers, released after this returns): copied
-        for its children, if it has any (a leaf pays nothing; a child given to it later is sent its next version).
-        Shared paths are never relayed (the copy is local)."""
+        once the learner placed this node in its tree, children or not (a child it is given later, one whose
+        parent left, is sent this copy at once rather than waiting for the next version). Shared paths are never
+        relayed (the copy is local), nor is anything on a node outside the tree."""
         if ready.backend not in COLLECTIVE:
             return
         if not self.host:
             self.host = address_towards(ready.store_host, ready.store_port)
         with self._cond:
-            if not self._children:
+            if not self._in_tree:
                 return
             free = next((h for h in self._held if h.readers == 0 and h is not self._latest), None)
             if free is not None:

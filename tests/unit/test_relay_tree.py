@@ -86,12 +86,21 @@ def _links(publisher: Publisher) -> list[str]:
 
 
 def _depth(publisher: Publisher, node_id: str) -> int:
-    parent = publisher.tree.parent[node_id]
+    parent = publisher._links()[node_id].parent
     return 0 if parent == LEARNER else 1 + _depth(publisher, parent)
 
 
+def _children(publisher: Publisher) -> dict[str, list[str]]:
+    """Each node's children, read off the links as the tree reads them."""
+    links = publisher._links()
+    return {n: [c for c, link in links.items() if link.parent == n] for n in links}
+
+
 def _all_at(publisher: Publisher, version: int, timeout_s: float = 30) -> list[str]:
-    return _poll_until(publisher, lambda: min(_applied(publisher).values()) >= version, timeout_s)
+    """Poll (evicting as the orchestrator does) until every node has `version` live; the nodes evicted meanwhile."""
+    evicted = _poll_until(publisher, lambda: min(_applied(publisher).values()) >= version, timeout_s)
+    assert min(_applied(publisher).values()) >= version, _applied(publisher)
+    return evicted
 
 
 def test_fourteen_nodes_at_fanout_two_get_every_version_bit_exact_from_two_learner_links():
@@ -100,7 +109,7 @@ def test_fourteen_nodes_at_fanout_two_get_every_version_bit_exact_from_two_learn
     try:
         assert _links(publisher) == ["n00", "n01"]  # the learner's links: the fan-out, not the nodes
         assert all(isinstance(publisher._links()[f"n{i:02d}"], Child) for i in range(2, 14))
-        assert max(len(c) for c in publisher.tree.children.values()) == 2
+        assert max(len(c) for c in _children(publisher).values()) == 2
         assert max(_depth(publisher, n) for n in nodes.behaviours) == 2  # 2 + 4 + 8 nodes: log2(14) levels
         learner_threads = sum(1 for t in threading.enumerate() if t.name.startswith("weights-") and t.is_alive())
         assert learner_threads == 2
@@ -133,7 +142,7 @@ def test_fanout_zero_is_a_link_a_node():
 
 def _a_parent(publisher: Publisher) -> str:
     """A node at depth 1 with children (it has a parent and children of its own)."""
-    return next(n for n, kids in publisher.tree.children.items() if kids and _depth(publisher, n) == 1)
+    return next(n for n, kids in _children(publisher).items() if kids and _depth(publisher, n) == 1)
 
 
 def test_a_parent_that_leaves_mid_run_hands_its_children_to_another_and_they_get_the_next_versions():
@@ -143,10 +152,10 @@ def test_a_parent_that_leaves_mid_run_hands_its_children_to_another_and_they_get
         publisher.publish(1, _weights(1))
         assert _all_at(publisher, 1) == []
         parent = _a_parent(publisher)
-        orphans = list(publisher.tree.children[parent])
+        orphans = _children(publisher)[parent]
         nodes.die(parent)
         nodes.leave(parent)  # its connection closed: the registry lets it go at once
-        assert all(publisher.tree.parent[o] != parent for o in orphans)
+        assert all(publisher._links()[o].parent not in (None, parent) for o in orphans)
         start = time.monotonic()
         for version in (2, 3):
             publisher.publish(version, _weights(version))
@@ -167,14 +176,14 @@ def test_a_parent_that_dies_silently_is_evicted_after_one_deadline_and_its_child
         publisher.publish(1, _weights(1))
         assert _all_at(publisher, 1) == []
         parent = _a_parent(publisher)
-        orphans = list(publisher.tree.children[parent])
+        orphans = _children(publisher)[parent]
         nodes.die(parent)  # still in the run: it is sent version 2 and never takes it
         start = time.monotonic()
         publisher.publish(2, _weights(2))
         evicted = _poll_until(publisher, lambda: parent not in publisher.states(), 2 * TIMEOUT_S + 10)
         assert evicted == [parent] and 2 * TIMEOUT_S * 0.8 < time.monotonic() - start < 2 * TIMEOUT_S + 8
         assert _all_at(publisher, 2) == []  # the orphans too, from their new parents
-        assert all(nodes.live[o][-1][0] == 2 for o in orphans)
+        assert all(nodes.live[o][-1][0] == 2 for o in orphans), {o: [v for v, _ in nodes.live[o]] for o in orphans}
         publisher.publish(3, _weights(3))
         assert _all_at(publisher, 3) == [] and nodes.evicted == 1
     finally:
