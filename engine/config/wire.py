@@ -134,6 +134,6 @@ class WeightsConfig(_Section):
     relay_fanout: Annotated[
         int, _doc("Nodes on a broadcast path (gloo, NCCL) the learner sends each version itself; every later one "
                   "gets it relayed by a node that has it, at most this many children a node "
-                  "(learner/relay_tree.py); a node with children holds one more copy of the weights (on its GPU "
+                  "(learner/relay_tree.py); each node in the tree holds one more copy of the weights (on its GPU "
                   "on NCCL). 0: a link from the learner to every node", ge=0, le=64)
     ] = 8  # fmt: skip
