@@ -77,6 +77,14 @@ class RelayTree:
     def _children(places: dict, parent: str) -> list[str]:
         return [n for n, link in places.items() if link.parent == parent]
 
+    @staticmethod
+    def _by_parent(places: dict) -> dict[str, list[str]]:
+        """Each parent's children in one pass (a placement at 1,000 nodes must not count children per node)."""
+        kids: dict[str, list[str]] = {}
+        for n, link in places.items():
+            kids.setdefault(link.parent, []).append(n)
+        return kids
+
     def place(self) -> str:
         """The parent for a new node: the learner while it has fewer than `fanout` roots, else the shallowest node
         with room (the learner again when none has: nodes that cannot relay fill no tree)."""
@@ -86,14 +94,15 @@ class RelayTree:
     def _parent_for(self, places: dict, skip: str = "") -> str:
         """The learner if it has room, else the shallowest node with fewer than `fanout` children (breadth first
         from the roots), not `skip`; the learner when none has."""
-        level = self._children(places, LEARNER)
+        kids = self._by_parent(places)
+        level = kids.get(LEARNER, [])
         if len(level) < self.fanout:
             return LEARNER
         while level:
             for node in level:
-                if places[node].relays and node != skip and len(self._children(places, node)) < self.fanout:
+                if places[node].relays and node != skip and len(kids.get(node, [])) < self.fanout:
                     return node
-            level = [c for node in level for c in self._children(places, node)]
+            level = [c for node in level for c in kids.get(node, [])]
         return LEARNER
 
     def add_child(self, node_id: str, parent: str, state: NodeWeights, relays: bool) -> Child:
