@@ -2,6 +2,7 @@
 
     python -m streamrl.bench.scale_out [--nodes 1 8 32 128] [--steps 12] [--group-s 2.0] [--group-size 4]
         [--tokens 1024] [--per-worker 32] [--train-s 0.2] [--out docs] [--set section.field=value ...]
+        [--relay-fanouts 0 4]
 
 Per N, one `streamrl run`'s learner (the built-in tiny model on CPU; its step a `simulate.train_s` sleep,
 its weights pushed for real) and an embedded Redis, started by the product's `Launcher`, and N rollout
@@ -20,7 +21,8 @@ its CPU share from INFO cpu, calls by command), the push (`push_all_s`: from the
 the last node's version live, median over versions, from RUN/events.jsonl), the learner's wait share,
 the learner's own CPU share and its threads at the window's end (`learner_threads`: a weights link
 is one), drops by reason, registration (first to last node joined) and the books (`streamrl status`).
-A plot (intake vs offered; push time vs N) goes to `--out`.
+A plot (intake vs offered; push time vs N) goes to `--out`. `--relay-fanouts`: each N is run once per
+`weights.relay_fanout` given, back to back (the line says which), to compare a link per node with the relay tree.
 """
 
 from __future__ import annotations
@@ -293,12 +295,17 @@ def main() -> None:
     parser.add_argument("--dir", default="", help="keep the run folders here (a temporary folder when empty)")
     parser.add_argument("--out", default="", help="folder for scale_out.png (none when empty)")
     parser.add_argument("--set", dest="sets", action="append", default=[], help="section.field=value")
+    parser.add_argument("--relay-fanouts", type=int, nargs="*", default=[], help="weights.relay_fanout per run")
     args = parser.parse_args()
     lines = []
     for n in args.nodes:
-        with tempfile.TemporaryDirectory(prefix="scale-out-") as folder:
-            lines.append(measure(n, args, args.dir or folder)["line"])
-        print(json.dumps(lines[-1]), flush=True)
+        for fanout in args.relay_fanouts or [None]:
+            sets = args.sets if fanout is None else [*args.sets, f"weights.relay_fanout={fanout}"]
+            with tempfile.TemporaryDirectory(prefix="scale-out-") as folder:
+                lines.append(measure(n, argparse.Namespace(**{**vars(args), "sets": sets}), args.dir or folder)["line"])
+            if fanout is not None:
+                lines[-1]["relay_fanout"] = fanout
+            print(json.dumps(lines[-1]), flush=True)
     if args.out:
         plot(lines, pathlib.Path(args.out))
 

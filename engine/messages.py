@@ -113,6 +113,7 @@ class Register(_Wire, tag="register"):
     # same GPU as learner rank 0 means memory shared between the two processes, anything else a collective.
     boot_id: str = ""  # the kernel's boot id: one machine, beyond a hostname that containers may share
     gpu_uuid: str = ""  # the GPU's UUID when device is CUDA: one GPU, whatever CUDA_VISIBLE_DEVICES numbers it
+    relays: bool = False  # its receiver runs in this process, so it can forward each version to other nodes
 
 
 class Welcome(_Wire, tag="welcome"):
@@ -212,6 +213,26 @@ class WeightsApplied(_Wire, tag="weights_applied"):
     error: str = ""  # non-empty: the transfer failed on the node, with why
 
 
+class RelayTo(_Wire, tag="relay_to"):
+    """Learner -> node: forward each version you receive to these nodes (all of them; [] stops relaying).
+    `versions[i]` is what `children[i]` holds already: it is sent only newer ones."""
+
+    children: list[str]
+    versions: list[int]
+
+    def __post_init__(self) -> None:
+        if len(self.children) != len(self.versions):
+            raise ValueError(f"{len(self.children)} children for {len(self.versions)} versions")
+
+
+class Relayed(_Wire, tag="relayed"):
+    """Node -> learner: this node's layout for `child` (its own store and group); the learner hands it on."""
+
+    node_id: str
+    child: str
+    ready: WeightsReady
+
+
 class Stop(_Wire, tag="stop"):
     """Either way: stop. From the learner: the run is over or the node was evicted."""
 
@@ -230,7 +251,7 @@ class Probe(_Wire, tag="probe"):
     learner's ROUTER fails a send to a peer whose connection closed (a killed process), at once."""
 
 
-Control = Register | Welcome | Heartbeat | WeightsReady | WeightsApplied | Stop | Goodbye | Probe
+Control = Register | Welcome | Heartbeat | WeightsReady | WeightsApplied | Stop | Goodbye | Probe | RelayTo | Relayed
 
 
 # ---- codecs ----------------------------------------------------------------------------------

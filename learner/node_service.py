@@ -109,6 +109,7 @@ class NodeService:
     def stop_all(self, reason: str, drain_s: float) -> None:
         """Tell every node to stop (`reason`) and keep taking (and discarding) what they still send until
         they said goodbye or `drain_s` passed, so no node blocks on a send to a learner that is gone."""
+        self.publisher.tree.stopping = True  # nodes leaving now are not replaced in the relay tree
         self.registry.stop_all(reason)
         deadline = time.monotonic() + drain_s
         while self.registry.count and time.monotonic() < deadline:

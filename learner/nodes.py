@@ -33,7 +33,7 @@ from typing import Protocol
 
 from streamrl.engine.auth import Identity, new_secret
 from streamrl.engine.control import HEARTBEAT_S, ControlServer
-from streamrl.engine.messages import Goodbye, Heartbeat, Register, Stop, WeightsApplied, Welcome
+from streamrl.engine.messages import Goodbye, Heartbeat, Register, Relayed, Stop, WeightsApplied, Welcome
 from streamrl.engine.telemetry import EventLog
 from streamrl.engine.transport import TransportError
 from streamrl.engine.weights.paths import Location
@@ -62,6 +62,7 @@ class NodeInfo:
     swap_s: float = 0.0
     peak_gib: float = 0.0  # its peak CUDA memory, as it reported
     where: Location | None = None  # machine and device, as it registered: picks its weights' path
+    relays: bool = False  # it can forward versions to other nodes (Register.relays)
     link: Link | None = None  # its weights' link (the publisher's), closed when the node leaves the run
 
 
@@ -88,6 +89,7 @@ class NodeRegistry(threading.Thread):
         self.events: queue.Queue[tuple[str, str]] = queue.Queue()  # ("joined" | "left", node_id)
         self.applied: dict[str, queue.Queue[WeightsApplied]] = collections.defaultdict(queue.Queue)
         self.outbox: queue.Queue[tuple[str, object, concurrent.futures.Future, bool]] = queue.Queue()
+        self._relayed: Callable[[Relayed], None] = lambda msg: None  # the publisher's relay tree hands these on
         self.stopping = threading.Event()
         self.lock = threading.Lock()
 
@@ -167,7 +169,7 @@ class NodeRegistry(threading.Thread):
         if isinstance(msg, Register):
             self._register(peer, msg, key)
             return
-        if not isinstance(msg, (Heartbeat, WeightsApplied, Goodbye)):  # what only the learner sends
+        if not isinstance(msg, (Heartbeat, WeightsApplied, Goodbye, Relayed)):  # what only the learner sends
             self.server.faults.add(f"peer {peer!r}", "unexpected", detail=type(msg).__name__)
             return
         if not self._speaks_for(peer, key, msg):
@@ -183,6 +185,8 @@ class NodeRegistry(threading.Thread):
             info.peak_gib = msg.peak_gib
         elif isinstance(msg, WeightsApplied):
             self.applied[msg.node_id].put(msg)
+        elif isinstance(msg, Relayed):
+            self._relayed(msg)  # queues the child's WeightsReady: out at this thread's next turn
         elif isinstance(msg, Goodbye):
             log.info("node %s left: %s", msg.node_id, msg.reason)
             with self.lock:  # its connection closes next, as it should: not a loss (a sweep may have seen it close)
@@ -208,7 +212,7 @@ class NodeRegistry(threading.Thread):
             self._probed.pop(msg.node_id, None)
             where = Location(host=msg.host, boot_id=msg.boot_id, device=msg.device, gpu_uuid=msg.gpu_uuid)
             before = self.nodes.get(msg.node_id)  # a node back under its id: its old process's link ends
-            self.nodes[msg.node_id] = NodeInfo(peer, msg.host, now, now, key, where=where)
+            self.nodes[msg.node_id] = NodeInfo(peer, msg.host, now, now, key, where=where, relays=msg.relays)
         if before is not None and before.link is not None:
             before.link.close()
         welcome = self.welcome(msg.node_id)
@@ -268,6 +272,19 @@ class NodeRegistry(threading.Thread):
         """Seconds since the node was last heard (registration or heartbeat); inf when not registered."""
         info = self.nodes.get(node_id)
         return time.time() - info.last_seen if info is not None else float("inf")
+
+    def can_relay(self, node_id: str) -> bool:
+        info = self.nodes.get(node_id)
+        return info is not None and info.relays
+
+    def link(self, node_id: str) -> Link | None:
+        """The node's link, if it is in the run (one look, where `links` copies them all)."""
+        info = self.nodes.get(node_id)
+        return info.link if info is not None else None
+
+    def on_relayed(self, handle: Callable[[Relayed], None]) -> None:
+        """Who takes a node's `Relayed` (called in this thread: it must only queue)."""
+        self._relayed = handle
 
     def location(self, node_id: str) -> Location | None:
         """Where the node said it runs (None once it left)."""

@@ -12,7 +12,9 @@ leaves the run, however it leaves; `poll` and `states` read the links the regist
 Each node's path is picked when it joins, from where it runs (engine/weights/paths.py): a broadcast
 (NCCL, gloo), or, on the learner's own machine or GPU, the node's copy from the shared buffers. Nodes on
 a shared path past `weights.fetch_after` get no link of their own: one thread serves them all
-(learner/shared_fetch.py `SharedFetch`, one `Member` a node, read by `poll` and `states` as a link is).
+(learner/shared_fetch.py `SharedFetch`, one `Member` a node, read by `poll` and `states` as a link is). Nodes on
+a broadcast path past `weights.relay_fanout` get theirs from another node (learner/relay_tree.py `RelayTree`, one
+`Child` a node, read the same way): the learner links to `relay_fanout` of them only.
 
 A staging set stays allocated while a transfer reads it or while it is the newest; a set no link
 holds is reused by the next `publish`, so the learner keeps at most one set per version in flight. On
@@ -35,10 +37,11 @@ from streamrl.engine.config import Config
 from streamrl.engine.messages import AdapterSpec, WeightsReady
 from streamrl.engine.weights import Location, WeightTransferError, choose, here, new_sender, resolve_backend
 from streamrl.engine.weights.layout import PackedBuckets, plan_buckets
-from streamrl.engine.weights.paths import SHARED
+from streamrl.engine.weights.paths import COLLECTIVE, SHARED
 from streamrl.engine.weights.push import pack, push
 from streamrl.engine.weights.staging import Sender
 from streamrl.learner.nodes import NodeRegistry
+from streamrl.learner.relay_tree import LEARNER, Child, RelayTree
 from streamrl.learner.shared_fetch import Member, SharedFetch
 
 log = logging.getLogger("streamrl.learner")
@@ -92,10 +95,12 @@ class NodeWeights:
 class _Link(threading.Thread):
     """One node's sender thread: pushes the newest published version whenever the node is behind."""
 
-    def __init__(self, publisher: Publisher, node_id: str, sender: Sender):
+    def __init__(self, publisher: Publisher, node_id: str, sender: Sender, state: NodeWeights | None = None):
         super().__init__(name=f"weights-{node_id}", daemon=True)
         self.publisher, self.node_id, self.sender = publisher, node_id, sender
-        self.state = NodeWeights(path=sender.path)
+        self.state = state or NodeWeights(path=sender.path)
+        self.parent: str | None = None  # in the relay tree: LEARNER (a root); None: not in it
+        self.relays = False  # a root that takes children (learner/relay_tree.py)
         self.error: WeightTransferError | None = None
         self.stopping = threading.Event()
 
@@ -103,6 +108,8 @@ class _Link(threading.Thread):
         """The node left the run (the registry calls this): the thread ends after its current transfer."""
         self.stopping.set()
         self.sender.close()
+        if self.parent is not None:  # a root of the relay tree: its children get another parent
+            self.publisher.tree.left(self.node_id)
 
     def run(self) -> None:
         while not self.stopping.is_set():
@@ -142,6 +149,8 @@ class Publisher:
         self._timers: list[_DeviceTimer] = []  # the packings whose device time is not read yet
         self._pack_device_s = 0.0
         self._fetches: dict[str, SharedFetch] = {}  # shared path -> the thread serving its nodes past fetch_after
+        self.tree = RelayTree(self, cfg.weights.relay_fanout)  # nodes on a broadcast path past relay_fanout
+        registry.on_relayed(self.tree.forward)
 
     @property
     def latest_version(self) -> int:
@@ -223,11 +232,35 @@ class Publisher:
             self.registry.attach(node_id, self._fetch(path).add(node_id, NodeWeights(path=path)))
             self.wake()  # its fetch offers it the newest version now
             return
-        sender = new_sender(path, node_id, host=w.store_host, device=self.device, timeout_s=w.timeout_s)
+        if path in COLLECTIVE and w.relay_fanout:
+            self._relayed(node_id, path)
+            return
         log.info("node %s: weights by %s", node_id, path)
-        link = _Link(self, node_id, sender)
+        self.link(node_id, NodeWeights(path=path))
+
+    def link(self, node_id: str, state: NodeWeights, relays: bool | None = None) -> None:
+        """A link of its own for the node, on the path `state` names (attached: a child it was is closed).
+        `relays`: it is a root of the relay tree, which takes children if True (None: not in the tree)."""
+        w = self.cfg.weights
+        sender = new_sender(state.path, node_id, host=w.store_host, device=self.device, timeout_s=w.timeout_s)
+        link = _Link(self, node_id, sender, state)
+        if relays is not None:
+            link.parent, link.relays = LEARNER, relays
         link.start()
         self.registry.attach(node_id, link)
+
+    def _relayed(self, node_id: str, path: str) -> None:
+        """A node on a broadcast path with relaying on: a root (a link) or a child of the shallowest node with room."""
+        relays = self.registry.can_relay(node_id)
+        parent = self.tree.place()
+        if parent == LEARNER:
+            log.info("node %s: weights by %s from the learner (a relay root: %s)", node_id, path, relays)
+            self.link(node_id, NodeWeights(path=path), relays)
+            if relays:
+                self.tree.tell(node_id)  # none yet: it keeps a copy of each version from now on
+            return
+        log.info("node %s: weights by %s, relayed by node %s", node_id, path, parent)
+        self.tree.add_child(node_id, parent, NodeWeights(path=path), relays)
 
     def _own_links(self, path: str) -> int:
         return sum(1 for link in self._links().values() if isinstance(link, _Link) and link.sender.path == path)
@@ -249,17 +282,24 @@ class Publisher:
         """Confirmations in, deadlines checked: the nodes that cannot take the weights, and why (evicting
         them, which closes their links, is the registry's)."""
         now = time.monotonic()
-        return [(node_id, why) for node_id, link in self._links().items() if (why := self._check(link, now))]
+        failed = [(node_id, why) for node_id, link in self._links().items() if (why := self._check(link, now))]
+        self.tree.check(now)
+        return failed
 
-    def _check(self, link: _Link | Member, now: float) -> str:
+    def _check(self, link: _Link | Member | Child, now: float) -> str:
         while (applied := self.registry.take_applied(link.node_id)) is not None:
-            if applied.error:
+            if isinstance(link, Child) and (why := self.tree.applied(link, applied)):
+                return why
+            if applied.error and not isinstance(link, Child):
                 return f"version {applied.version} failed on the node: {applied.error}"
+            if applied.error:
+                continue  # moved to another parent, which sends it the newest version
             link.state.applied = max(link.state.applied, applied.version)
             link.state.last_swap_s = applied.seconds
         if link.error is not None:
             return str(link.error)
-        late = now - link.state.sent_at > self.cfg.weights.timeout_s
+        # a child's version is 'sent' when handed over, before its transfer (which has a deadline of its own)
+        late = now - link.state.sent_at > self.cfg.weights.timeout_s * (2 if isinstance(link, Child) else 1)
         if link.state.sent > link.state.applied and late:
             return (f"version {link.state.sent} was transferred {now - link.state.sent_at:.0f} s ago and is not "
                     f"live on the node (weights.timeout_s = {self.cfg.weights.timeout_s:g})")  # fmt: skip
@@ -269,5 +309,5 @@ class Publisher:
         """Each node's weights, for the nodes in the run now."""
         return {node_id: link.state for node_id, link in self._links().items()}
 
-    def _links(self) -> dict[str, _Link | Member]:
-        return self.registry.links()  # the `_Link`s and `Member`s `add` attached
+    def _links(self) -> dict[str, _Link | Member | Child]:
+        return self.registry.links()  # the `_Link`s, `Member`s and `Child`s `add` attached

@@ -15,8 +15,9 @@ import time
 
 from streamrl.engine.control import HEARTBEAT_S, ControlClient
 from streamrl.engine.ledger import Ledger
-from streamrl.engine.messages import Heartbeat, Stop, WeightsApplied, WeightsReady
+from streamrl.engine.messages import Heartbeat, Relayed, RelayTo, Stop, WeightsApplied, WeightsReady
 from streamrl.engine.transport import TransportError
+from streamrl.engine.weights.relay import Relay
 
 log = logging.getLogger("streamrl.rollout")
 
@@ -32,7 +33,9 @@ class ControlLoop(threading.Thread):
     engine keeps generating while the version is staged); the `WeightsApplied` is sent from here once
     the version is live. `first_weights` is set once a version went live (a node joining past version
     0 waits for it before generating). When `watch` saw another learner take the run over, the node
-    abandons its groups and `moved_to` holds the new learner's control address."""
+    abandons its groups and `moved_to` holds the new learner's control address. A `RelayTo` names the nodes
+    this one forwards each version to (`relay`, on an engine whose receiver runs in this process); their
+    layouts go back to the learner from here (`Relayed`)."""
 
     def __init__(self, client: ControlClient, node, loop: asyncio.AbstractEventLoop, watch: LedgerHeartbeat, sink):
         super().__init__(name="control", daemon=True)
@@ -43,8 +46,17 @@ class ControlLoop(threading.Thread):
         self.moved_to = ""
         self._applied: queue.Queue[WeightsApplied] = queue.Queue()
         self._beats_failing = False
+        self._relayed: queue.Queue[Relayed] = queue.Queue()
+        self.relay = relay_for(node, self._relayed)
 
     def run(self) -> None:
+        try:
+            self._serve()
+        finally:
+            if self.relay is not None:
+                self.relay.close()
+
+    def _serve(self) -> None:
         last_beat = 0.0
         while not self.stopping.is_set():
             if self.watch.moved:
@@ -57,6 +69,8 @@ class ControlLoop(threading.Thread):
             msg = self.client.recv(0.02)
             if isinstance(msg, WeightsReady):
                 self._apply(msg)
+            elif isinstance(msg, RelayTo) and self.relay is not None:
+                self.relay.assign(msg.children, msg.versions)
             elif isinstance(msg, Stop):
                 self.stop_reason = msg.reason
                 log.info("the learner asked this node to stop: %s", msg.reason)
@@ -121,6 +135,7 @@ class ControlLoop(threading.Thread):
         return WeightsApplied(node_id=self.node.node_id, version=ready.version, seconds=seconds, error=error)
 
     def _confirm(self) -> None:
+        self._send_relayed()
         while True:
             try:
                 applied = self._applied.get_nowait()
@@ -132,6 +147,29 @@ class ControlLoop(threading.Thread):
                 log.warning("could not confirm weights version %d: %s", applied.version, e)
             if not applied.error:
                 self.first_weights.set()
+
+    def _send_relayed(self) -> None:
+        """The children's layouts this node's relay made, to the learner (which hands each to its child)."""
+        while True:
+            try:
+                relayed = self._relayed.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                self.client.send(relayed, timeout_s=1.0)
+            except TransportError as e:  # the child is not sent this version; the learner moves it on
+                log.warning("could not relay version %d to %s: %s", relayed.ready.version, relayed.child, e)
+
+
+def relay_for(node, out: queue.Queue[Relayed]) -> Relay | None:
+    """A relay on the node's receiver, when that runs in this process (`stager`: the sim and hf engines; vLLM's
+    runs in its worker processes, so a vLLM node never relays): its layouts for children go to `out`."""
+    stager = getattr(node.engine, "stager", None)
+    if stager is None:
+        return None
+    node_id = node.node_id
+    stager.relay = Relay(node_id, lambda child, ready: out.put(Relayed(node_id=node_id, child=child, ready=ready)))
+    return stager.relay
 
 
 def _peak_gib() -> float:

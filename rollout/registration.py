@@ -31,7 +31,9 @@ def resolve_learner(learner: str, cfg: Config) -> str:
         ) from None
 
 
-def register(client: ControlClient, node_id: str, backend: str, device: str, timeout_s: float) -> Welcome:
+def register(
+    client: ControlClient, node_id: str, backend: str, device: str, timeout_s: float, relays: bool = False
+) -> Welcome:
     where = here(device)  # the learner picks the weights' path from it (its own GPU: CUDA IPC)
     welcome = client.request(
         Register(
@@ -41,6 +43,7 @@ def register(client: ControlClient, node_id: str, backend: str, device: str, tim
             backend=backend,
             boot_id=where.boot_id,
             gpu_uuid=where.gpu_uuid,
+            relays=relays,  # its receiver runs in this process: it can forward versions (rollout/control.py)
         ),  # fmt: skip
         timeout_s=timeout_s,
         expect=(Welcome, Stop),

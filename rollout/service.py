@@ -181,7 +181,8 @@ async def _session(
     try:
         events.emit("phase", phase="registering")
         log.info("phase: registering with the learner at %s", learner_addr)
-        welcome = register(client, node_id, cfg.rollout.backend, device, cfg.transport.recv_timeout_s)
+        relays = getattr(engine, "stager", None) is not None  # rollout/control.py's relay_for
+        welcome = register(client, node_id, cfg.rollout.backend, device, cfg.transport.recv_timeout_s, relays)
         events.emit("phase", phase="registered")
         log.info("phase: registered as %s at policy version %d", node_id, welcome.policy_version)
         ledger = Ledger(connect(ledger_url(cfg, welcome), cfg.ledger.connect_retries), welcome.run_name, cfg.ledger)

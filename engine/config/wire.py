@@ -131,3 +131,9 @@ class WeightsConfig(_Section):
         int, _doc("Nodes on the learner's machine with a weights link each (a thread, a store); later ones "
                   "share one thread and store that tell them each version to copy (learner/shared_fetch.py)", ge=0)
     ] = 8  # fmt: skip
+    relay_fanout: Annotated[
+        int, _doc("Nodes on a broadcast path (gloo, NCCL) the learner sends each version itself; every later one "
+                  "gets it relayed by a node that has it, at most this many children a node "
+                  "(learner/relay_tree.py); each node in the tree holds one more copy of the weights (on its GPU "
+                  "on NCCL). 0: a link from the learner to every node", ge=0, le=64)
+    ] = 8  # fmt: skip

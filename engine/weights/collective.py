@@ -221,7 +221,7 @@ def _receiver_group(ready: WeightsReady, rank: int, device: torch.device):
         for old in [k for k in _receiver_groups if k[:2] == key[:2]]:
             del _receiver_groups[old]
     store = dist.TCPStore(ready.store_host, ready.store_port, is_master=False, timeout=_td(ready.timeout_s))
-    here = _address_towards(ready.store_host, ready.store_port)  # gloo listens where the learner can reach it
+    here = address_towards(ready.store_host, ready.store_port)  # gloo listens where the learner can reach it
     group = new_group(
         store, ready.group_prefix, rank, ready.world_size, ready.backend, ready.timeout_s, device, bind_host=here
     )
@@ -315,7 +315,7 @@ def _listen(host: str, port: int) -> int:
     return sock.detach()  # the store owns the descriptor from here
 
 
-def _address_towards(host: str, port: int) -> str:
+def address_towards(host: str, port: int) -> str:
     """This machine's address on the route to `host` (what a peer there can reach; loopback for loopback)."""
     with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_DGRAM) as probe:
         probe.connect((host, port))  # UDP: picks the route, sends nothing

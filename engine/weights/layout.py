@@ -179,3 +179,10 @@ class PackedBuckets:
                 )
                 self._flat[index] = pack_bucket(spec, self._tensors, self.device, out, self._check)
             return self._flat[index]
+
+    @classmethod
+    def of_flats(cls, specs: list[BucketSpec], flats: list[torch.Tensor]) -> PackedBuckets:
+        """Buckets packed already (a relay's copy of a version it received): `get(i)` is `flats[i]`."""
+        packed = cls(specs, {}, flats[0].device if flats else "cpu")
+        packed._flat = dict(enumerate(flats))
+        return packed

@@ -10,10 +10,11 @@ from the shared buffers), within one deadline; `close()`. The node's `Stager` re
 from __future__ import annotations
 
 import dataclasses
+import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -22,6 +23,11 @@ from streamrl.engine.weights.collective import WeightSender, receive_flat
 from streamrl.engine.weights.ipc import IpcSender, receive_shared
 from streamrl.engine.weights.layout import BufferPool, PackedBuckets, unpack_bucket
 from streamrl.engine.weights.paths import SHARED, WeightTransferError
+
+if TYPE_CHECKING:
+    from streamrl.engine.weights.relay import Relay
+
+log = logging.getLogger("streamrl.rollout")
 
 
 class Sender(Protocol):
@@ -86,6 +92,7 @@ class Stager:
         self._free.set()
         self._pool = BufferPool()  # the shared paths' staging (a collective receives into its group's buffers)
         self.nbytes = 0
+        self.relay: Relay | None = None  # a relay node's forwarding (engine/weights/relay.py), set by its node
 
     def receive(self, ready: WeightsReady) -> Staged:
         start, peer = time.perf_counter(), f"learner@{ready.store_host}:{ready.store_port}"
@@ -99,6 +106,7 @@ class Stager:
                 flats, copy_s = receive_shared(ready, self.device, self.rank, self._pool)
             else:
                 flats = receive_flat(ready, self.device, self.rank)
+                self._relay(ready, flats)
         except BaseException as e:
             self._free.set()
             if isinstance(e, Exception) and not isinstance(e, WeightTransferError):
@@ -108,6 +116,16 @@ class Stager:
         self.nbytes = sum(f.numel() * f.element_size() for f in flats)
         seconds = time.perf_counter() - start
         return Staged(ready.version, named, seconds, self.nbytes, ready.backend, copy_s, ready.adapter)
+
+    def _relay(self, ready: WeightsReady, flats: list[torch.Tensor]) -> None:
+        """The node's children get the version too (its copy made here, before the buffers are released); a
+        failed copy costs them this version only, never the node its own."""
+        if self.relay is None:
+            return
+        try:
+            self.relay.offer(ready, flats)
+        except Exception as e:  # noqa: BLE001 - the children report their missing version; the learner re-parents
+            log.warning("version %d not relayed: %s: %s", ready.version, type(e).__name__, e)
 
     def release(self) -> None:
         """The staged version is live (or given up): the buffers take the next one."""

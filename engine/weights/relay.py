@@ -1,0 +1,168 @@
+"""A node's end of the relay tree: each version it receives on a broadcast path (gloo, NCCL) it forwards to the
+nodes the learner gave it (learner/relay_tree.py), with the sender the learner runs (`collective.WeightSender`:
+a TCPStore and a 2-rank group per child, this node as rank 0), so the learner sends each version to a few nodes
+only, not to every node of every other host.
+
+A node in the tree keeps its own copy of the newest version it received: its staging buffers are released at the
+swap and reused by its next receive, and a slow child must not hold them (nor, through them, this node's own next
+version). That is one copy of the weights more on every node of the tree that can relay (a leaf too: it may be
+given an orphan at any time, which must not wait for the next version), two while a child reads an older one.
+Each child has a thread that sends it the newest copy newer than what it has, skipping to the newest as the
+learner's link does. The child's `WeightsReady` names this node's store and goes to the learner (`announce`,
+sent as a `Relayed` message), which hands it on over the child's own control channel: the child receives as
+from the learner (`collective.receive_flat`), and the learner knows when each child was sent each version.
+A send that fails breaks that child's group only (a new one next time); the child reports its failure to the
+learner, which gives it another parent.
+
+Where the stores listen: this node's address on the route to the store that sent it its own version, the
+address the learner (or its own parent) reaches it at; its children are told it in their `WeightsReady`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+from collections.abc import Callable
+
+import torch
+
+from streamrl.engine.messages import WeightsReady
+from streamrl.engine.weights.collective import WeightSender, address_towards
+from streamrl.engine.weights.layout import BufferPool, PackedBuckets, torch_dtype
+from streamrl.engine.weights.paths import COLLECTIVE, WeightTransferError
+from streamrl.engine.weights.push import push
+
+log = logging.getLogger("streamrl.rollout")
+
+WAIT_S = 0.2  # how long a child's thread waits for a newer version before it looks at its stop flag again
+
+
+@dataclasses.dataclass
+class _Held:
+    """This node's copy of one version it received, read by the children's sends."""
+
+    ready: WeightsReady
+    packed: PackedBuckets
+    pool: BufferPool
+    readers: int = 0
+
+    @property
+    def version(self) -> int:
+        return self.ready.version
+
+
+class Relay:
+    """Forwards every version this node receives to its children (`assign`); `offer` is called with each one."""
+
+    def __init__(self, node_id: str, announce: Callable[[str, WeightsReady], None]):
+        self.node_id, self.announce = node_id, announce
+        self.host = ""  # where its stores listen: known from the first version it receives
+        self._cond = threading.Condition()
+        self._held: list[_Held] = []
+        self._latest: _Held | None = None
+        self._children: dict[str, _ChildSender] = {}
+        self._in_tree = False  # the learner placed it in its relay tree (a first `assign`, children or not)
+
+    def assign(self, children: list[str], versions: list[int]) -> None:
+        """The learner's whole list of this node's children and the version each holds: new ones are sent the
+        newest version held at once (if newer), dropped ones are no longer served."""
+        with self._cond:
+            for child in set(self._children) - set(children):
+                self._children.pop(child).close()
+            for child, have in zip(children, versions, strict=True):
+                if child not in self._children:
+                    self._children[child] = _ChildSender(self, child, have)
+                    self._children[child].start()
+            self._in_tree = True  # told by the learner: it may be given children any time from now
+            self._cond.notify_all()
+        log.info("node %s relays weights to %d nodes: %s", self.node_id, len(children), ", ".join(children))
+
+    def children(self) -> list[str]:
+        with self._cond:
+            return list(self._children)
+
+    def offer(self, ready: WeightsReady, flats: list[torch.Tensor]) -> None:
+        """A version this node received into `flats` (its staging buffers, released after this returns): copied
+        once the learner placed this node in its tree, children or not (a child it is given later, one whose
+        parent left, is sent this copy at once rather than waiting for the next version). Shared paths are never
+        relayed (the copy is local), nor is anything on a node outside the tree."""
+        if ready.backend not in COLLECTIVE:
+            return
+        if not self.host:
+            self.host = address_towards(ready.store_host, ready.store_port)
+        with self._cond:
+            if not self._in_tree:
+                return
+            free = next((h for h in self._held if h.readers == 0 and h is not self._latest), None)
+            if free is not None:
+                self._held.remove(free)  # out of every reader's reach while it is written
+        pool = free.pool if free is not None else BufferPool()
+        copies = []
+        for i, (spec, flat) in enumerate(zip(ready.buckets, flats, strict=True)):
+            copies.append(pool.take(i, torch_dtype(spec.dtype), spec.numel, flat.device))
+            copies[-1].copy_(flat)
+        held = _Held(ready, PackedBuckets.of_flats(ready.buckets, copies), pool)
+        with self._cond:
+            self._held.append(held)
+            self._latest = held
+            self._cond.notify_all()
+
+    def take_newer(self, than: int, timeout_s: float) -> _Held | None:
+        """The newest copy if newer than `than` (held until `give_back`), else None after `timeout_s`."""
+        with self._cond:
+            if self._latest is None or self._latest.version <= than:
+                self._cond.wait(timeout_s)
+            latest = self._latest
+            if latest is None or latest.version <= than:
+                return None
+            latest.readers += 1
+            return latest
+
+    def give_back(self, held: _Held) -> None:
+        with self._cond:
+            held.readers -= 1
+
+    def close(self) -> None:
+        """The node stops: no child is served any more."""
+        with self._cond:
+            for child in self._children.values():
+                child.close()
+            self._children.clear()
+            self._cond.notify_all()
+
+
+class _ChildSender(threading.Thread):
+    """One child's sends: the newest held version it lacks, over its own store and group on this node."""
+
+    def __init__(self, relay: Relay, child: str, have: int):
+        super().__init__(name=f"relay-{child}", daemon=True)
+        self.relay, self.child, self.sent = relay, child, have
+        self.sender: WeightSender | None = None
+        self.stopping = threading.Event()
+
+    def close(self) -> None:
+        self.stopping.set()
+
+    def run(self) -> None:
+        while not self.stopping.is_set():
+            held = self.relay.take_newer(self.sent, WAIT_S)
+            if held is None:
+                continue
+            try:
+                self._send(held)
+            except WeightTransferError as e:  # the child reports it too; the learner gives it another parent
+                log.warning("relay of version %d to node %s failed: %s", held.version, self.child, e)
+            finally:
+                self.sent = max(self.sent, held.version)  # a failed version is not retried: the next one is sent
+                self.relay.give_back(held)
+        if self.sender is not None:
+            self.sender.close()
+
+    def _send(self, held: _Held) -> None:
+        if self.sender is None:
+            ready = held.ready
+            self.sender = WeightSender(self.child, host=self.relay.host, backend=ready.backend,
+                                       device=held.packed.device, timeout_s=ready.timeout_s)  # fmt: skip
+        push(self.sender, held.version, held.packed, lambda ready: self.relay.announce(self.child, ready),
+             adapter=held.ready.adapter)  # fmt: skip
