@@ -37,6 +37,7 @@ from streamrl.engine.config import Config
 from streamrl.engine.messages import AdapterSpec, WeightsReady
 from streamrl.engine.weights import Location, WeightTransferError, choose, here, new_sender, resolve_backend
 from streamrl.engine.weights.layout import PackedBuckets, plan_buckets
+from streamrl.engine.weights.newest import Newest
 from streamrl.engine.weights.paths import COLLECTIVE, SHARED
 from streamrl.engine.weights.push import pack, push
 from streamrl.engine.weights.staging import Sender
@@ -141,10 +142,8 @@ class Publisher:
         self.cfg, self.registry, self.device, self.adapter = cfg, registry, device, adapter
         self.backend = resolve_backend(cfg.weights.backend, device)  # where the buffers are: nccl → the GPU
         self.here = here(str(device))
-        self._sets: list[_Set] = []
-        self._latest: _Set | None = None
+        self._sets: Newest[_Set] = Newest()  # the packed versions the transfers read (engine/weights/newest.py)
         self._plans: dict[tuple, list] = {}
-        self._cond = threading.Condition()
         self.hold_s = 0.0  # the last publish's hold on the caller
         self._timers: list[_DeviceTimer] = []  # the packings whose device time is not read yet
         self._pack_device_s = 0.0
@@ -154,7 +153,7 @@ class Publisher:
 
     @property
     def latest_version(self) -> int:
-        return self._latest.version if self._latest is not None else 0
+        return self._sets.latest.version if self._sets.latest is not None else 0
 
     # ---- the learner's side: publish ---------------------------------------------------------
 
@@ -163,18 +162,12 @@ class Publisher:
         caller was held (host time: the packing is queued on the device and read by the transfers)."""
         start = time.perf_counter()
         specs, fresh = self._plan(weights)
-        with self._cond:
-            free = next((s for s in self._sets if s.readers == 0 and s is not self._latest), None)
+        free = self._sets.reuse()  # this thread alone writes sets: it stays free while packed into
         timer = _DeviceTimer(self._buffer_device)
         packed = pack(specs, weights, self._buffer_device, free.packed.pool if free is not None else None, check=fresh)
         fresh = _Set(version, packed, timer.stop())
         self._timers = [*self._timers[-7:], timer]  # read by the next reports; a few at most
-        with self._cond:
-            if free is not None:
-                self._sets.remove(free)
-            self._sets.append(fresh)
-            self._latest = fresh
-            self._cond.notify_all()
+        self._sets.post(fresh)
         self.hold_s = time.perf_counter() - start
         return self.hold_s
 
@@ -201,23 +194,14 @@ class Publisher:
 
     def take_newer(self, than: int, timeout_s: float) -> _Set | None:
         """The newest set if it is newer than `than` (held until `give_back`), else None after `timeout_s`."""
-        with self._cond:
-            if self._latest is None or self._latest.version <= than:
-                self._cond.wait(timeout_s)
-            latest = self._latest
-            if latest is None or latest.version <= than:
-                return None
-            latest.readers += 1
-            return latest
+        return self._sets.take_newer(than, timeout_s)
 
     def give_back(self, published: _Set) -> None:
-        with self._cond:
-            published.readers -= 1
+        self._sets.give_back(published)
 
     def wake(self) -> None:
         """Wake the threads waiting in `take_newer` (a node became free to take the newest version)."""
-        with self._cond:
-            self._cond.notify_all()
+        self._sets.wake()
 
     # ---- nodes --------------------------------------------------------------------------------
 

@@ -30,6 +30,7 @@ import torch
 from streamrl.engine.messages import WeightsReady
 from streamrl.engine.weights.collective import WeightSender, address_towards
 from streamrl.engine.weights.layout import BufferPool, PackedBuckets, torch_dtype
+from streamrl.engine.weights.newest import Newest
 from streamrl.engine.weights.paths import COLLECTIVE, WeightTransferError
 from streamrl.engine.weights.push import push
 
@@ -58,9 +59,8 @@ class Relay:
     def __init__(self, node_id: str, announce: Callable[[str, WeightsReady], None]):
         self.node_id, self.announce = node_id, announce
         self.host = ""  # where its stores listen: known from the first version it receives
-        self._cond = threading.Condition()
-        self._held: list[_Held] = []
-        self._latest: _Held | None = None
+        self._cond = threading.Condition()  # guards the children and the copies (one lock: `_copies` shares it)
+        self._copies: Newest[_Held] = Newest(self._cond)  # the versions it received, read by the children's sends
         self._children: dict[str, _ChildSender] = {}
         self._in_tree = False  # the learner placed it in its relay tree (a first `assign`, children or not)
 
@@ -94,34 +94,20 @@ class Relay:
         with self._cond:
             if not self._in_tree:
                 return
-            free = next((h for h in self._held if h.readers == 0 and h is not self._latest), None)
-            if free is not None:
-                self._held.remove(free)  # out of every reader's reach while it is written
+            free = self._copies.reuse()  # out of every reader's reach while it is written
         pool = free.pool if free is not None else BufferPool()
         copies = []
         for i, (spec, flat) in enumerate(zip(ready.buckets, flats, strict=True)):
             copies.append(pool.take(i, torch_dtype(spec.dtype), spec.numel, flat.device))
             copies[-1].copy_(flat)
-        held = _Held(ready, PackedBuckets.of_flats(ready.buckets, copies), pool)
-        with self._cond:
-            self._held.append(held)
-            self._latest = held
-            self._cond.notify_all()
+        self._copies.post(_Held(ready, PackedBuckets.of_flats(ready.buckets, copies), pool))
 
     def take_newer(self, than: int, timeout_s: float) -> _Held | None:
         """The newest copy if newer than `than` (held until `give_back`), else None after `timeout_s`."""
-        with self._cond:
-            if self._latest is None or self._latest.version <= than:
-                self._cond.wait(timeout_s)
-            latest = self._latest
-            if latest is None or latest.version <= than:
-                return None
-            latest.readers += 1
-            return latest
+        return self._copies.take_newer(than, timeout_s)
 
     def give_back(self, held: _Held) -> None:
-        with self._cond:
-            held.readers -= 1
+        self._copies.give_back(held)
 
     def close(self) -> None:
         """The node stops: no child is served any more."""

@@ -125,12 +125,12 @@ def test_a_member_that_leaves_mid_copy_is_dropped_from_its_round_at_once():
         publisher.publish(1, _weights(1))
         _poll_until(publisher, lambda: _applied(publisher)["a"] == 1, 5)
         time.sleep(0.2)
-        assert publisher._latest.readers == 1  # the positive control: version 1's round still holds its set
+        assert publisher._sets.latest.readers == 1  # the positive control: version 1's round still holds its set
         start = time.monotonic()
         nodes.leave("dead")
-        while publisher._latest.readers and time.monotonic() - start < TIMEOUT_S:
+        while publisher._sets.latest.readers and time.monotonic() - start < TIMEOUT_S:
             time.sleep(0.01)
-        assert publisher._latest.readers == 0 and time.monotonic() - start < TIMEOUT_S / 2
+        assert publisher._sets.latest.readers == 0 and time.monotonic() - start < TIMEOUT_S / 2
         assert publisher.poll() == []  # it left: nothing to evict
     finally:
         nodes.close()
