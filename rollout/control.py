@@ -35,7 +35,8 @@ class ControlLoop(threading.Thread):
     0 waits for it before generating). When `watch` saw another learner take the run over, the node
     abandons its groups and `moved_to` holds the new learner's control address. A `RelayTo` names the nodes
     this one forwards each version to (`relay`, on an engine whose receiver runs in this process); their
-    layouts go back to the learner from here (`Relayed`)."""
+    layouts go back to the learner from here (`Relayed`); a vLLM engine's relay runs in its worker
+    (rollout/backends/vllm_relay.py)."""
 
     def __init__(self, client: ControlClient, node, loop: asyncio.AbstractEventLoop, watch: LedgerHeartbeat, sink):
         super().__init__(name="control", daemon=True)
@@ -47,7 +48,7 @@ class ControlLoop(threading.Thread):
         self._applied: queue.Queue[WeightsApplied] = queue.Queue()
         self._beats_failing = False
         self._relayed: queue.Queue[Relayed] = queue.Queue()
-        self.relay = relay_for(node, self._relayed)
+        self.relay = relay_for(node, self._relayed, loop)
 
     def run(self) -> None:
         try:
@@ -114,6 +115,8 @@ class ControlLoop(threading.Thread):
         self._beats_failing = False
 
     def _apply(self, ready: WeightsReady) -> None:
+        if self.relay is not None:
+            self.relay.expect(ready)  # its children are due this version's layouts
         future = asyncio.run_coroutine_threadsafe(self.node.apply_weights(ready), self.loop)
         future.add_done_callback(lambda done: self._applied.put(self._outcome(ready, done)))
 
@@ -161,14 +164,26 @@ class ControlLoop(threading.Thread):
                 log.warning("could not relay version %d to %s: %s", relayed.ready.version, relayed.child, e)
 
 
-def relay_for(node, out: queue.Queue[Relayed]) -> Relay | None:
-    """A relay on the node's receiver, when that runs in this process (`stager`: the sim and hf engines; vLLM's
-    runs in its worker processes, so a vLLM node never relays): its layouts for children go to `out`."""
+def can_relay(engine) -> bool:
+    """Whether a node on `engine` can forward the versions it receives (`relay_for` makes it a relay)."""
+    return hasattr(engine, "relay") or getattr(engine, "stager", None) is not None
+
+
+def relay_for(node, out: queue.Queue[Relayed], loop: asyncio.AbstractEventLoop):
+    """The node's relay: where its receiver runs in this process (`stager`: the sim and hf engines) one on it; a
+    vLLM engine's runs in its worker, and so does its relay (`engine.relay`: rollout/backends/vllm_relay.py).
+    Its layouts for children go to `out`; None for an engine that cannot relay."""
+    node_id = node.node_id
+
+    def announce(child: str, ready: WeightsReady) -> None:
+        out.put(Relayed(node_id=node_id, child=child, ready=ready))
+
+    if hasattr(node.engine, "relay"):
+        return node.engine.relay(node_id, announce, loop)
     stager = getattr(node.engine, "stager", None)
     if stager is None:
         return None
-    node_id = node.node_id
-    stager.relay = Relay(node_id, lambda child, ready: out.put(Relayed(node_id=node_id, child=child, ready=ready)))
+    stager.relay = Relay(node_id, announce)
     return stager.relay
 
 

@@ -36,7 +36,7 @@ from streamrl.engine.ledger import Ledger, LedgerUnavailableError
 from streamrl.engine.messages import Goodbye, Welcome
 from streamrl.engine.telemetry import EventLog
 from streamrl.engine.transport import TrajectorySender, TransportError
-from streamrl.rollout.control import ControlLoop, LedgerHeartbeat
+from streamrl.rollout.control import ControlLoop, LedgerHeartbeat, can_relay
 from streamrl.rollout.learner_gone import learner_gone
 from streamrl.rollout.ledger_link import LedgerCredits, LedgerSink
 from streamrl.rollout.registration import check_reachable, ledger_url, register, resolve_learner
@@ -181,8 +181,8 @@ async def _session(
     try:
         events.emit("phase", phase="registering")
         log.info("phase: registering with the learner at %s", learner_addr)
-        relays = getattr(engine, "stager", None) is not None  # rollout/control.py's relay_for
-        welcome = register(client, node_id, cfg.rollout.backend, device, cfg.transport.recv_timeout_s, relays)
+        welcome = register(client, node_id, cfg.rollout.backend, device, cfg.transport.recv_timeout_s,
+                           can_relay(engine))  # fmt: skip
         events.emit("phase", phase="registered")
         log.info("phase: registered as %s at policy version %d", node_id, welcome.policy_version)
         ledger = Ledger(connect(ledger_url(cfg, welcome), cfg.ledger.connect_retries), welcome.run_name, cfg.ledger)

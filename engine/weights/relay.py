@@ -78,6 +78,11 @@ class Relay:
             self._cond.notify_all()
         log.info("node %s relays weights to %d nodes: %s", self.node_id, len(children), ", ".join(children))
 
+    def expect(self, ready: WeightsReady) -> None:
+        """A version on its way to this node (the control thread's word): nothing to do here, where each layout for
+        a child goes out as it is made; a relay in another process asks for them sooner then
+        (rollout/backends/vllm_relay.py)."""
+
     def children(self) -> list[str]:
         with self._cond:
             return list(self._children)

@@ -333,6 +333,12 @@ class VLLMBackend:
         self.staging_bytes = done["nbytes"]
         return done["seconds"]
 
+    def relay(self, node_id: str, announce, loop):
+        """This node's relay, which runs in its worker, where each version lands (rollout/backends/vllm_relay.py)."""
+        from streamrl.rollout.backends.vllm_relay import WorkerRelay
+
+        return WorkerRelay(self._engine, node_id, announce, loop)
+
     async def sleep(self) -> float:
         """Level 1 (module doc): the KV cache released, the weights kept in host memory; nothing when asleep
         already, while a request or a swap runs, or on a GPU engine built without sleep mode. The seconds."""

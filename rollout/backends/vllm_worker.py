@@ -31,6 +31,7 @@ from streamrl.engine import messages
 from streamrl.engine.messages import WeightsReady
 from streamrl.engine.weights import Staged, Stager, WeightTransferError
 from streamrl.engine.workers import lifeline
+from streamrl.rollout.backends.vllm_relay import RelayInWorker
 
 WORKER_EXTENSION = "streamrl.rollout.backends.vllm_worker.WeightReceiverExtension"
 STATUS_POLL_S = 0.005
@@ -65,11 +66,12 @@ def _decode_ready(ready_bytes: bytes) -> WeightsReady:
     return ready
 
 
-class WeightReceiverExtension:
+class WeightReceiverExtension(RelayInWorker):
     """Mixed into each vLLM worker (`worker_extension_cls=WORKER_EXTENSION`).
 
     Worker rank r (tensor/pipeline parallel) is rank r + 1 of the node's weight group. Every method
-    returns a dict and never raises into the engine core.
+    returns a dict and never raises into the engine core. The relay's methods (`relay_*`: forwarding each
+    version to other nodes) are `RelayInWorker`'s (rollout/backends/vllm_relay.py).
     """
 
     def _staging(self) -> dict:
