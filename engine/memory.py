@@ -24,6 +24,8 @@ to their share. The formulas are first-order and were checked against measured p
   the node hands vLLM that KV size and that share, so vLLM never sizes itself from what another process
   on the GPU left free. `rollout.gpu_memory_utilization` > 0 lets vLLM size itself instead (that fraction of
   the GPU); `rollout.gpu_memory_gib` sets the share, the KV cache being what the rest leaves.
+- Either node in a relay tree (`weights.relay_fanout` > 0) on NCCL: one more copy of what is pushed, which it keeps
+  to forward (`relays_on_gpu`).
 - One GPU shared by both (`shared_gpu`): async keeps both resident; sync lets a vLLM node sleep while the
   learner trains (KV cache released, weights in host memory: `VLLM_FIXED_GIB` stays), and the learner's
   activations and logits go back to the driver before the node wakes, so the peak is the larger of the two
@@ -148,6 +150,22 @@ def reference_bytes(cfg: Config, params: int) -> int:
     return -(-params // cfg.learner.ranks) * nbytes + params * nbytes
 
 
+def relays_on_gpu(cfg: Config) -> bool:
+    """Whether a node may hold a relay copy on its GPU: one more copy of what is pushed, kept by a node of the relay
+    tree (engine/weights/relay.py) on the device it receives on. A tree exists with `weights.relay_fanout`; its
+    nodes receive on a broadcast path, NCCL on a GPU (gloo receives, and keeps, in host memory), which `auto` picks
+    for nodes off the learner's GPUs (one on them takes its weights by CUDA IPC and never relays)."""
+    w = cfg.weights
+    return w.relay_fanout > 0 and (w.backend == "nccl" or (w.backend == "auto" and not cfg.rollout.share_learner_gpus))
+
+
+def _copies(cfg: Config, shape: Shape, nbytes: int) -> dict[str, float]:
+    """A node's copies of what is pushed besides its live weights: the staged version, a relay's copy."""
+    pushed = (adapter_params(cfg, shape) if cfg.lora.enabled else shape.params) * nbytes / GIB
+    relay = {f"relay copy (weights.relay_fanout = {cfg.weights.relay_fanout})": pushed} if relays_on_gpu(cfg) else {}
+    return {"staging copy": pushed, **relay}
+
+
 def hf_node(cfg: Config, shape: Shape) -> Estimate:
     """An hf rollout node's GPU memory (rollout/backends/hf.py on CUDA)."""
     nbytes = 4 if cfg.model.dtype == "float32" else 2
@@ -156,7 +174,7 @@ def hf_node(cfg: Config, shape: Shape) -> Estimate:
     return Estimate(
         {
             "weights": shape.params * nbytes / GIB,
-            "staging copy": (adapter_params(cfg, shape) if cfg.lora.enabled else shape.params) * nbytes / GIB,
+            **_copies(cfg, shape, nbytes),
             f"static cache ({MAX_BATCH} rows x {width + cfg.rollout.max_tokens} tokens)": (
                 positions * shape.layers * 2 * shape.kv_width * nbytes / GIB
             ),
@@ -200,7 +218,7 @@ def vllm_node(cfg: Config, shape: Shape) -> Estimate:
     return Estimate(
         {
             "weights": shape.params * nbytes / GIB,
-            "staging copy": (adapter_params(cfg, shape) if cfg.lora.enabled else shape.params) * nbytes / GIB,
+            **_copies(cfg, shape, nbytes),
             f"KV cache ({seqs} sequences)": vllm_kv_bytes(cfg, shape) / GIB,
             "activations and sampler": (VLLM_BATCH_TOKENS * per_token + 4 * seqs * shape.vocab * 4) / GIB,
             "CUDA context, graphs, vLLM workspace": VLLM_FIXED_GIB,

@@ -135,6 +135,6 @@ class WeightsConfig(_Section):
         int, _doc("Nodes on a broadcast path (gloo, NCCL) the learner sends each version itself; every later one "
                   "gets it relayed by a node that has it, at most this many children a node "
                   "(learner/relay_tree.py); each node in the tree holds one more copy of the weights (on its GPU "
-                  "on NCCL). 0 (off): a link from the learner to every node; 8 for a pool of sim or hf nodes on "
-                  "other hosts past ~32 (vLLM nodes never relay)", ge=0, le=64)
+                  "on NCCL, counted in its memory plan). 0 (off): a link from the learner to every node; 8 for a "
+                  "pool of nodes on other hosts past ~32", ge=0, le=64)
     ] = 0  # fmt: skip

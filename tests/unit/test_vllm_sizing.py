@@ -55,6 +55,38 @@ def test_the_kv_cache_holds_every_sequence_at_its_longest(gpu_cfg):
     assert memory.node(mine, shape, 100.0).gib == pytest.approx(30.0)  # vLLM sizes itself: that fraction
 
 
+def test_a_node_in_a_relay_tree_on_nccl_counts_its_relay_copy_and_its_kv_cache_gives_the_room(gpu_cfg):
+    shape = memory.Shape(params=494_000_000, hidden=896, intermediate=4864, layers=24, kv_width=128, vocab=512)
+    plain = memory.vllm_node(gpu_cfg, shape)
+    assert not any(name.startswith("relay copy") for name in plain.parts)  # relay_fanout 0: no tree
+
+    def with_sets(*sets):
+        return load(EXAMPLES / "gpu.toml", [f"model.path='{gpu_cfg.model.path}'", "rollout.backend='vllm'", *sets])
+
+    remote = with_sets("weights.relay_fanout=8", "rollout.share_learner_gpus=false")  # auto: NCCL off its GPUs
+    est = memory.vllm_node(remote, shape)
+    assert est.parts["relay copy (weights.relay_fanout = 8)"] == est.parts["weights"]
+    assert est.gib == pytest.approx(plain.gib + est.parts["weights"])
+    assert memory.hf_node(remote, shape).gib == pytest.approx(memory.hf_node(gpu_cfg, shape).gib + est.parts["weights"])
+    # no copy on the GPU: a node on the learner's GPUs takes CUDA IPC; gloo keeps the copy in host memory
+    for sets in (
+        ("weights.relay_fanout=8", "rollout.share_learner_gpus=true"),
+        ("weights.relay_fanout=8", "weights.backend='gloo'", "rollout.share_learner_gpus=false"),
+    ):
+        assert memory.vllm_node(with_sets(*sets), shape).gib == pytest.approx(plain.gib), sets
+    forced = with_sets("weights.relay_fanout=8", "weights.backend='nccl'", "rollout.share_learner_gpus=true")
+    assert memory.vllm_node(forced, shape).gib == pytest.approx(est.gib)  # NCCL everywhere: a tree on its GPU too
+    # a share given: the relay copy comes out of the KV cache
+    shared = sizing(with_sets("rollout.gpu_memory_gib=12"), "cuda", gpu_cfg.model.path)
+    relayed = sizing(with_sets("rollout.gpu_memory_gib=12", "weights.relay_fanout=8",
+                               "rollout.share_learner_gpus=false"), "cuda", gpu_cfg.model.path)  # fmt: skip
+    from transformers import AutoConfig
+
+    real = memory.shape_of(AutoConfig.from_pretrained(gpu_cfg.model.path))
+    weights = memory.vllm_node(gpu_cfg, real).parts["weights"]
+    assert shared.kv_bytes - relayed.kv_bytes == pytest.approx(weights * 2**30, rel=1e-6)
+
+
 def test_a_gpu_node_gets_its_kv_cache_and_share_and_a_cpu_node_its_sequences(gpu_cfg):
     size = sizing(gpu_cfg, "cuda:0", gpu_cfg.model.path)
     assert size.max_seqs == 960 and size.batch_tokens == 16384
