@@ -33,7 +33,7 @@ from streamrl.engine.transport import (
 )
 
 HEARTBEAT_S = 0.5  # a node beats this often on the control channel (rollout/control.py); the learner probes one
-# that missed a beat (learner/nodes.py)
+# that missed a beat (learner/reachability.py)
 
 # a learner with CURVE on never completes a connection with a node whose keys do not match: sends then block
 _CHECK = (

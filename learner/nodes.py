@@ -17,6 +17,9 @@ trajectory frames. Without CURVE (turned off by the user) there is no key: a liv
 registered again, so a local process cannot take a node's place. A control message is taken only
 from the peer and key that registered its node; anything else is counted on the control socket's
 tally (`unregistered`, `spoofed`) and ignored.
+
+Which of its nodes can no longer be reached (a connection closed, a node silent past a beat) is asked of
+`Reachability` (learner/reachability.py), which the registry tells of each registration, goodbye and departure.
 """
 
 from __future__ import annotations
@@ -32,20 +35,14 @@ from collections.abc import Callable
 from typing import Protocol
 
 from streamrl.engine.auth import Identity, new_secret
-from streamrl.engine.control import HEARTBEAT_S, ControlServer
+from streamrl.engine.control import ControlServer
 from streamrl.engine.messages import Goodbye, Heartbeat, Register, Relayed, Stop, WeightsApplied, Welcome
 from streamrl.engine.telemetry import EventLog
 from streamrl.engine.transport import TransportError
 from streamrl.engine.weights.paths import Location
+from streamrl.learner.reachability import Reachability
 
 log = logging.getLogger("streamrl.learner")
-
-# A node beats every HEARTBEAT_S (rollout/control.py): one that missed a beat (silent a fifth of a beat past it) is
-# asked whether its connection is open, so a killed node is known within a beat or so, not after the seconds of
-# silence a frozen one is given.
-PROBE_AFTER_S = 1.2 * HEARTBEAT_S
-PROBE_EVERY_S = 0.4 * HEARTBEAT_S
-SWEEP_S = 0.2  # after the socket saw a connection close, every node is asked this long (each pass of the thread)
 
 
 @dataclasses.dataclass
@@ -83,9 +80,7 @@ class NodeRegistry(threading.Thread):
         self.nodes: dict[str, NodeInfo] = {}
         self.identities: dict[str, Identity] = {}  # kept after a node leaves: its id stays bound to its key
         self.departed: dict[str, tuple[bytes, str]] = {}  # connection and key of nodes that left
-        self.unreachable: dict[str, float] = {}  # node -> when its connection was found closed (not heard since)
-        self._probed: dict[str, float] = {}  # node -> when it was last asked about (monotonic; inf: it said goodbye)
-        self._sweep_until = 0.0  # every node is asked until then (monotonic): a connection of the socket closed
+        self.reachability = Reachability(server, self.silent_s)  # which nodes went silent or closed their connection
         self.events: queue.Queue[tuple[str, str]] = queue.Queue()  # ("joined" | "left", node_id)
         self.applied: dict[str, queue.Queue[WeightsApplied]] = collections.defaultdict(queue.Queue)
         self.outbox: queue.Queue[tuple[str, object, concurrent.futures.Future, bool]] = queue.Queue()
@@ -100,7 +95,7 @@ class NodeRegistry(threading.Thread):
     def run(self) -> None:
         while not self.stopping.is_set():
             self._flush_outbox()
-            self._check_connections()
+            self.reachability.check(self.nodes)
             got = self.server.recv(0.02)
             if got is None:
                 continue
@@ -123,42 +118,10 @@ class NodeRegistry(threading.Thread):
                 done.set_result(None)
             except TransportError as e:
                 log.warning("control message %s to %s not delivered: %s", type(msg).__name__, node_id, e)
-                self._probe(node_id, info)  # its connection may be gone: known before the node is forgotten
+                self.reachability.probe(node_id, info)  # its connection may be gone: known before the node is forgotten
                 done.set_exception(e)
             if then_forget:
                 self.forget(node_id, resolved)
-
-    def _check_connections(self) -> None:
-        """Whether the nodes still have a connection: a node killed (kill -9, out of memory) is known at once,
-        as the socket says a connection closed (then every node is asked, for SWEEP_S: the close reaches the
-        socket's peers table a moment after its monitor), else within a beat (a node that missed one is asked).
-        Only a failed send proves it, so a node alive but slow (frozen, its beats late) is never taken for
-        gone; one whose connection dropped and came back is heard again, which clears it."""
-        now = time.monotonic()
-        if self.server.disconnected():
-            self._sweep_until = now + SWEEP_S
-        sweep = now < self._sweep_until
-        for node_id, info in list(self.nodes.items()):
-            if node_id in self.unreachable or not sweep and self.silent_s(node_id) < PROBE_AFTER_S:
-                continue
-            asked = self._probed.get(node_id, 0.0)
-            if asked == float("inf") or not sweep and now - asked < PROBE_EVERY_S:
-                continue
-            self._probed[node_id] = now
-            self._probe(node_id, info)
-
-    def _probe(self, node_id: str, info: NodeInfo | None) -> None:
-        """Mark the node unreachable when the socket has no connection to it."""
-        if info is None or node_id in self.unreachable or self.server.connected(info.peer):
-            return
-        with self.lock:
-            self.unreachable[node_id] = time.time()
-        log.warning("node %s: its control connection closed (last heard %.1f s ago)", node_id, self.silent_s(node_id))
-
-    def unreachable_s(self) -> dict[str, float]:
-        """The nodes whose control connection was found closed and that were not heard from since: seconds since."""
-        with self.lock:
-            return {node_id: time.time() - found for node_id, found in self.unreachable.items()}
 
     def identity(self, node_id: str) -> Identity | None:
         """What the node's frames must prove (its key and secret); None for an id never registered."""
@@ -175,9 +138,7 @@ class NodeRegistry(threading.Thread):
         if not self._speaks_for(peer, key, msg):
             return
         now = time.time()
-        if msg.node_id in self.unreachable and self.server.connected(peer):  # heard, and its connection is open again
-            with self.lock:  # (a message read after its connection closed was sent before: it proves nothing)
-                self.unreachable.pop(msg.node_id, None)
+        self.reachability.heard(msg.node_id, peer)
         if isinstance(msg, Heartbeat):
             info = self.nodes[msg.node_id]
             info.last_seen, info.version, info.tokens_generated = now, msg.policy_version, msg.tokens_generated
@@ -189,9 +150,7 @@ class NodeRegistry(threading.Thread):
             self._relayed(msg)  # queues the child's WeightsReady: out at this thread's next turn
         elif isinstance(msg, Goodbye):
             log.info("node %s left: %s", msg.node_id, msg.reason)
-            with self.lock:  # its connection closes next, as it should: not a loss (a sweep may have seen it close)
-                self._probed[msg.node_id] = float("inf")
-                self.unreachable.pop(msg.node_id, None)
+            self.reachability.said_goodbye(msg.node_id)
             self.events.put(("left", msg.node_id))
 
     def _register(self, peer: bytes, msg: Register, key: str) -> None:
@@ -206,10 +165,9 @@ class NodeRegistry(threading.Thread):
             self.server.send(peer, Stop(reason=f"node id {msg.node_id!r} is live in this run (no CURVE key)"))
             return
         now, identity = time.time(), Identity(key, new_secret())
+        self.reachability.registered(msg.node_id)
         with self.lock:
             self.identities[msg.node_id] = identity
-            self.unreachable.pop(msg.node_id, None)
-            self._probed.pop(msg.node_id, None)
             where = Location(host=msg.host, boot_id=msg.boot_id, device=msg.device, gpu_uuid=msg.gpu_uuid)
             before = self.nodes.get(msg.node_id)  # a node back under its id: its old process's link ends
             self.nodes[msg.node_id] = NodeInfo(peer, msg.host, now, now, key, where=where, relays=msg.relays)
@@ -365,9 +323,7 @@ class NodeRegistry(threading.Thread):
             info = self.nodes.pop(node_id, None)
             if info is not None:
                 self.departed[node_id] = (info.peer, info.key)
-            if resolved:
-                self.unreachable.pop(node_id, None)
-            self._probed.pop(node_id, None)
+        self.reachability.left_run(node_id, resolved)
 
     def close(self) -> None:
         """Stop the control thread and close the socket and every node's link."""

@@ -116,7 +116,7 @@ class Orchestrator:
         patience = min(cfg.ledger.heartbeat_ttl_s * 1.5, 30.0)
         window = 2 * cfg.learner.groups_per_step * cfg.rollout.group_size  # 2 steps' worth of samples
         rewards = RewardWatch(window)
-        overdue = OverdueGroups(self.ledger, self.registry.silent_s, window, self.registry.unreachable_s)
+        overdue = OverdueGroups(self.ledger, self.registry.silent_s, window, self.registry.reachability.unreachable_s)
         places = LostPlaces(cfg.learner.groups_per_step)
         self.intake = Intake(receiver, self.ledger, alarm, patience, rewards, overdue, places)
         self.intake.events = self.events

@@ -11,8 +11,8 @@ group of which nothing has arrived is given up once both hold:
 - the node holding it has been silent on the control channel for `SILENT_S` (it beats every 0.5 s,
   `rollout/control.py`), so a node that is alive but slow is never cut off.
 A node whose control connection closed (its process killed: the kernel closes its sockets; the learner's
-`NodeRegistry` proves it with a send that fails) cannot deliver anything more: its groups are given up once
-that is `GONE_S` old, without the deadline: a kill is acted on one missed beat after it (`nodes.PROBE_AFTER_S`),
+`Reachability` proves it with a send that fails) cannot deliver anything more: its groups are given up once
+that is `GONE_S` old, without the deadline: a kill is acted on one missed beat after it (`reachability.PROBE_AFTER_S`),
 not after 2 s of silence and a deadline of seconds. Its frames sent before it died are taken in by then.
 Its samples not yet received are dropped as `overdue`, and the step it was admitted for goes on without it:
 its place stays empty, its credit held until that step ends (learner/places.py). A node that wakes finds the
@@ -39,7 +39,7 @@ GONE_S = 0.1  # the intake drains the trajectory socket every 50 ms: a dead node
 class OverdueGroups:
     """`measure` every received batch; `give_up` the overdue among the groups the learner waits for.
     `silent_s(node_id)`: seconds since the node was last heard on the control channel (inf: not registered);
-    `unreachable_s()`: the nodes whose control connection closed, seconds since (`NodeRegistry.unreachable_s`)."""
+    `unreachable_s()`: the nodes whose control connection closed, seconds since (`Reachability.unreachable_s`)."""
 
     def __init__(
         self,

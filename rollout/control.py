@@ -22,7 +22,7 @@ from streamrl.engine.weights.relay import Relay
 log = logging.getLogger("streamrl.rollout")
 
 # HEARTBEAT_S (engine/control.py): a node silent past a beat is asked whether its connection is open
-# (learner/nodes.py); the learner gives up the groups of a node whose connection closed, or silent for 2 s
+# (learner/reachability.py); the learner gives up the groups of a node whose connection closed, or silent for 2 s
 # (learner/overdue.py)
 
 

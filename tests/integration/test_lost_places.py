@@ -56,7 +56,7 @@ def _admit(ledger: Ledger, groups) -> None:
 
 
 def _intake(ledger: Ledger, gone: dict[str, float], per_step: int = PER_STEP) -> Intake:
-    """The learner's intake, its nodes' closed connections read from `gone` (NodeRegistry.unreachable_s)."""
+    """The learner's intake, its nodes' closed connections read from `gone` (Reachability.unreachable_s)."""
     overdue = OverdueGroups(ledger, silent_s=lambda node: 0.1, window=8, unreachable_s=lambda: dict(gone))
     return Intake(TrajectoryReceiver(), ledger, StallAlarm(60.0, 0.0, ledger.counts), order_patience_s=30.0,
                   overdue=overdue, places=LostPlaces(per_step))  # fmt: skip

@@ -43,7 +43,7 @@ def test_a_silent_nodes_group_is_given_up_after_the_slowest_group_time_and_a_bea
 
 
 def test_a_node_whose_connection_closed_has_its_groups_given_up_before_the_deadline(redis_url, ledger_run):
-    """Its process is gone (`NodeRegistry.unreachable_s`): no deadline, no 2 s of silence; only `GONE_S` for the
+    """Its process is gone (`Reachability.unreachable_s`): no deadline, no 2 s of silence; only `GONE_S` for the
     frames it sent before it died. A silent node whose connection is open waits for both, as above."""
     ledger = Ledger(connect(redis_url), ledger_run)
     ledger.init_run(groups_per_step=2)

