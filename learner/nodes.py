@@ -83,7 +83,7 @@ class NodeRegistry(threading.Thread):
         self.reachability = Reachability(server, self.silent_s)  # which nodes went silent or closed their connection
         self.events: queue.Queue[tuple[str, str]] = queue.Queue()  # ("joined" | "left", node_id)
         self.applied: dict[str, queue.Queue[WeightsApplied]] = collections.defaultdict(queue.Queue)
-        self.outbox: queue.Queue[tuple[str, object, concurrent.futures.Future, bool]] = queue.Queue()
+        self.outbox: queue.Queue[tuple[str, object, concurrent.futures.Future, bool, bool]] = queue.Queue()
         self._relayed: Callable[[Relayed], None] = lambda msg: None  # the publisher's relay tree hands these on
         self.stopping = threading.Event()
         self.lock = threading.Lock()
