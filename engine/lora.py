@@ -16,7 +16,9 @@ from streamrl.engine.messages import AdapterSpec
 
 PEFT_PREFIX = "base_model.model."
 ADAPTER = "default"  # PEFT's adapter name on the learner and on hf nodes
-SKIPPED = ("lm_head",)  # never adapted: 'all-linear' leaves the output layer alone, as PEFT does
+# never adapted: 'all-linear' leaves the output layer alone, as PEFT does; a value model's head (the LoRA critic's,
+# learner/critic/model.adapt) is trained whole
+SKIPPED = ("lm_head", "score")
 
 
 class LoraError(ConfigError):

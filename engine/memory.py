@@ -11,7 +11,8 @@ to their share. The formulas are first-order and were checked against measured p
   `learner.head_logits_gib`, plus an 8192-token fp32 chunk and its gradient) + a reference model (a KL to
   one: shards in model.dtype over the ranks + the copy its pass gathers; none where LoRA's own base is the
   reference) + the critic's value model, trained like the actor but
-  after it (weights, gradients and AdamW: its activations are the actor's, freed by then) + 1 GiB of CUDA
+  after it (weights, gradients and AdamW: its activations are the actor's, freed by then; a LoRA critic: its frozen
+  base counted as the LoRA actor's, and its adapters' weights, gradients and AdamW) + 1 GiB of CUDA
   context; on rank 0 two sets of packed weights for the push. The step alone (bench/learner_step.py),
   Qwen2-0.5B body (512-token vocabulary) at 40960 tokens: 49.3 GiB estimated, 46.8 measured; Qwen2.5-3B,
   152k vocabulary, 16384 tokens: 124 estimated, 117 measured.
@@ -37,7 +38,7 @@ from __future__ import annotations
 import dataclasses
 
 from streamrl.engine.config import Config
-from streamrl.engine.config.critic import critic_on
+from streamrl.engine.config.critic import critic_lora, critic_on
 from streamrl.engine.config.rules import longest_sample
 from streamrl.engine.lora import reference_is_base
 from streamrl.engine.placement import HF_GPU_ROWS, node_groups, shared_groups
@@ -129,7 +130,12 @@ def learner(cfg: Config, shape: Shape, tokens: int | None = None) -> Estimate:
     }
     if (cfg.loss.kl_coef > 0 or cfg.critic.kl_in_reward > 0) and not reference_is_base(cfg):
         parts[reference_label(cfg)] = reference_bytes(cfg, p) / GIB
-    if critic_on(cfg.critic.enabled, cfg.loss.advantage):  # a full value model (no LM head), trained after the actor
+    if critic_on(cfg.critic.enabled, cfg.loss.advantage) and critic_lora(cfg):  # its own frozen base + adapters
+        a = adapter_params(cfg, shape)
+        parts["critic: frozen base (model.dtype), adapters, gradients, AdamW"] = (
+            p * nbytes / lc.ranks + p * nbytes + 16 * a / lc.ranks + 2 * a
+        ) / GIB
+    elif critic_on(cfg.critic.enabled, cfg.loss.advantage):  # a full value model (no LM head), after the actor
         parts["critic: weights, gradients, AdamW"] = (16 * p / lc.ranks + 2 * p) / GIB
     parts["CUDA context"] = CONTEXT_GIB
     return Estimate(parts)

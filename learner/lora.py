@@ -17,10 +17,14 @@ from streamrl.engine.config import LoraConfig
 from streamrl.engine.messages import AdapterSpec
 
 
-def apply(model: nn.Module, cfg: LoraConfig, base_dtype: torch.dtype) -> tuple[nn.Module, AdapterSpec]:
+def apply(
+    model: nn.Module, cfg: LoraConfig, base_dtype: torch.dtype, task_type: str | None = "CAUSAL_LM"
+) -> tuple[nn.Module, AdapterSpec]:
     """`model` with PEFT's LoRA layers injected (adapter `default`), only they trainable, and its spec.
 
-    B starts at zero (PEFT's init), so version 0 of the adapted model is the base model exactly."""
+    B starts at zero (PEFT's init), so version 0 of the adapted model is the base model exactly. task_type: PEFT's
+    wrapper kind, of which only the injected HF model is kept (None for a model that is not a causal LM: the
+    critic's classifier, whose head PEFT's SEQ_CLS would wrap and rename)."""
     from peft import LoraConfig as PeftLoraConfig
     from peft import get_peft_model
 
@@ -31,7 +35,7 @@ def apply(model: nn.Module, cfg: LoraConfig, base_dtype: torch.dtype) -> tuple[n
         lora_dropout=cfg.dropout,
         target_modules=list(spec.target_modules),
         bias="none",
-        task_type="CAUSAL_LM",
+        task_type=task_type,
     )
     model = model.to(base_dtype)
     injected = get_peft_model(model, peft_cfg, adapter_name=lora.ADAPTER).base_model.model  # the HF model itself

@@ -179,12 +179,14 @@ def _trainer(cfg: Config, policy, device: torch.device, reference, compute: torc
 
 def _critic_flops(cfg: Config, trainer: Trainer) -> int:
     """The critic's FLOPs a token, for the MFU: its values for GAE (a forward: 2 a parameter) and each of its
-    passes (critic.epochs, else learner.epochs: 6 a parameter). 0 without a critic."""
+    passes (critic.epochs, else learner.epochs: 6 a trained parameter, 4 a frozen one of a LoRA critic's base:
+    forward and input gradients). 0 without a critic."""
     critic = trainer.shaper.model if trainer.shaper is not None else None
     if critic is None:
         return 0
     params = sum(p.numel() for p in critic.parameters())
-    return (2 + 6 * (cfg.critic.epochs or cfg.learner.epochs)) * params
+    trained = sum(p.numel() for p in critic.parameters() if p.requires_grad)
+    return 2 * params + (cfg.critic.epochs or cfg.learner.epochs) * (4 * (params - trained) + 6 * trained)
 
 
 class _Laps:

@@ -80,7 +80,13 @@ def export(
     merge: Annotated[bool, typer.Option(help="LoRA: the base model with the adapter merged in, not the adapter.")] = (
         False
     ),
-    base: Annotated[str, typer.Option(help="LoRA: the base model folder (default: the run's model.path).")] = "",
+    base: Annotated[
+        str,
+        typer.Option(
+            help="LoRA: the base model folder (default: the run's model.path; with "
+            "--critic, a LoRA critic's: critic.path, else model.path)."
+        ),
+    ] = "",
     critic: Annotated[
         bool, typer.Option(help="The critic's value model (a one-label sequence classifier), not the actor.")
     ] = False,

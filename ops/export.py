@@ -38,6 +38,8 @@ def export_checkpoint(
         if not meta.critic:
             raise ExportError(f"checkpoint {path} has no critic (its run's loss.advantage was not 'gae')")
         weights = critic_part.load_weights(path, meta.critic, meta.critic_dtypes)
+        if meta.critic_adapter is not None:  # a LoRA critic: its adapters merged into its base, with its head
+            weights = critic_part.merged(_critic_base(base or meta.critic_base), weights, meta.critic_adapter)
         return export_state(weights, hf_files, out_dir, max_shard_size, overwrite, value_model=True)
     if meta.adapter is None:
         return export_state(checkpoint.load_weights(path), hf_files, out_dir, max_shard_size, overwrite)
@@ -50,3 +52,21 @@ def export_checkpoint(
     with tempfile.TemporaryDirectory() as tmp:
         adapter = export_adapter(checkpoint.load_weights(path), meta.adapter, base, hf_files, pathlib.Path(tmp) / "a")
         return merge_adapter(adapter, base, out_dir, overwrite)
+
+
+def _critic_base(base: str) -> dict:
+    """A LoRA critic's frozen base as the value model loads it (HF names, its own dtype: the head at 0 where the
+    folder has none); ExportError when the folder is not there."""
+    import torch
+
+    from streamrl.engine.config import ConfigError
+    from streamrl.learner.critic.model import load_value_net
+
+    if not base or not pathlib.Path(base).exists():
+        raise ExportError(f"--critic of a LoRA critic needs the base its adapters were trained on: {base!r} is not "
+                          "there; pass --base FOLDER")  # fmt: skip
+    try:
+        net = load_value_net(base)
+    except ConfigError as e:
+        raise ExportError(str(e)) from None
+    return {name: value.to(torch.float32) for name, value in net.state_dict().items()}

@@ -5,6 +5,10 @@ key `critic` and its AdamW state under `critic_optim`, beside `model` and `optim
 critic's parameters (`Meta.critic`, HF names of the one-label sequence-classification model) so that
 `streamrl export --critic` can read them in one process. `critic` is the trainer's `Shaper` (learner/critic/
 trainer.py): anything with `.model` (the sharded `ValueModel`, or None without a critic) and `.optimizer`.
+
+A LoRA critic (critic.lora) is saved as the actor's LoRA is: its adapters and head alone (its frozen base is the
+folder it was loaded from, `Meta.critic_base`, kept as it was), with the adapter's spec (`Meta.critic_adapter`);
+`streamrl export --critic` merges them into that base (`merged`).
 """
 
 from __future__ import annotations
@@ -34,8 +38,16 @@ def state(critic) -> dict[str, dict]:
         return {}
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    weights, optim = get_state_dict(model, critic.optimizer)
+    weights, optim = get_state_dict(model, critic.optimizer, options=_options(model))
     return {"critic": weights, "critic_optim": optim}
+
+
+def _options(model):
+    """With a frozen base (a LoRA critic) only the trained parameters are saved and loaded."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    frozen = any(not p.requires_grad for p in model.parameters())
+    return StateDictOptions(ignore_frozen_params=frozen, strict=not frozen)
 
 
 def restore(critic, loaded: dict[str, dict]) -> None:
@@ -44,18 +56,29 @@ def restore(critic, loaded: dict[str, dict]) -> None:
         return
     from torch.distributed.checkpoint.state_dict import set_state_dict
 
-    set_state_dict(
-        _model(critic), critic.optimizer, model_state_dict=loaded["critic"], optim_state_dict=loaded["critic_optim"]
-    )
+    model = _model(critic)
+    set_state_dict(model, critic.optimizer, model_state_dict=loaded["critic"],
+                   optim_state_dict=loaded["critic_optim"], options=_options(model))  # fmt: skip
 
 
-def shapes(critic) -> tuple[dict[str, list[int]], dict[str, str]]:
-    """The critic's parameters for meta.json: DCP key -> full shape, and -> dtype ({} without a critic)."""
+def meta(critic) -> dict:
+    """The critic's fields of meta.json (layout.Meta): its saved parameters, DCP key -> full shape and -> dtype,
+    and a LoRA critic's adapter spec and base folder ({} without a critic)."""
     model = _model(critic)
     if model is None:
-        return {}, {}
-    sd = model.state_dict()
-    return {k: list(v.shape) for k, v in sd.items()}, {k: str(v.dtype).removeprefix("torch.") for k, v in sd.items()}
+        return {}
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    from streamrl.learner.checkpoint.store import local_path
+
+    sd = get_model_state_dict(model, options=_options(model))  # a DTensor reports its full shape
+    adapter = getattr(critic, "adapter", None)
+    return {
+        "critic": {k: list(v.shape) for k, v in sd.items()},
+        "critic_dtypes": {k: str(v.dtype).removeprefix("torch.") for k, v in sd.items()},
+        "critic_adapter": adapter,
+        "critic_base": local_path(critic.base) if adapter is not None else "",
+    }
 
 
 def load_weights(path: pathlib.Path, params: dict[str, list[int]], dtypes: dict[str, str]) -> dict[str, torch.Tensor]:
@@ -69,3 +92,20 @@ def load_weights(path: pathlib.Path, params: dict[str, list[int]], dtypes: dict[
         warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
         dcp.load({"critic": weights}, checkpoint_id=str(path), no_dist=True)
     return {_hf(name): value for name, value in weights.items()}
+
+
+def merged(base: dict[str, torch.Tensor], trained: dict[str, torch.Tensor], spec) -> dict[str, torch.Tensor]:
+    """A LoRA critic as a plain value model: its base's weights (HF names) with each adapted linear's W + alpha / r
+    * B A, and the trained head. `trained` as `load_weights` reads them (PEFT's names: `...q_proj.lora_A.default
+    .weight`)."""
+    out = dict(base)
+    scale = spec.alpha / spec.rank
+    for name, a in trained.items():
+        if ".lora_A." not in name:
+            continue
+        module = name.split(".lora_A.")[0]
+        b = trained[name.replace(".lora_A.", ".lora_B.")]
+        weight = out[f"{module}.weight"]
+        out[f"{module}.weight"] = (weight.float() + scale * (b.float() @ a.float())).to(weight.dtype)
+    out.update({name: value for name, value in trained.items() if not (".lora_A." in name or ".lora_B." in name)})
+    return out

@@ -81,6 +81,9 @@ class Meta(msgspec.Struct):
     # the critic's value model (checkpoint/critic.py): DCP key -> full shape, and -> dtype; empty without one
     critic: dict[str, list[int]] = {}
     critic_dtypes: dict[str, str] = {}
+    # a LoRA critic (critic.lora): `critic` holds its adapters and head alone, of this spec, on the base `critic_base`
+    critic_adapter: AdapterSpec | None = None
+    critic_base: str = ""
 
 
 def trained_names(lm: nn.Module) -> set[str] | None:

@@ -76,7 +76,7 @@ def save(
         _on_rank0_then_share(lambda: _discard(tmp))
     rngs = parallel.gather_objects(_rng_state())
     # rank 0's files; its error reaches every rank (one rank raising alone would leave the others waiting)
-    critic_meta = critic_part.shapes(critic)
+    critic_meta = critic_part.meta(critic)
     _on_rank0_then_share(
         lambda: _finish(root, tmp, final, lm, scheduler, state, model_source, adapter, rngs, critic_meta)
     )
@@ -85,7 +85,7 @@ def save(
     return final
 
 
-def _finish(root, tmp, final, lm, scheduler, state, model_source, adapter, rngs, critic_meta=({}, {})) -> None:
+def _finish(root, tmp, final, lm, scheduler, state, model_source, adapter, rngs, critic_meta=None) -> None:
     """Rank 0: the files that are not sharded, meta.json last, then the folder under its name."""
     try:
         torch.save({"scheduler": scheduler.state_dict(), "rng": rngs}, tmp / "extra.pt")
@@ -99,8 +99,7 @@ def _finish(root, tmp, final, lm, scheduler, state, model_source, adapter, rngs,
             dtypes,
             adapter=adapter,
             base=local_path(model_source) if adapter is not None else "",
-            critic=critic_meta[0],
-            critic_dtypes=critic_meta[1],
+            **(critic_meta or {}),  # checkpoint/critic.meta
         )
         _write_atomic(tmp / META, msgspec.json.encode(meta))
     except (OSError, RuntimeError) as e:  # torch.save reports a full disk as a RuntimeError

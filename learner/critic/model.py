@@ -8,7 +8,8 @@ starting weights. Unlike `...ForSequenceClassification.forward`, which scores on
 `ValueModel` applies the head at every position: values[t] = V(prefix up to t), the value of the state in
 which targets[t] is sampled. Sharded over the learner ranks by `parallel.shard` like the actor (fp32
 master weights, compute in model.dtype, varlen attention on CUDA); `streamrl export --critic` writes it
-back as the same kind of HF folder.
+back as the same kind of HF folder. A LoRA critic (`adapt`, critic.lora) trains adapters and the head on a frozen
+copy of that body: the body's weights are then not the actor's, a second base (verl's and OpenRLHF's LoRA critic).
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from streamrl.engine.config import ConfigError, LearnerConfig
+from streamrl.engine.config import ConfigError, LearnerConfig, LoraConfig
+from streamrl.engine.messages import AdapterSpec
 from streamrl.engine.models import ModelLoadError, check_model_folder
 from streamrl.learner import attention, parallel
 
@@ -70,12 +72,27 @@ def load_value_net(path: str, trust_remote_code: bool = False) -> nn.Module:
     return net
 
 
+def adapt(net: nn.Module, cfg: LoraConfig, base_dtype: torch.dtype) -> tuple[nn.Module, AdapterSpec]:
+    """A LoRA critic (critic.lora): PEFT's adapters on the body's linears (the [lora] section's rank, alpha and
+    targets; the head is never a target) and the head trainable in fp32, the rest frozen in `base_dtype`. At the
+    start its values are the full critic's (B starts at 0)."""
+    from streamrl.learner import lora
+
+    net, spec = lora.apply(net, cfg, base_dtype, task_type=None)
+    for param in net.score.parameters():
+        param.data = param.data.float()
+        param.requires_grad_(True)
+    return net, spec
+
+
 def wrap_value_model(
     net: nn.Module, cfg: LearnerConfig, device: torch.device, compute_dtype: torch.dtype | None = None
 ) -> ValueModel:
-    """The value model sharded like the actor (`parallel.shard`), in train mode."""
+    """The value model sharded like the actor (`parallel.shard`), in train mode; a LoRA critic's (`adapt`) frozen
+    base stays in its dtype, everything else is fp32 master weights."""
     parallel.init_distributed()
     if device.type == "cuda" and attention.register_varlen_attention():
         net.config._attn_implementation = "streamrl_varlen"
-    net = net.to(device=device, dtype=torch.float32).train()
+    frozen = any(not p.requires_grad for p in net.parameters())
+    net = (net.to(device=device) if frozen else net.to(device=device, dtype=torch.float32)).train()
     return parallel.shard(ValueModel(net), getattr(net, net.base_model_prefix).layers, cfg, device, compute_dtype)

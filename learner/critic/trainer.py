@@ -23,6 +23,7 @@ from torch import Tensor, nn
 
 from streamrl.engine.config import LossConfig
 from streamrl.engine.config.critic import CriticConfig
+from streamrl.engine.messages import AdapterSpec
 from streamrl.learner import parallel
 from streamrl.learner.batching import MicroBatch
 from streamrl.learner.critic import value_loss as VL
@@ -42,10 +43,14 @@ class Shaper:
         loss_cfg: LossConfig,
         device: torch.device,
         reference: nn.Module | None = None,
+        adapter: AdapterSpec | None = None,
+        base: str = "",
     ) -> None:
-        """reference: the frozen reference policy of critic.kl_in_reward (None when it is 0)."""
+        """reference: the frozen reference policy of critic.kl_in_reward (None when it is 0); adapter, base: a
+        LoRA critic's adapter (critic.lora: model.adapt) and the folder of its frozen base, for its checkpoints
+        and export."""
         self.model, self.cfg, self.loss_cfg, self.device = model, cfg, loss_cfg, device
-        self.reference = reference
+        self.reference, self.adapter, self.base = reference, adapter, base
         self.kl_ctrl = KLController(cfg.kl_in_reward, cfg.kl_ctrl == "adaptive", cfg.kl_target, cfg.kl_horizon)
         self.optimizer = None
         if model is not None:
@@ -207,14 +212,14 @@ def build_shaper(cfg, device: torch.device, compute_dtype: torch.dtype, referenc
     it is on (critic.path, else model.path); None for the group estimators. ConfigError if it cannot load.
     reference: the frozen reference policy (learner/reference.py), for critic.kl_in_reward."""
     from streamrl.engine.config import ConfigError
-    from streamrl.engine.config.critic import critic_on
+    from streamrl.engine.config.critic import critic_lora, critic_on
     from streamrl.engine.models import default_tiny_model
-    from streamrl.learner.critic.model import load_value_net, wrap_value_model
+    from streamrl.learner.critic.model import adapt, load_value_net, wrap_value_model
     from streamrl.learner.critic.token_advantages import PER_TOKEN
 
     if cfg.loss.advantage not in PER_TOKEN:
         return None
-    model = None
+    model, adapter = None, None
     if critic_on(cfg.critic.enabled, cfg.loss.advantage):
         actor_path = cfg.model.path or str(default_tiny_model())
         net = load_value_net(cfg.critic.path or actor_path, cfg.model.trust_remote_code)
@@ -225,8 +230,12 @@ def build_shaper(cfg, device: torch.device, compute_dtype: torch.dtype, referenc
                 f"fewer than the actor's {actor_vocab}: the critic reads the actor's token ids; give a model "
                 "with the actor's tokenizer"
             )
+        if critic_lora(cfg):  # adapters and head on a frozen base in the compute dtype (model.adapt)
+            net, adapter = adapt(net, cfg.lora, compute_dtype)
         model = wrap_value_model(net, cfg.learner, device, compute_dtype)
-    return Shaper(model, cfg.critic, cfg.loss, device, reference if cfg.critic.kl_in_reward else None)
+    reference = reference if cfg.critic.kl_in_reward else None
+    base = (cfg.critic.path or cfg.model.path or str(default_tiny_model())) if adapter is not None else ""
+    return Shaper(model, cfg.critic, cfg.loss, device, reference, adapter=adapter, base=base)
 
 
 def _vocab(path: str) -> int:

@@ -58,3 +58,16 @@ def test_a_kl_in_the_reward_counts_the_reference_model():
     # (float32 here), its shards over one rank + its gathered copy, 494,000,000 x (4 + 4) bytes
     line = memory.reference_label(build(PPO))
     assert penalised.parts[line] == 8 * 494_000_000 / 2**30 and line not in ppo.parts
+
+
+def test_a_lora_critic_counts_its_frozen_base_and_its_adapters_not_a_full_critic():
+    # Qwen2.5-7B's shape, bf16, one rank: a full critic is 18 bytes a parameter (128 GiB), more than a GPU holds
+    shape = memory.Shape(params=7_615_616_512, hidden=3584, intermediate=18944, layers=28, kv_width=512, vocab=152064)
+    lora = {"model": {"dtype": "bfloat16"}, "lora": {"enabled": True, "rank": 16}}
+    full = memory.learner(build({**PPO, **lora, "critic": {"lora": False}}), shape)
+    small = memory.learner(build({**PPO, **lora}), shape)  # critic.lora auto: as the actor
+    line = "critic: frozen base (model.dtype), adapters, gradients, AdamW"
+    assert full.parts["critic: weights, gradients, AdamW"] == pytest.approx(18 * shape.params / 2**30)
+    a = memory.adapter_params(build(lora), shape)
+    assert small.parts[line] == pytest.approx((4 * shape.params + 18 * a) / 2**30)  # its shards + gathered copy
+    assert small.parts[line] < 0.25 * full.parts["critic: weights, gradients, AdamW"]  # 29 GiB against 128

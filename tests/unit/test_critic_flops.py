@@ -1,4 +1,5 @@
-"""The MFU's FLOPs count the critic: its values for GAE and each of its passes (learner/main.py)."""
+"""The MFU's FLOPs count the critic: its values for GAE and each of its passes, a LoRA critic's frozen base at 4 FLOPs a
+parameter a token (learner/main.py)."""
 
 from __future__ import annotations
 
@@ -23,6 +24,13 @@ def test_critic_flops_count_the_values_and_each_pass():
 def test_critic_flops_take_the_actors_epochs_when_the_critics_are_unset():
     cfg = build({}, ["loss.preset='ppo'", "critic.epochs=0", "learner.epochs=2"])
     assert _critic_flops(cfg, _trainer(nn.Linear(4, 1))) == (2 + 6 * 2) * 5
+
+
+def test_a_lora_critics_frozen_base_costs_its_forward_and_input_gradients():
+    critic = nn.Sequential(nn.Linear(10, 10), nn.Linear(10, 1))  # 110 frozen, 11 trained
+    critic[0].requires_grad_(False)
+    cfg = build({}, ["loss.preset='ppo'", "critic.epochs=2"])
+    assert _critic_flops(cfg, _trainer(critic)) == 2 * 121 + 2 * (4 * 110 + 6 * 11)
 
 
 def test_no_critic_no_flops():
