@@ -191,6 +191,15 @@ def load(path: str | os.PathLike, lm: nn.Module, optimizer, scheduler, critic=No
             f"checkpoint {path} has no critic, and this run trains one (loss.advantage = 'gae'); resume it with "
             "the loss it was saved with, or start a new run"
         )
+    lora_now = getattr(critic, "adapter", None) is not None
+    if critic_sd and lora_now != (meta.critic_adapter is not None):
+        said = (
+            ("a LoRA critic's adapters", "a full critic")
+            if meta.critic_adapter is not None
+            else ("a full critic", "a LoRA one")
+        )
+        raise CheckpointError(f"checkpoint {path} holds {said[0]}, and this run trains {said[1]}; resume it with "
+                              f"critic.lora = {str(not lora_now).lower()}, as it was saved")  # fmt: skip
     dcp.load({"model": model_sd, "optim": optim_sd, **critic_sd}, checkpoint_id=str(path))
     set_state_dict(lm, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd, options=options)
     critic_part.restore(critic, critic_sd)

@@ -127,3 +127,19 @@ def test_export_critic_merges_the_adapters_into_the_base(saved, tmp_path):
     missing = tmp_path / "nowhere"
     with pytest.raises(Exception, match="needs the base its adapters were trained on"):
         export_checkpoint(path, tmp_path / "again", critic=True, base=str(missing))
+
+
+def test_a_checkpoint_of_a_full_critic_is_refused_by_a_lora_one_naming_the_setting(saved, tiny_model, tmp_path):
+    from tests.unit.test_critic_trainer import trainer as full_trainer
+
+    full = full_trainer(tiny_model)
+    full.step(pack(samples(), RETURNS, token_budget=64))
+    state = checkpoint.LearnerState(step=1, **full.state_dict())
+    path = checkpoint.save(tmp_path, full.model.lm, full.optimizer, full.scheduler, state, tiny_model,
+                           critic=full.shaper)  # fmt: skip
+    lora_run = trainer(tiny_model)
+    with pytest.raises(checkpoint.CheckpointError, match="holds a full critic.*critic.lora = false"):
+        checkpoint.load(path, lora_run.model.lm, lora_run.optimizer, lora_run.scheduler, critic=lora_run.shaper)
+    _, lora_path, _, _, _ = saved
+    with pytest.raises(checkpoint.CheckpointError, match="holds a LoRA critic's adapters.*critic.lora = true"):
+        checkpoint.load(lora_path, full.model.lm, full.optimizer, full.scheduler, critic=full.shaper)
