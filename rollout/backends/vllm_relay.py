@@ -10,10 +10,10 @@ process. The node keeps `WorkerRelay`, which answers what the control thread ask
 `WeightsReady` naming the worker's store for each) from the worker's outbox, for the control thread to send the
 learner as `Relayed`.
 
-The worker cannot call the node: the node asks. It asks often (every FAST_S) only while a layout is due: after
-a version arrived for it to receive (`expect`, until every child had a layout of that version or the version's
-deadline passed) and just after the learner changed its children (ASSIGN_HOT_S); else every SLOW_S, so that a
-child given the copy it holds between those times waits at most that long. A layout that waits costs the child
+The worker cannot call the node: the node asks. It asks at once and then often (every FAST_S) only while a layout
+is due: after a version arrived for it to receive (`expect`, until every child had a layout of that version or the
+version's deadline passed) and just after the learner changed its children (ASSIGN_HOT_S); else every SLOW_S, so
+that a layout made between those times waits at most that long. A layout that waits costs the child
 that much of its deadline, which starts when the learner hands the layout on, not when the worker made it.
 
 Only worker rank 0 relays (a vLLM node here runs one worker: no tensor parallelism).
@@ -92,6 +92,7 @@ class WorkerRelay:
         self._announced: dict[str, int] = {}  # the newest version each child was given a layout of
         self._hot_until = 0.0
         self._poll: asyncio.Future | None = None
+        self._wake = asyncio.Event()  # set on the loop: ask the worker now (a layout became due)
         self._closed = False
 
     def assign(self, children: list[str], versions: list[int]) -> None:
@@ -102,9 +103,12 @@ class WorkerRelay:
         asyncio.run_coroutine_threadsafe(self._assign(list(children), list(versions)), self.loop)
 
     def expect(self, ready: WeightsReady) -> None:
-        """From the control thread: a version the worker is about to receive; each child is due a layout of it."""
+        """From the control thread: a version the worker is about to receive; each child is due a layout of it
+        (the poll, if waiting its slow turn, asks at once and then often)."""
         with self._lock:
             self._due = (ready.version, time.monotonic() + ready.timeout_s)
+        if not self.loop.is_closed():
+            self.loop.call_soon_threadsafe(self._wake.set)
 
     def children(self) -> list[str]:
         with self._lock:
@@ -112,6 +116,8 @@ class WorkerRelay:
 
     def close(self) -> None:
         """The node stops: the polling ends and the worker serves no child (its engine may be gone already)."""
+        if self._closed:
+            return
         self._closed = True
         if not self.loop.is_closed():
             asyncio.run_coroutine_threadsafe(self._close(), self.loop)
@@ -131,6 +137,7 @@ class WorkerRelay:
                      ", ".join(children))  # fmt: skip
         if self._poll is None:
             self._poll = asyncio.ensure_future(self._polling())
+        self._wake.set()  # a new child is sent the copy the worker holds at once: its layout is due now
 
     async def _close(self) -> None:
         if self._poll is not None:
@@ -143,7 +150,11 @@ class WorkerRelay:
     async def _polling(self) -> None:
         failing = False
         while not self._closed:
-            await asyncio.sleep(FAST_S if self._hot() else SLOW_S)
+            try:
+                await asyncio.wait_for(self._wake.wait(), FAST_S if self._hot() else SLOW_S)
+            except TimeoutError:
+                pass
+            self._wake.clear()
             if self._closed:
                 return
             try:
