@@ -48,6 +48,7 @@ from streamrl.engine.lora import engine_rank
 from streamrl.engine.messages import WeightsReady
 from streamrl.engine.workers.lifeline import children_die_with_me
 from streamrl.rollout.backends.protocol import BackendClock, Completion, LiveVersion
+from streamrl.rollout.backends.vllm_outputs import Collector
 from streamrl.rollout.backends.vllm_support import UNSIZED, Sizing, check_servable
 
 log = logging.getLogger(__name__)
@@ -132,45 +133,6 @@ def eager_on(rollout: RolloutConfig, device: str) -> bool:
     if rollout.enforce_eager == "auto":
         return not device.startswith("cuda")
     return rollout.enforce_eager
-
-
-class _Collector:
-    """Accumulates the streamed deltas of one sample."""
-
-    def __init__(self) -> None:
-        self.token_ids: list[int] = []
-        self.logprobs: list[float] = []
-        self.versions: list[int] = []
-        self.finish_reason = ""
-
-    def add(self, output, version: int) -> None:
-        """`version`: the engine's when the delta arrived (full weights), or the request's adapter's (LoRA).
-
-        Flat logprobs (`flat_logprobs=True`) hold one entry a position with `logprobs=0`, the sampled token's:
-        its list is taken whole, with no object made per token (this runs for every token the node makes)."""
-        new_ids = list(output.token_ids)
-        positions = output.logprobs
-        if positions is None or len(positions) != len(new_ids):
-            raise RuntimeError(
-                f"vLLM returned {len(new_ids)} tokens but {0 if positions is None else len(positions)} logprob entries"
-            )
-        flat = getattr(positions, "logprobs", None)  # FlatLogprobs: one list of floats for every entry
-        if flat is not None and len(flat) == len(new_ids) and positions.token_ids == new_ids:
-            self.logprobs += flat
-        else:
-            self.logprobs += [position[token].logprob for token, position in zip(new_ids, positions)]
-        self.token_ids += new_ids
-        self.versions += [version] * len(new_ids)
-        if output.finish_reason:
-            self.finish_reason = output.finish_reason
-
-    def build(self) -> Completion:
-        return Completion(
-            token_ids=self.token_ids,
-            logprobs=self.logprobs,
-            finish_reason=self.finish_reason or "length",
-            token_versions=self.versions,
-        )
 
 
 class VLLMBackend:
@@ -264,7 +226,7 @@ class VLLMBackend:
                 f"prompt of {len(prompt_ids)} tokens leaves no room under model.max_model_len = "
                 f"{self.max_model_len}; lower data.max_prompt_tokens"
             )
-        samples = [_Collector() for _ in range(n)]
+        samples = [Collector() for _ in range(n)]
         self._active += 1  # before waking: no sleep can start under this request
         try:
             await self.wake()  # also when a sleep is under way: its lock held until the engine is asleep
@@ -272,7 +234,7 @@ class VLLMBackend:
         finally:
             self._active -= 1
 
-    async def _generate(self, prompt_ids: list[int], n: int, max_tokens: int, samples: list[_Collector], sampling=None):
+    async def _generate(self, prompt_ids: list[int], n: int, max_tokens: int, samples: list[Collector], sampling=None):
         request_id = f"{self._prefix}-{next(self._ids)}"
         adapter, pinned = self._adapter, self.policy_version  # LoRA: every token from the adapter it starts with
         self._running[pinned] = self._running.get(pinned, 0) + 1

@@ -11,7 +11,8 @@ import pytest
 from streamrl.engine import memory
 from streamrl.engine.config import RolloutConfig, load
 from streamrl.engine.placement import admitted_groups, node_groups
-from streamrl.rollout.backends.vllm import _Collector, eager_on
+from streamrl.rollout.backends.vllm import eager_on
+from streamrl.rollout.backends.vllm_outputs import Collector
 from streamrl.rollout.backends.vllm_support import sizing
 
 EXAMPLES = pathlib.Path(__file__).resolve().parents[2] / "examples"
@@ -134,7 +135,7 @@ def test_flat_logprobs_are_taken_whole_and_dict_positions_still_read():
     flat = FlatLogprobs()
     for token, lp in [(5, -0.5), (9, -1.25)]:
         flat.append({token: Logprob(logprob=lp, rank=1, decoded_token=None)})
-    c = _Collector()
+    c = Collector()
     c.add(FakeDelta([5, 9], flat), version=3)
     c.add(FakeDelta([7], [{7: Logprob(logprob=-2.0, rank=1)}], finish_reason="stop"), version=4)  # dict positions
     done = c.build()
