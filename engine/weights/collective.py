@@ -236,13 +236,18 @@ def _drop_group(ready: WeightsReady, rank: int) -> None:
     abort(group)
 
 
+def buffer_device(ready: WeightsReady, device: torch.device) -> torch.device:
+    """Where a receiver's buckets land: its device on NCCL, host memory on gloo."""
+    return torch.device(device) if ready.backend == "nccl" else torch.device("cpu")
+
+
 def _post(ready: WeightsReady, device: torch.device, rank: int) -> tuple[list[torch.Tensor], list[dist.Work]]:
     """Join the group, tell the learner the receives are coming, post one per bucket into the group's buffers."""
     if not 1 <= rank < ready.world_size:
         raise ValueError(f"receiver rank {rank} is outside 1..{ready.world_size - 1} (world_size {ready.world_size})")
-    buffer_device = device if ready.backend == "nccl" else torch.device("cpu")
-    group, pool, store = _receiver_group(ready, rank, buffer_device)
-    flats = [pool.take(i, torch_dtype(b.dtype), b.numel, buffer_device) for i, b in enumerate(ready.buckets)]
+    where = buffer_device(ready, device)
+    group, pool, store = _receiver_group(ready, rank, where)
+    flats = [pool.take(i, torch_dtype(b.dtype), b.numel, where) for i, b in enumerate(ready.buckets)]
     # said before posting, not after: NCCL (2.22+) connects a new communicator at its first operation, on
     # the host, so the first receive returns only once the learner's broadcast started (seen on H200s:
     # a node that posted first and said so after waited for a learner that waited for it)
@@ -274,15 +279,22 @@ def receive(ready: WeightsReady, device: torch.device | str, rank: int = 1) -> I
         raise WeightTransferError(peer, phase, f"{type(e).__name__}: {e}") from e
 
 
-def receive_flat(ready: WeightsReady, device: torch.device, rank: int = 1) -> list[torch.Tensor]:
+def receive_flat(
+    ready: WeightsReady, device: torch.device, rank: int = 1, arrived: Callable[[int, torch.Tensor], None] | None = None
+) -> list[torch.Tensor]:
     """Join the group, receive every bucket into the group's flat buffers (reused by its next transfer),
-    all by one deadline. Raises `WeightTransferError` naming the phase; the group is then dropped."""
+    all by one deadline. Raises `WeightTransferError` naming the phase; the group is then dropped.
+    `arrived(index, flat)`: called as each bucket lands, in order (a relay forwards it from there:
+    engine/weights/relay.py)."""
     peer, deadline, phase = f"learner@{ready.store_host}:{ready.store_port}", time.monotonic() + ready.timeout_s, ""
     try:
         phase = "rendezvous"
         flats, works = _post(ready, device, rank)
         phase = "transfer"
-        wait_done(works, deadline)
+        for index, (flat, work) in enumerate(zip(flats, works, strict=True)):
+            wait_done([work], deadline)
+            if arrived is not None:
+                arrived(index, flat)
         return flats
     except Exception as e:
         _drop_group(ready, rank)

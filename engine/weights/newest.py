@@ -52,6 +52,14 @@ class Newest(Generic[C]):
             latest.readers += 1
             return latest
 
+    def withdraw(self, copy: C) -> None:
+        """`copy` is not to be taken any more (it failed): out of the list; the newest left is the latest."""
+        with self.cond:
+            if copy in self._copies:
+                self._copies.remove(copy)
+            if self.latest is copy:
+                self.latest = max(self._copies, key=lambda c: c.version, default=None)
+
     def give_back(self, copy: C) -> None:
         with self.cond:
             copy.readers -= 1

@@ -8,7 +8,10 @@ swap and reused by its next receive, and a slow child must not hold them (nor, t
 version). That is one copy of the weights more on every node of the tree that can relay (a leaf too: it may be
 given an orphan at any time, which must not wait for the next version), two while a child reads an older one.
 Each child has a thread that sends it the newest copy newer than what it has, skipping to the newest as the
-learner's link does. The child's `WeightsReady` names this node's store and goes to the learner (`announce`,
+learner's link does. The copy is posted when the node's own receive starts and fills bucket by bucket as the
+buckets land (`ArrivingBuckets`), so a child's send forwards each bucket as soon as it is here (cut-through): a
+version reaches a depth-d node about one transfer plus d buckets after the learner sends it, not d transfers.
+The child's `WeightsReady` names this node's store and goes to the learner (`announce`,
 sent as a `Relayed` message), which hands it on over the child's own control channel: the child receives as
 from the learner (`collective.receive_flat`), and the learner knows when each child was sent each version.
 A send that fails breaks that child's group only (a new one next time); the child reports its failure to the
@@ -27,7 +30,7 @@ from collections.abc import Callable
 
 import torch
 
-from streamrl.engine.messages import WeightsReady
+from streamrl.engine.messages import BucketSpec, WeightsReady
 from streamrl.engine.weights.collective import WeightSender, address_towards
 from streamrl.engine.weights.layout import BufferPool, PackedBuckets, torch_dtype
 from streamrl.engine.weights.newest import Newest
@@ -39,18 +42,58 @@ log = logging.getLogger("streamrl.rollout")
 WAIT_S = 0.2  # how long a child's thread waits for a newer version before it looks at its stop flag again
 
 
+class ArrivingBuckets(PackedBuckets):
+    """A relay's copy of a version while it arrives: `get(i)` (a child's send) waits until bucket i has landed and
+    been copied (`arrive`), at most the version's deadline; every wait raises once the receive failed (`fail`)."""
+
+    def __init__(self, specs: list[BucketSpec], copies: list[torch.Tensor], timeout_s: float):
+        super().__init__(specs, {}, copies[0].device if copies else "cpu")
+        self._copies, self.timeout_s = copies, timeout_s
+        self._landed = [threading.Event() for _ in copies]
+        self.failure = ""
+
+    def arrive(self, index: int, flat: torch.Tensor) -> None:
+        self._copies[index].copy_(flat)
+        if flat.device.type == "cuda":  # a child's broadcast runs on its own stream: the copy must be done first
+            torch.cuda.current_stream(flat.device).synchronize()
+        self._landed[index].set()
+
+    def fail(self, why: str) -> None:
+        self.failure = why
+        for landed in self._landed:
+            landed.set()
+
+    def get(self, index: int) -> torch.Tensor:
+        if not self._landed[index].wait(self.timeout_s):
+            raise TimeoutError(f"bucket {index + 1}/{len(self)} did not reach this relay in {self.timeout_s:g} s")
+        if self.failure:
+            raise RuntimeError(f"this relay's own receive failed: {self.failure}")
+        return self._copies[index]
+
+
 @dataclasses.dataclass
 class _Held:
-    """This node's copy of one version it received, read by the children's sends."""
+    """This node's copy of one version, read by the children's sends while it arrives and after."""
 
     ready: WeightsReady
-    packed: PackedBuckets
+    packed: ArrivingBuckets
     pool: BufferPool
+    relay: Relay
     readers: int = 0
 
     @property
     def version(self) -> int:
         return self.ready.version
+
+    def arrived(self, index: int, flat: torch.Tensor) -> None:
+        """Bucket `index` landed in the node's staging buffer `flat` (released after the swap): copied here."""
+        self.packed.arrive(index, flat)
+
+    def failed(self, why: str) -> None:
+        """The node's receive of this version failed: the sends reading it fail (each child reports it, and the
+        learner gives it another parent), and no later child is given it."""
+        self.packed.fail(why)
+        self.relay._copies.withdraw(self)
 
 
 class Relay:
@@ -87,25 +130,26 @@ class Relay:
         with self._cond:
             return list(self._children)
 
-    def offer(self, ready: WeightsReady, flats: list[torch.Tensor]) -> None:
-        """A version this node received into `flats` (its staging buffers, released after this returns): copied
-        once the learner placed this node in its tree, children or not (a child it is given later, one whose
-        parent left, is sent this copy at once rather than waiting for the next version). Shared paths are never
-        relayed (the copy is local), nor is anything on a node outside the tree."""
+    def receiving(self, ready: WeightsReady, device: torch.device) -> _Held | None:
+        """A version this node starts to receive on a broadcast path, onto `device`: its copy, posted at once, so
+        that each child's send forwards every bucket as it lands (`_Held.arrived`, which the receive calls), not
+        the whole version after the last one; `_Held.failed` if the receive fails. Made once the learner placed
+        this node in its tree, children or not (a child it is given later, one whose parent left, is sent this
+        copy at once rather than waiting for the next version). None on a shared path (the copy is local) or
+        for a node outside the tree."""
         if ready.backend not in COLLECTIVE:
-            return
+            return None
         if not self.host:
             self.host = address_towards(ready.store_host, ready.store_port)
         with self._cond:
             if not self._in_tree:
-                return
+                return None
             free = self._copies.reuse()  # out of every reader's reach while it is written
         pool = free.pool if free is not None else BufferPool()
-        copies = []
-        for i, (spec, flat) in enumerate(zip(ready.buckets, flats, strict=True)):
-            copies.append(pool.take(i, torch_dtype(spec.dtype), spec.numel, flat.device))
-            copies[-1].copy_(flat)
-        self._copies.post(_Held(ready, PackedBuckets.of_flats(ready.buckets, copies), pool))
+        copies = [pool.take(i, torch_dtype(spec.dtype), spec.numel, device) for i, spec in enumerate(ready.buckets)]
+        held = _Held(ready, ArrivingBuckets(ready.buckets, copies, ready.timeout_s), pool, self)
+        self._copies.post(held)
+        return held
 
     def take_newer(self, than: int, timeout_s: float) -> _Held | None:
         """The newest copy if newer than `than` (held until `give_back`), else None after `timeout_s`."""

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from streamrl.engine.messages import AdapterSpec, WeightsReady
-from streamrl.engine.weights.collective import WeightSender, receive_flat
+from streamrl.engine.weights.collective import WeightSender, buffer_device, receive_flat
 from streamrl.engine.weights.ipc import IpcSender, receive_shared
 from streamrl.engine.weights.layout import BufferPool, PackedBuckets, unpack_bucket
 from streamrl.engine.weights.paths import SHARED, WeightTransferError
@@ -105,8 +105,13 @@ class Stager:
             if ready.backend in SHARED:
                 flats, copy_s = receive_shared(ready, self.device, self.rank, self._pool)
             else:
-                flats = receive_flat(ready, self.device, self.rank)
-                self._relay(ready, flats)
+                relayed = self._relayed(ready)
+                try:
+                    flats = receive_flat(ready, self.device, self.rank, self._forward(relayed))
+                except BaseException as e:
+                    if relayed is not None:
+                        relayed.failed(f"{type(e).__name__}: {e}")
+                    raise
         except BaseException as e:
             self._free.set()
             if isinstance(e, Exception) and not isinstance(e, WeightTransferError):
@@ -117,15 +122,31 @@ class Stager:
         seconds = time.perf_counter() - start
         return Staged(ready.version, named, seconds, self.nbytes, ready.backend, copy_s, ready.adapter)
 
-    def _relay(self, ready: WeightsReady, flats: list[torch.Tensor]) -> None:
-        """The node's children get the version too (its copy made here, before the buffers are released); a
-        failed copy costs them this version only, never the node its own."""
+    def _relayed(self, ready: WeightsReady):
+        """The relay's copy of this version, filled as it lands (engine/weights/relay.py), or None: no relay, or a
+        relay that failed to make one (its children lack this version only; the node never lacks its own)."""
         if self.relay is None:
-            return
+            return None
         try:
-            self.relay.offer(ready, flats)
+            return self.relay.receiving(ready, buffer_device(ready, self.device))
         except Exception as e:  # noqa: BLE001 - the children report their missing version; the learner re-parents
             log.warning("version %d not relayed: %s: %s", ready.version, type(e).__name__, e)
+            return None
+
+    def _forward(self, relayed):
+        """What the receive calls as each bucket lands: the relay's copy takes it (a failed copy fails the
+        children's sends, never the node's own receive)."""
+        if relayed is None:
+            return None
+
+        def arrived(index: int, flat: torch.Tensor) -> None:
+            try:
+                relayed.arrived(index, flat)
+            except Exception as e:  # noqa: BLE001 - as above
+                log.warning("version %d not relayed: %s: %s", relayed.version, type(e).__name__, e)
+                relayed.failed(f"{type(e).__name__}: {e}")
+
+        return arrived
 
     def release(self) -> None:
         """The staged version is live (or given up): the buffers take the next one."""
