@@ -93,11 +93,12 @@ class _Held:
         """The node's receive of this version failed: the sends reading it fail (each child reports it, and the
         learner gives it another parent), and no later child is given it."""
         self.packed.fail(why)
-        self.relay._copies.withdraw(self)
+        self.relay.withdraw(self)
 
 
 class Relay:
-    """Forwards every version this node receives to its children (`assign`); `offer` is called with each one."""
+    """Forwards every version this node receives to its children (`assign`); `receiving` is called as each one
+    starts to arrive."""
 
     def __init__(self, node_id: str, announce: Callable[[str, WeightsReady], None]):
         self.node_id, self.announce = node_id, announce
@@ -157,6 +158,10 @@ class Relay:
 
     def give_back(self, held: _Held) -> None:
         self._copies.give_back(held)
+
+    def withdraw(self, held: _Held) -> None:
+        """A copy whose version failed to arrive: given to no child from now on."""
+        self._copies.withdraw(held)
 
     def close(self) -> None:
         """The node stops: no child is served any more."""
