@@ -8,6 +8,8 @@
 # loss.preset ppo, one completion a prompt, PPO_GROUPS prompts a step, 480: the 60 x 8 samples of GRPO's step), so
 # "0.5b:async 0.5b:async:ppo" gives the critic's memory, step time and in-loop MFU beside GRPO's, one machine.
 # BACKEND (vllm): hf runs without vLLM (one device call: only .whl carried); the learner's figures are the same.
+# NODES: rollout nodes (the config's default else); SETS: more --set overrides, space-separated (an H100 with hf
+# nodes: NODES=1 SETS="learner.activation_checkpointing=true": hf's kept logits are 25 GiB a node at 152k vocab).
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"; DIR=/tmp/runs; F="$OUT/figures.jsonl"
@@ -21,7 +23,8 @@ for run in ${RUNS:-1.5b:async 1.5b:sync 7b:auto}; do
     --device cuda > "$OUT/model-$size.txt" 2>&1
   nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 1000 > "$OUT/smi-$name.txt" 2>&1 &
   smi=$!
-  timeout "${RUN_LIMIT:-280}" python3 -m streamrl run --config "${CONFIG[$size]}" --steps "${STEPS:-30}" \
+  for extra in ${SETS:-}; do sets+=(--set "$extra"); done  # SETS: more overrides, space-separated
+  timeout "${RUN_LIMIT:-280}" python3 -m streamrl run --config "${CONFIG[$size]}" --steps "${STEPS:-30}" ${NODES:+--rollout-nodes "$NODES"} \
     --set "run.dir='$DIR'" --set "run.name='$name'" --set "model.path='$model'" --set "run.mode='$mode'" \
     --set "rollout.backend='${BACKEND:-vllm}'" "${sets[@]}" > "$OUT/run-$name.txt" 2>&1
   echo "run exit $?" >> "$OUT/run-$name.txt"; kill $smi

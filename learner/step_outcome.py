@@ -20,6 +20,7 @@ from torch import Tensor
 
 from streamrl.engine.auth import CurveGate
 from streamrl.engine.config import Config
+from streamrl.engine.config.rules import GROUP_BASELINES
 from streamrl.engine.messages import Trajectory
 from streamrl.engine.telemetry import EventLog, MetricsSink
 from streamrl.engine.transport import REFUSALS
@@ -79,7 +80,8 @@ class StepOutcome:
         the step started from) trained."""
         flat, train = [t for group in selection.groups for t in group], selection.train
         rewards = batch_stats([t.reward for t in flat], [t.group_id for t in flat])
-        warn_if_flat(rewards, step, skipped=bool(metrics.get("skipped_no_gradient")))
+        if self.cfg.loss.advantage in GROUP_BASELINES:  # GAE and REINFORCE++ need no variance inside a group
+            warn_if_flat(rewards, step, skipped=bool(metrics.get("skipped_no_gradient")))
         record = {
             **metrics,
             **{k: v for k, v in rewards.as_metrics().items() if math.isfinite(v)},  # none for a step without samples

@@ -38,6 +38,8 @@ def test_a_lora_ppo_run_trains_both_adapters_and_exports_the_critic(launched, tm
     assert [r["step"] for r in records] == list(range(1, STEPS + 1))
     assert all("critic/vf_loss" in r and "critic/vf_explained_var" in r for r in records[1:]), records[-1]
     assert records[-1]["version"] >= STEPS - 1  # the actor trained (no warm-up asked)
+    learner_log = (launcher.run_dir / "logs" / "learner-rank0.log").read_text()
+    assert "zero reward variance" not in learner_log  # a group of one is no fault with a critic: never warned
 
     path = checkpoint.resolve(launcher.run_dir)
     meta = checkpoint.read_meta(path)

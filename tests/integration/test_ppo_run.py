@@ -98,6 +98,8 @@ def test_every_step_reports_the_critic_and_the_warm_up_trains_it_alone(run):
     assert all(by_step[s]["skipped"] == 0.0 for s in range(3, STEPS + 1))
     assert by_step[STEPS]["version"] == STEPS - 1
     assert run.counts.in_flight == 0 and run.counts.dropped_by_reason.get("no_gradient", 0) >= 8
+    logs = "".join(p.read_text() for p in (run.folder / "logs").glob("learner-rank0*.log"))
+    assert logs and "zero reward variance" not in logs  # GAE needs no variance inside a group of one
 
 
 def test_the_resumed_learner_goes_on_from_the_checkpoints_critic(run):
