@@ -17,6 +17,8 @@ import pathlib
 
 import torch
 
+from streamrl.learner.checkpoint.layout import state_dict_options
+
 KEYS = ("critic", "critic_optim")
 
 
@@ -38,16 +40,8 @@ def state(critic) -> dict[str, dict]:
         return {}
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    weights, optim = get_state_dict(model, critic.optimizer, options=_options(model))
+    weights, optim = get_state_dict(model, critic.optimizer, options=state_dict_options(model))
     return {"critic": weights, "critic_optim": optim}
-
-
-def _options(model):
-    """With a frozen base (a LoRA critic) only the trained parameters are saved and loaded."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions
-
-    frozen = any(not p.requires_grad for p in model.parameters())
-    return StateDictOptions(ignore_frozen_params=frozen, strict=not frozen)
 
 
 def restore(critic, loaded: dict[str, dict]) -> None:
@@ -58,7 +52,7 @@ def restore(critic, loaded: dict[str, dict]) -> None:
 
     model = _model(critic)
     set_state_dict(model, critic.optimizer, model_state_dict=loaded["critic"],
-                   optim_state_dict=loaded["critic_optim"], options=_options(model))  # fmt: skip
+                   optim_state_dict=loaded["critic_optim"], options=state_dict_options(model))  # fmt: skip
 
 
 def meta(critic) -> dict:
@@ -71,7 +65,7 @@ def meta(critic) -> dict:
 
     from streamrl.learner.checkpoint.store import local_path
 
-    sd = get_model_state_dict(model, options=_options(model))  # a DTensor reports its full shape
+    sd = get_model_state_dict(model, options=state_dict_options(model))  # a DTensor reports its full shape
     adapter = getattr(critic, "adapter", None)
     return {
         "critic": {k: list(v.shape) for k, v in sd.items()},

@@ -92,6 +92,15 @@ def trained_names(lm: nn.Module) -> set[str] | None:
     return names if len(names) < sum(1 for _ in lm.parameters()) else None
 
 
+def state_dict_options(module: nn.Module):
+    """State-dict options: with frozen parameters (a LoRA base, the actor's or the critic's) only the trained ones
+    are saved and loaded."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    frozen = trained_names(module) is not None
+    return StateDictOptions(ignore_frozen_params=frozen, strict=not frozen)
+
+
 def fingerprint(lm: nn.Module) -> dict[str, object]:
     """The architecture fields a checkpoint must share with the model it is loaded into."""
     config = lm.config.to_dict()

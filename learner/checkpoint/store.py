@@ -34,6 +34,7 @@ from streamrl.learner.checkpoint.layout import (
     read_meta,
     resolve,
     side_files,
+    state_dict_options,
     step_dir,
     trained_names,
 )
@@ -65,7 +66,7 @@ def save(
     root = pathlib.Path(root)
     final, tmp = step_dir(root, state.step), root / f".tmp-step_{state.step}"
     # first: FSDP2's hook shows the sharded fp32 parameters
-    model_sd, optim_sd = _trained(lm, *get_state_dict(lm, optimizer, options=_options(lm)))
+    model_sd, optim_sd = _trained(lm, *get_state_dict(lm, optimizer, options=state_dict_options(lm)))
     need = need or estimate_bytes(lm, model_source, parallel.world_size())
     _on_rank0_then_share(lambda: _prepare(root, tmp, need))
     try:
@@ -183,7 +184,7 @@ def load(path: str | os.PathLike, lm: nn.Module, optimizer, scheduler, critic=No
     path = pathlib.Path(path)
     meta = read_meta(path)
     check_compatible(meta, lm, path)
-    options = _options(lm)
+    options = state_dict_options(lm)
     model_sd, optim_sd = _trained(lm, *get_state_dict(lm, optimizer, options=options))
     critic_sd = critic_part.state(critic)
     if critic_sd and not meta.critic:
@@ -241,14 +242,6 @@ def _trained(lm: nn.Module, model_sd: dict, optim_sd: dict) -> tuple[dict, dict]
     parameters that ignore_frozen_params filters): only the trained parameters stay."""
     trained = trained_names(lm)
     return ({k: v for k, v in model_sd.items() if k in trained} if trained is not None else model_sd), optim_sd
-
-
-def _options(lm: nn.Module):
-    """State-dict options: with frozen parameters (LoRA's base) only the trained ones are saved and loaded."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions
-
-    frozen = trained_names(lm) is not None
-    return StateDictOptions(ignore_frozen_params=frozen, strict=not frozen)
 
 
 def _on_rank0_then_share(fn) -> None:

@@ -219,10 +219,11 @@ def build_shaper(cfg, device: torch.device, compute_dtype: torch.dtype, referenc
 
     if cfg.loss.advantage not in PER_TOKEN:
         return None
-    model, adapter = None, None
+    model, adapter, path = None, None, ""
     if critic_on(cfg.critic.enabled, cfg.loss.advantage):
         actor_path = cfg.model.path or str(default_tiny_model())
-        net = load_value_net(cfg.critic.path or actor_path, cfg.model.trust_remote_code)
+        path = cfg.critic.path or actor_path
+        net = load_value_net(path, cfg.model.trust_remote_code)
         actor_vocab = _vocab(actor_path)
         if actor_vocab and net.get_input_embeddings().weight.shape[0] < actor_vocab:
             raise ConfigError(
@@ -234,8 +235,7 @@ def build_shaper(cfg, device: torch.device, compute_dtype: torch.dtype, referenc
             net, adapter = adapt(net, cfg.lora, compute_dtype)
         model = wrap_value_model(net, cfg.learner, device, compute_dtype)
     reference = reference if cfg.critic.kl_in_reward else None
-    base = (cfg.critic.path or cfg.model.path or str(default_tiny_model())) if adapter is not None else ""
-    return Shaper(model, cfg.critic, cfg.loss, device, reference, adapter=adapter, base=base)
+    return Shaper(model, cfg.critic, cfg.loss, device, reference, adapter=adapter, base=path if adapter else "")
 
 
 def _vocab(path: str) -> int:
