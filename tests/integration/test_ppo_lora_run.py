@@ -9,9 +9,6 @@ critic's adapters into its base and writes a value model transformers loads; the
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 
 from streamrl.engine import lora
@@ -20,6 +17,7 @@ from streamrl.learner import checkpoint
 from streamrl.ops.launcher import Launcher
 from streamrl.ops.naming import TINY
 from tests.integration.test_end_to_end import _books_balance, _finish, _wait_for_step
+from tests.integration.test_ppo_run import exported_critic
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -47,13 +45,5 @@ def test_a_lora_ppo_run_trains_both_adapters_and_exports_the_critic(launched, tm
     assert all(lora.is_adapter(k) or k.endswith("score.weight") for k in meta.critic), sorted(meta.critic)[:5]
     assert all(lora.is_adapter(k) for k in meta.params), sorted(meta.params)[:5]
 
-    out = tmp_path / "critic"
-    done = subprocess.run([sys.executable, "-m", "streamrl", "export", str(launcher.run_dir), str(out), "--critic"],
-                          capture_output=True, text=True, timeout=300)  # fmt: skip
-    assert done.returncode == 0, done.stderr
-    import torch
-    from transformers import AutoModelForSequenceClassification
-
-    net = AutoModelForSequenceClassification.from_pretrained(out, dtype=torch.float32)
-    assert net.config.num_labels == 1 and torch.count_nonzero(net.score.weight) > 0  # trained from a zero head
+    net = exported_critic(launcher.run_dir, tmp_path / "critic")  # merged into its base:
     assert not any("lora" in name for name, _ in net.named_parameters())

@@ -110,19 +110,25 @@ def test_the_resumed_learner_goes_on_from_the_checkpoints_critic(run):
     assert any(name.endswith("score.weight") for name in meta.critic)
 
 
-def test_export_critic_of_the_last_checkpoint(run, tmp_path):
+def exported_critic(run_dir: pathlib.Path, out: pathlib.Path):
+    """`streamrl export RUN OUT --critic` as a user runs it, then the folder loaded by transformers: a one-label
+    value model whose head trained away from the zero it started at."""
     import subprocess
     import sys
 
     import torch
     from transformers import AutoModelForSequenceClassification
 
-    out = tmp_path / "critic"
-    done = subprocess.run([sys.executable, "-m", "streamrl", "export", str(run.folder), str(out), "--critic"],
+    done = subprocess.run([sys.executable, "-m", "streamrl", "export", str(run_dir), str(out), "--critic"],
                           capture_output=True, text=True, timeout=300)  # fmt: skip
     assert done.returncode == 0, done.stderr
     net = AutoModelForSequenceClassification.from_pretrained(out, dtype=torch.float32)
     assert net.config.num_labels == 1 and torch.count_nonzero(net.score.weight) > 0  # trained from a zero head
+    return net
+
+
+def test_export_critic_of_the_last_checkpoint(run, tmp_path):
+    exported_critic(run.folder, tmp_path / "critic")
 
 
 def test_the_adaptive_kl_coefficient_moves_by_the_rule_and_resumes_bit_exact(run):
